@@ -1,0 +1,14 @@
+//! engy-core: the pieces both engy daemons stand on.
+//!
+//! * [`payload`]: the master-signed epoch payload (PROTOCOL.md §6) and its verification.
+//! * [`keys`]: SS58 addresses, sr25519 signing under the Substrate context, bittensor wallet hotkey files.
+//! * [`heartbeat`]: the validator → provider heartbeat canonical message, body and signed headers (§6).
+//! * [`toploc`]: TOPLOC activation proofs, byte-compatible with PyPI `toploc` 0.1.6 (§5).
+//! * [`identity`]: the cheap checkpoint identity `model_root` (§4).
+#![forbid(unsafe_code)]
+
+pub mod heartbeat;
+pub mod identity;
+pub mod keys;
+pub mod payload;
+pub mod toploc;

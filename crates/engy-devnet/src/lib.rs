@@ -1,0 +1,1 @@
+//! Protocol doubles and the devnet model (see ARCHITECTURE.md).
