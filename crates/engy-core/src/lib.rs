@@ -5,8 +5,10 @@
 //! * [`heartbeat`]: the validator → provider heartbeat canonical message, body and signed headers (§6).
 //! * [`toploc`]: TOPLOC activation proofs, byte-compatible with PyPI `toploc` 0.1.6 (§5).
 //! * [`identity`]: the cheap checkpoint identity `model_root` (§4).
-#![forbid(unsafe_code)]
+//! * [`commit`]: Merkle weight commitments over safetensors checkpoints (specs/SCHEME.md).
+#![deny(unsafe_code)]
 
+pub mod commit;
 pub mod heartbeat;
 pub mod identity;
 pub mod keys;

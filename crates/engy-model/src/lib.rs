@@ -1,0 +1,1 @@
+//! The tiny devnet model (see ARCHITECTURE.md).
