@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# engy's test command (README "Run the tests").
+#
+# Starts the real subtensor runtime (chopsticks + the shared chain spec) on 127.0.0.1 when
+# the shared harness is available, exports ENGY_SUBTENSOR_URL for the chain tests, runs every
+# test of the workspace, and stops the chain again whatever happens.
+#
+# Env (all optional):
+#   ENGY_SHARED_DIR      the shared folder beside the project (default: ../shared)
+#   ENGY_CHAIN_PORT      port for the local chain (default 19944)
+#   ENGY_SUBTENSOR_URL   use an already running chain instead of starting one
+#   ENGY_NO_CHAIN=1      do not start a chain (chain tests then print a visible skip)
+# Extra arguments are passed to `cargo test`.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export ENGY_SHARED_DIR="${ENGY_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"
+PORT="${ENGY_CHAIN_PORT:-19944}"
+HARNESS="$ENGY_SHARED_DIR/chain"
+STARTED=0
+
+say() { echo "[tests/run.sh] $*" >&2; }
+
+stop_chain() {
+  if [ "$STARTED" = 1 ]; then
+    say "stopping the local chain on port $PORT"
+    bash "$HARNESS/stop-subtensor.sh" "$PORT" >&2 || true
+  fi
+}
+trap stop_chain EXIT
+
+if [ -n "${ENGY_SUBTENSOR_URL:-}" ]; then
+  say "using the running chain at $ENGY_SUBTENSOR_URL"
+elif [ "${ENGY_NO_CHAIN:-0}" = 1 ]; then
+  say "ENGY_NO_CHAIN=1: chain tests will be skipped"
+elif [ -f "$HARNESS/start-subtensor.sh" ] && command -v node >/dev/null && command -v npm >/dev/null; then
+  say "starting the subtensor runtime (chopsticks) on 127.0.0.1:$PORT"
+  bash "$HARNESS/start-subtensor.sh" "$PORT" --restart >&2
+  STARTED=1
+  export ENGY_SUBTENSOR_URL="ws://127.0.0.1:$PORT"
+else
+  say "no chain harness at $HARNESS (or no node/npm): chain tests will be skipped"
+fi
+
+cargo test --workspace --locked "$@"
