@@ -1,0 +1,244 @@
+//! The sglang double follows sglang-native-api.md: ragged hidden states, cumulative SSE
+//! text, hidden states on every streamed event, radix-cache accounting, abort semantics.
+use std::sync::Arc;
+use std::time::Duration;
+
+use engy_devnet::sglang::synthetic::{
+    write_checkpoint, CheckpointSpec, SyntheticBackend, SyntheticConfig,
+};
+use engy_devnet::sglang::{Fault, SglangConfig, SglangDouble};
+use serde_json::{json, Value};
+
+async fn double(dir: &std::path::Path, cfg: SglangConfig) -> SglangDouble {
+    write_checkpoint(
+        dir,
+        &CheckpointSpec {
+            hidden_size: 16,
+            vocab_size: 400,
+        },
+    )
+    .unwrap();
+    let b = SyntheticBackend::from_checkpoint(dir, SyntheticConfig::default()).unwrap();
+    SglangDouble::start(Arc::new(b), cfg).await.unwrap()
+}
+
+fn body(ids: &[u32], n: usize, rid: &str, stream: bool) -> Value {
+    json!({"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": n},
+           "rid": rid, "return_hidden_states": true, "return_logprob": true, "stream": stream})
+}
+
+fn rows_of(meta: &Value) -> Vec<Vec<f64>> {
+    let mut out = Vec::new();
+    for e in meta["hidden_states"].as_array().unwrap() {
+        let a = e.as_array().unwrap();
+        if a.first().map(Value::is_array).unwrap_or(false) {
+            out.push(
+                a.last()
+                    .unwrap()
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect(),
+            );
+        } else if !a.is_empty() {
+            out.push(a.iter().map(|x| x.as_f64().unwrap()).collect());
+        }
+    }
+    out
+}
+
+async fn post(c: &reqwest::Client, url: &str, b: &Value) -> Value {
+    c.post(format!("{url}/generate"))
+        .json(b)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn non_stream_shape_radix_cache_and_chunk_equivalence() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = double(dir.path(), SglangConfig::default()).await;
+    let c = reqwest::Client::new();
+    let prompt = [5u32, 6, 7, 8, 9];
+    let r = post(&c, &d.url(), &body(&prompt, 6, "a", false)).await;
+    let meta = &r["meta_info"];
+    assert_eq!(meta["id"], "a");
+    assert_eq!(meta["finish_reason"], json!({"type":"length","length":6}));
+    assert_eq!(meta["prompt_tokens"], 5);
+    assert_eq!(meta["cached_tokens"], 0);
+    let hs = meta["hidden_states"].as_array().unwrap();
+    assert_eq!(hs.len(), 6);
+    assert_eq!(
+        hs[0].as_array().unwrap().len(),
+        5,
+        "prefill block = every prompt row"
+    );
+    assert_eq!(hs[1].as_array().unwrap().len(), 16, "decode element is 1-D");
+    let out: Vec<u32> = r["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let lp: Vec<u32> = meta["output_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e[1].as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(out, lp);
+    // Continuation with the one-token overlap: input = prompt + out[..5], want 1 + 1.
+    let mut cont = prompt.to_vec();
+    cont.extend_from_slice(&out[..5]);
+    let r2 = post(&c, &d.url(), &body(&cont, 2, "b", false)).await;
+    let m2 = &r2["meta_info"];
+    assert_eq!(m2["cached_tokens"], 9, "radix hit on prompt + out[..4]");
+    assert_eq!(
+        m2["hidden_states"][0].as_array().unwrap().len(),
+        1,
+        "uncached suffix only"
+    );
+    assert_eq!(
+        r2["output_ids"][0], out[5],
+        "greedy overlap token regenerated"
+    );
+    // The overlap row equals the long call's last row.
+    assert_eq!(rows_of(m2)[0], rows_of(meta)[5]);
+}
+
+#[tokio::test]
+async fn stream_is_cumulative_with_hidden_states_on_every_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = double(dir.path(), SglangConfig::default()).await;
+    let c = reqwest::Client::new();
+    let text = c
+        .post(format!("{}/generate", d.url()))
+        .json(&body(&[3, 4, 5], 4, "s", true))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|l| !l.is_empty()).collect();
+    assert_eq!(events.last().unwrap(), &"data: [DONE]");
+    let evs: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|l| serde_json::from_str(l.strip_prefix("data: ").unwrap()).unwrap())
+        .collect();
+    assert_eq!(evs.len(), 4);
+    let mut prev = String::new();
+    for (k, ev) in evs.iter().enumerate() {
+        let t = ev["text"].as_str().unwrap().to_string();
+        assert!(t.starts_with(&prev), "cumulative text");
+        prev = t;
+        assert_eq!(
+            ev["meta_info"]["hidden_states"].as_array().unwrap().len(),
+            k + 1
+        );
+        assert_eq!(ev["meta_info"]["finish_reason"].is_null(), k < 3);
+        assert_eq!(ev["meta_info"].get("e2e_latency").is_some(), k == 3);
+        assert_eq!(
+            ev["meta_info"].get("response_sent_to_client_ts").is_some(),
+            k == 0
+        );
+    }
+}
+
+#[tokio::test]
+async fn abort_finishes_running_and_queued_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = double(dir.path(), SglangConfig::default()).await;
+    let c = reqwest::Client::new();
+    d.push_fault(Fault::Slow(Duration::from_millis(20)));
+    let url = d.url();
+    let h = tokio::spawn({
+        let c = c.clone();
+        async move { post(&c, &url, &body(&[1, 2], 100_000, "run", false)).await }
+    });
+    d.wait_until(Duration::from_secs(10), |_, _, live| {
+        (live == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    let r = c
+        .post(format!("{}/abort_request", d.url()))
+        .json(&json!({"rid":"run"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.bytes().await.unwrap().is_empty());
+    let v = h.await.unwrap();
+    assert_eq!(v["meta_info"]["finish_reason"]["type"], "abort");
+    assert_eq!(v["meta_info"]["finish_reason"]["message"], "Aborted");
+    // Queued request: the reduced reply without hidden_states.
+    d.push_fault(Fault::Hang);
+    let url = d.url();
+    let h = tokio::spawn({
+        let c = c.clone();
+        async move { post(&c, &url, &body(&[1, 2], 4, "q", false)).await }
+    });
+    d.wait_until(Duration::from_secs(10), |_, _, live| {
+        (live == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    c.post(format!("{}/abort_request", d.url()))
+        .json(&json!({"rid":"q"}))
+        .send()
+        .await
+        .unwrap();
+    let v = h.await.unwrap();
+    assert_eq!(
+        v["meta_info"]["finish_reason"],
+        json!({"type":"abort","message":"Abort in waiting queue"})
+    );
+    assert!(v["meta_info"].get("hidden_states").is_none());
+}
+
+#[tokio::test]
+async fn refusals_follow_sglang() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = double(
+        dir.path(),
+        SglangConfig {
+            enable_hidden_states: false,
+            ..Default::default()
+        },
+    )
+    .await;
+    let c = reqwest::Client::new();
+    let r = c
+        .post(format!("{}/generate", d.url()))
+        .json(&body(&[1], 2, "x", false))
+        .send()
+        .await;
+    let r = r.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--enable-return-hidden-states"));
+    let r = c
+        .post(format!("{}/generate", d.url()))
+        .json(&body(&[], 2, "y", false))
+        .send()
+        .await;
+    assert_eq!(r.unwrap().status(), 400);
+    let info: Value = c
+        .get(format!("{}/get_model_info", d.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["is_generation"], true);
+}
