@@ -54,7 +54,11 @@ pub fn list_shards(dir: &Path) -> Result<Vec<PathBuf>, CommitError> {
             shards.push(path);
         }
     }
-    shards.sort_by(|a, b| a.as_os_str().as_encoded_bytes().cmp(b.as_os_str().as_encoded_bytes()));
+    shards.sort_by(|a, b| {
+        a.as_os_str()
+            .as_encoded_bytes()
+            .cmp(b.as_os_str().as_encoded_bytes())
+    });
     if shards.is_empty() {
         return Err(CommitError::NoShards(dir.to_path_buf()));
     }
@@ -182,9 +186,11 @@ fn check_scales(tensors: &[TensorRef<'_>], quant: &str) -> Result<(), CommitErro
             }
         }
         let packed = if quant == "nvfp4" {
-            t.name
-                .strip_suffix(".weight_packed")
-                .or_else(|| t.name.strip_suffix(".weight").filter(|_| t.dtype == Dtype::U8))
+            t.name.strip_suffix(".weight_packed").or_else(|| {
+                t.name
+                    .strip_suffix(".weight")
+                    .filter(|_| t.dtype == Dtype::U8)
+            })
         } else {
             None
         };
@@ -204,7 +210,12 @@ fn check_scales(tensors: &[TensorRef<'_>], quant: &str) -> Result<(), CommitErro
                 });
             }
         }
-        for suffix in [".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".weight_global_scale"] {
+        for suffix in [
+            ".weight_scale_inv",
+            ".weight_scale",
+            ".weight_scale_2",
+            ".weight_global_scale",
+        ] {
             if let Some(base) = t.name.strip_suffix(suffix) {
                 if !has(base, "weight") && !has(base, "weight_packed") {
                     return Err(CommitError::OrphanScale {
@@ -230,7 +241,10 @@ fn check_index(dir: &Path, tensors: &[(String, PathBuf)]) -> Result<(), CommitEr
     let Some(map) = v.get("weight_map").and_then(|m| m.as_object()) else {
         return Ok(());
     };
-    let found: HashMap<&str, &Path> = tensors.iter().map(|(n, p)| (n.as_str(), p.as_path())).collect();
+    let found: HashMap<&str, &Path> = tensors
+        .iter()
+        .map(|(n, p)| (n.as_str(), p.as_path()))
+        .collect();
     for (name, file) in map {
         let file = file.as_str().unwrap_or("");
         match found.get(name.as_str()) {
@@ -290,7 +304,12 @@ pub fn commit_checkpoint(
     check_scales(&tensors, &config.quant)?;
     let owners: Vec<(String, PathBuf)> = tensors
         .iter()
-        .map(|t| (t.name.clone(), shards.paths.get(t.shard).cloned().unwrap_or_default()))
+        .map(|t| {
+            (
+                t.name.clone(),
+                shards.paths.get(t.shard).cloned().unwrap_or_default(),
+            )
+        })
         .collect();
     check_index(dir, &owners)?;
     let n_layers = u32::try_from(config.n_layers).unwrap_or(u32::MAX);
@@ -303,7 +322,7 @@ pub fn commit_checkpoint(
     );
     // Largest first, so one huge embedding does not finish last on a single core.
     let mut order: Vec<&TensorRef<'_>> = tensors.iter().collect();
-    order.sort_by(|a, b| b.data.len().cmp(&a.data.len()));
+    order.sort_by_key(|t| std::cmp::Reverse(t.data.len()));
     let digests: Vec<TensorDigest> = order
         .par_iter()
         .map(|t| {
@@ -340,7 +359,11 @@ pub fn commit_checkpoint(
 /// scheme, without rehashing the whole checkpoint). Returns the unit's tensors sorted by name.
 ///
 /// Errors: as [`commit_checkpoint`] for the shards read.
-pub fn hash_unit(dir: &Path, config: &ModelConfig, unit: UnitId) -> Result<Vec<TensorDigest>, CommitError> {
+pub fn hash_unit(
+    dir: &Path,
+    config: &ModelConfig,
+    unit: UnitId,
+) -> Result<Vec<TensorDigest>, CommitError> {
     let shards = Shards::open(dir)?;
     let tensors = shards.tensors()?;
     check_scales(&tensors, &config.quant)?;

@@ -110,11 +110,9 @@ pub fn classify(name: &str, n_layers: u32) -> Result<UnitId, CommitError> {
                     let (e, after) = tail.split_once('.').unwrap_or((tail, ""));
                     match parse_index(e) {
                         Some(e) if !after.is_empty() => LayerPart::Expert(e),
-                        _ => {
-                            return Err(unknown(
-                                "fused or unindexed expert tensor (scheme v1 needs mlp.experts.{e}.*)",
-                            ))
-                        }
+                        _ => return Err(unknown(
+                            "fused or unindexed expert tensor (scheme v1 needs mlp.experts.{e}.*)",
+                        )),
                     }
                 }
                 _ => return Err(unknown("MLP tensor of no known kind")),
@@ -225,7 +223,11 @@ impl ModelConfig {
             n_layers: need(&["num_hidden_layers"])?,
             quant,
             scheme: SCHEME.to_string(),
-            top_k: if n_experts > 0 { int(&["num_experts_per_tok"]).unwrap_or(0) } else { 0 },
+            top_k: if n_experts > 0 {
+                int(&["num_experts_per_tok"]).unwrap_or(0)
+            } else {
+                0
+            },
             vocab: need(&["vocab_size"])?,
         })
     }
@@ -285,16 +287,40 @@ mod tests {
             ("model.embed_tokens.weight", UnitId::Globals),
             ("model.norm.weight", UnitId::Globals),
             ("lm_head.weight", UnitId::Lm),
-            ("model.layers.0.self_attn.q_proj.weight", l(0, LayerPart::Attn)),
-            ("model.layers.0.input_layernorm.weight", l(0, LayerPart::Attn)),
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                l(0, LayerPart::Attn),
+            ),
+            (
+                "model.layers.0.input_layernorm.weight",
+                l(0, LayerPart::Attn),
+            ),
             ("model.layers.1.mlp.gate_proj.weight", l(1, LayerPart::Mlp)),
             ("model.layers.2.mlp.gate.weight", l(2, LayerPart::Router)),
-            ("model.layers.2.mlp.gate.e_score_correction_bias", l(2, LayerPart::Router)),
-            ("model.layers.2.mlp.shared_experts.up_proj.weight_scale_inv", l(2, LayerPart::Shared)),
-            ("model.layers.2.mlp.shared_expert_gate.weight", l(2, LayerPart::Shared)),
-            ("model.layers.2.mlp.experts.17.down_proj.weight", l(2, LayerPart::Expert(17))),
-            ("model.language_model.layers.3.linear_attn.in_proj_qkvz.weight", l(3, LayerPart::Attn)),
-            ("model.layers.9.mlp.experts.0.up_proj.weight", UnitId::Globals),
+            (
+                "model.layers.2.mlp.gate.e_score_correction_bias",
+                l(2, LayerPart::Router),
+            ),
+            (
+                "model.layers.2.mlp.shared_experts.up_proj.weight_scale_inv",
+                l(2, LayerPart::Shared),
+            ),
+            (
+                "model.layers.2.mlp.shared_expert_gate.weight",
+                l(2, LayerPart::Shared),
+            ),
+            (
+                "model.layers.2.mlp.experts.17.down_proj.weight",
+                l(2, LayerPart::Expert(17)),
+            ),
+            (
+                "model.language_model.layers.3.linear_attn.in_proj_qkvz.weight",
+                l(3, LayerPart::Attn),
+            ),
+            (
+                "model.layers.9.mlp.experts.0.up_proj.weight",
+                UnitId::Globals,
+            ),
         ];
         for (name, want) in cases {
             assert_eq!(classify(name, 4).unwrap(), want, "{name}");

@@ -255,7 +255,9 @@ impl LayerBody {
             (LayerBody::Dense { .. }, LayerPart::Mlp) => Some(1),
             (LayerBody::Moe { .. }, LayerPart::Router) => Some(1),
             (LayerBody::Moe { .. }, LayerPart::Shared) => Some(2),
-            (LayerBody::Moe { experts, .. }, LayerPart::Expert(e)) if (e as usize) < experts.len() => {
+            (LayerBody::Moe { experts, .. }, LayerPart::Expert(e))
+                if (e as usize) < experts.len() =>
+            {
                 Some(3 + e as usize)
             }
             _ => None,
@@ -316,7 +318,9 @@ impl Commitment {
         let n_experts = usize::try_from(config.n_experts)
             .ok()
             .filter(|n| *n <= 1 << 20)
-            .ok_or_else(|| CommitError::Config(format!("n_experts {} too large", config.n_experts)))?;
+            .ok_or_else(|| {
+                CommitError::Config(format!("n_experts {} too large", config.n_experts))
+            })?;
         let n_tensors = tensors.len() as u64;
         let n_bytes = tensors.iter().map(|t| t.nbytes).sum();
         let mut globals = Vec::new();
@@ -335,10 +339,13 @@ impl Commitment {
                 UnitId::Globals => globals.push(t),
                 UnitId::Lm => lm.push(t),
                 UnitId::Layer { layer, part } => {
-                    let p = layers.get_mut(layer as usize).ok_or_else(|| CommitError::BadLayer {
-                        layer,
-                        reason: "index out of range".into(),
-                    })?;
+                    let p =
+                        layers
+                            .get_mut(layer as usize)
+                            .ok_or_else(|| CommitError::BadLayer {
+                                layer,
+                                reason: "index out of range".into(),
+                            })?;
                     match part {
                         LayerPart::Attn => p.attn.push(t),
                         LayerPart::Mlp => p.mlp.push(t),

@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 use super::layout::{self, LayerPart, ModelConfig, UnitId};
 use super::spec::{Hex, SpecFile};
 use super::{
-    body_index_of_layer, config_leaf, tensor_leaf, tree, CommitError, Commitment, Digest, TensorDigest,
-    SCHEME,
+    body_index_of_layer, config_leaf, tensor_leaf, tree, CommitError, Commitment, Digest,
+    TensorDigest, SCHEME,
 };
 
 /// `kind` field of an opening proof.
@@ -112,7 +112,11 @@ impl From<UnitId> for UnitRef {
                 LayerPart::Expert(e) => (Some(layer), PartName::Expert, Some(e)),
             },
         };
-        Self { layer, part, expert }
+        Self {
+            layer,
+            part,
+            expert,
+        }
     }
 }
 
@@ -274,10 +278,20 @@ impl Commitment {
                     super::LayerBody::Moe { .. } => LayerKind::Moe,
                 };
                 let roots = l.body.units().iter().map(|u| u.root).collect();
-                (Some((kind, roots, idx)), body_index_of_layer(layer) as usize)
+                (
+                    Some((kind, roots, idx)),
+                    body_index_of_layer(layer) as usize,
+                )
             }
         };
-        build(&self.config, unit, u.tensors.clone(), layer_units, &body, body_index)
+        build(
+            &self.config,
+            unit,
+            u.tensors.clone(),
+            layer_units,
+            &body,
+            body_index,
+        )
     }
 }
 
@@ -288,7 +302,11 @@ impl SpecFile {
     ///
     /// Errors: [`CommitError::NoSuchUnit`]; [`CommitError::Spec`] when the tensors'
     /// root is not the spec's root of that unit (the checkpoint differs from the spec).
-    pub fn open(&self, unit: UnitId, tensors: Vec<TensorDigest>) -> Result<OpeningProof, CommitError> {
+    pub fn open(
+        &self,
+        unit: UnitId,
+        tensors: Vec<TensorDigest>,
+    ) -> Result<OpeningProof, CommitError> {
         let mut body = vec![self.globals_root.0, self.lm_root.0];
         body.extend(self.layer_roots.iter().map(|h| h.0));
         let none = || CommitError::NoSuchUnit(unit.to_string());
@@ -323,10 +341,15 @@ impl SpecFile {
                     (_, LayerPart::Attn) => 0,
                     (LayerKind::Dense, LayerPart::Mlp) | (LayerKind::Moe, LayerPart::Router) => 1,
                     (LayerKind::Moe, LayerPart::Shared) => 2,
-                    (LayerKind::Moe, LayerPart::Expert(e)) if (e as usize) + 3 < units.len() => 3 + e as usize,
+                    (LayerKind::Moe, LayerPart::Expert(e)) if (e as usize) + 3 < units.len() => {
+                        3 + e as usize
+                    }
                     _ => return Err(none()),
                 };
-                (Some((kind, units, idx)), body_index_of_layer(layer) as usize)
+                (
+                    Some((kind, units, idx)),
+                    body_index_of_layer(layer) as usize,
+                )
             }
         };
         build(&self.config, unit, tensors, layer_units, &body, body_index)
@@ -408,7 +431,11 @@ impl OpeningProof {
                     (LayerKind::Moe, LayerPart::Expert(e)) if u64::from(e) < n_experts => {
                         (u64::from(e) + 3, n_experts.saturating_add(3))
                     }
-                    (k, p) => return bad(format!("{p:?} is not a unit of a {k:?} layer of this config")),
+                    (k, p) => {
+                        return bad(format!(
+                            "{p:?} is not a unit of a {k:?} layer of this config"
+                        ))
+                    }
                 };
                 if l.level.index != want_index || l.level.size != want_size {
                     return bad(format!(
@@ -437,14 +464,15 @@ impl OpeningProof {
             _ => return bad(format!("{unit}: layer level present/absent wrongly")),
         };
         let path: Vec<Digest> = self.body.path.iter().map(|h| h.0).collect();
-        let body = tree::root_from_path(&body_leaf, self.body.index, self.body.size, &path).ok_or_else(|| {
-            ProofError::Malformed(format!(
-                "body path has {} siblings, wrong for index {} of {}",
-                path.len(),
-                self.body.index,
-                self.body.size
-            ))
-        })?;
+        let body = tree::root_from_path(&body_leaf, self.body.index, self.body.size, &path)
+            .ok_or_else(|| {
+                ProofError::Malformed(format!(
+                    "body path has {} siblings, wrong for index {} of {}",
+                    path.len(),
+                    self.body.index,
+                    self.body.size
+                ))
+            })?;
         if body != self.body.root.0 {
             return Err(ProofError::BodyRootMismatch {
                 claimed: self.body.root,
@@ -472,7 +500,13 @@ impl OpeningProof {
     ///
     /// Errors: [`ProofError::Malformed`] when the proof has no tensor of that name,
     /// [`ProofError::TensorMismatch`] when the bytes/dtype/shape differ.
-    pub fn check_tensor(&self, name: &str, dtype: &str, shape: &[u64], data: &[u8]) -> Result<(), ProofError> {
+    pub fn check_tensor(
+        &self,
+        name: &str,
+        dtype: &str,
+        shape: &[u64],
+        data: &[u8],
+    ) -> Result<(), ProofError> {
         let t = self
             .tensors
             .iter()

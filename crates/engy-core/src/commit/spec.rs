@@ -239,7 +239,9 @@ impl SpecFile {
             ) {
                 (Some(m), None) => {
                     if m.layer_root != *lr {
-                        bad.push(format!("layer {i}: layer_root differs from layer_roots[{i}]"));
+                        bad.push(format!(
+                            "layer {i}: layer_root differs from layer_roots[{i}]"
+                        ));
                     }
                     if m.experts.len() as u64 != self.config.n_experts {
                         bad.push(format!(
@@ -254,7 +256,9 @@ impl SpecFile {
                 }
                 (None, Some(d)) => {
                     if d.layer_root != *lr {
-                        bad.push(format!("layer {i}: layer_root differs from layer_roots[{i}]"));
+                        bad.push(format!(
+                            "layer {i}: layer_root differs from layer_roots[{i}]"
+                        ));
                     }
                     vec![d.attn.0, d.mlp.0]
                 }
@@ -264,11 +268,15 @@ impl SpecFile {
                 }
             };
             if tree::mth(&units) != lr.0 {
-                bad.push(format!("layer {i}: MTH of its unit roots is not its layer root"));
+                bad.push(format!(
+                    "layer {i}: MTH of its unit roots is not its layer root"
+                ));
             }
         }
         match super::config_leaf(&self.config) {
-            Ok(cl) if cl != self.config_leaf.0 => bad.push("config_leaf does not hash config".into()),
+            Ok(cl) if cl != self.config_leaf.0 => {
+                bad.push("config_leaf does not hash config".into())
+            }
             Ok(_) => {}
             Err(e) => bad.push(e.to_string()),
         }
@@ -295,7 +303,11 @@ impl SpecFile {
         };
         cmp("model_root".into(), &self.model_root, &other.model_root);
         cmp("config_leaf".into(), &self.config_leaf, &other.config_leaf);
-        cmp("globals_root".into(), &self.globals_root, &other.globals_root);
+        cmp(
+            "globals_root".into(),
+            &self.globals_root,
+            &other.globals_root,
+        );
         cmp("lm_root".into(), &self.lm_root, &other.lm_root);
         for (i, (a, b)) in self.layer_roots.iter().zip(&other.layer_roots).enumerate() {
             cmp(format!("layer {i}"), a, b);
@@ -423,7 +435,11 @@ pub fn inspect(v: &serde_json::Value) -> SpecSummary {
         for k in &keys {
             if let Some(e) = m.get(k).and_then(|e| e.as_object()) {
                 fields.extend(e.keys().cloned());
-                counts.push(e.get("experts").and_then(|x| x.as_array()).map_or(0, |a| a.len()));
+                counts.push(
+                    e.get("experts")
+                        .and_then(|x| x.as_array())
+                        .map_or(0, |a| a.len()),
+                );
                 entry_roots.push(e.get("layer_root").and_then(|x| x.as_str()).unwrap_or(""));
             }
         }
@@ -448,7 +464,8 @@ pub fn inspect(v: &serde_json::Value) -> SpecSummary {
                 .is_some_and(|lr| lr == r)
         })
     } else {
-        layer_roots.len() == entry_roots.len() && layer_roots.iter().zip(&entry_roots).all(|(a, b)| a == b)
+        layer_roots.len() == entry_roots.len()
+            && layer_roots.iter().zip(&entry_roots).all(|(a, b)| a == b)
     };
     SpecSummary {
         arch: s(cfg.and_then(|c| c.get("arch"))),
@@ -465,14 +482,17 @@ pub fn inspect(v: &serde_json::Value) -> SpecSummary {
             .copied()
             .zip(counts.iter().max().copied()),
         layer_roots_match_entries,
-        router_bias: v.get("router_bias_by_layer").and_then(|x| x.as_object()).map(|m| {
-            let first = m
-                .values()
-                .next()
-                .and_then(|x| x.as_str())
-                .map_or(0, |h| h.len() / 2);
-            (m.len(), first)
-        }),
+        router_bias: v
+            .get("router_bias_by_layer")
+            .and_then(|x| x.as_object())
+            .map(|m| {
+                let first = m
+                    .values()
+                    .next()
+                    .and_then(|x| x.as_str())
+                    .map_or(0, |h| h.len() / 2);
+                (m.len(), first)
+            }),
         partial: v.get("partial").and_then(|x| x.as_bool()),
         scheme,
         recomputable,

@@ -141,7 +141,13 @@ mod tests {
         while level.len() > 1 {
             level = level
                 .chunks(2)
-                .map(|c| if c.len() == 2 { node(&c[0], &c[1]) } else { c[0] })
+                .map(|c| {
+                    if c.len() == 2 {
+                        node(&c[0], &c[1])
+                    } else {
+                        c[0]
+                    }
+                })
                 .collect();
         }
         level[0]

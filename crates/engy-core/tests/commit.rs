@@ -1,0 +1,796 @@
+//! Weight commitments (`engy_core::commit`, specs/SCHEME.md) on checkpoints these tests
+//! generate with the safetensors crate: bf16 and FP8 block formats with scales, NVFP4,
+//! sharded across files, dense + MoE layers in Qwen3-MoE and GLM (DeepSeek-V3) naming.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use engy_core::commit::{
+    self, checkpoint, spec, CommitError, CommitOptions, Commitment, LayerPart, OpeningProof,
+    Progress, ProofError, SpecFile, UnitId,
+};
+use safetensors::{Dtype, SafeTensors};
+use serde_json::json;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Naming {
+    Glm,
+    QwenMoe,
+    /// Dense Qwen3 (the devnet model's names).
+    QwenDense,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Quant {
+    Bf16,
+    Fp8,
+    Nvfp4,
+}
+
+#[derive(Clone)]
+struct Model {
+    naming: Naming,
+    quant: Quant,
+    n_layers: usize,
+    first_dense: usize,
+    n_experts: usize,
+    hidden: usize,
+    d_ff: usize,
+    vocab: usize,
+    shards: usize,
+}
+
+impl Model {
+    fn new(naming: Naming, quant: Quant) -> Self {
+        Self {
+            naming,
+            quant,
+            n_layers: 3,
+            first_dense: 1,
+            n_experts: 4,
+            hidden: 8,
+            d_ff: 4,
+            vocab: 16,
+            shards: 3,
+        }
+    }
+
+    fn config(&self) -> serde_json::Value {
+        let mut c = match self.naming {
+            Naming::Glm => json!({
+                "model_type": "glm4_moe", "num_hidden_layers": self.n_layers, "hidden_size": self.hidden,
+                "intermediate_size": 32, "moe_intermediate_size": self.d_ff, "n_routed_experts": self.n_experts,
+                "num_experts_per_tok": 2, "first_k_dense_replace": self.first_dense, "vocab_size": self.vocab,
+                "torch_dtype": "bfloat16"
+            }),
+            Naming::QwenMoe => json!({
+                "model_type": "qwen3_moe", "num_hidden_layers": self.n_layers, "hidden_size": self.hidden,
+                "intermediate_size": 32, "moe_intermediate_size": self.d_ff, "num_experts": self.n_experts,
+                "num_experts_per_tok": 2, "mlp_only_layers": (0..self.first_dense).collect::<Vec<_>>(),
+                "vocab_size": self.vocab, "torch_dtype": "bfloat16"
+            }),
+            Naming::QwenDense => json!({
+                "model_type": "qwen3", "num_hidden_layers": self.n_layers, "hidden_size": self.hidden,
+                "intermediate_size": self.d_ff, "vocab_size": self.vocab, "torch_dtype": "bfloat16"
+            }),
+        };
+        match self.quant {
+            Quant::Bf16 => {}
+            Quant::Fp8 => {
+                c["quantization_config"] =
+                    json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+            }
+            Quant::Nvfp4 => {
+                c["quantization_config"] =
+                    json!({"quant_method": "modelopt", "quant_algo": "NVFP4"})
+            }
+        }
+        c
+    }
+
+    /// (name, dtype, shape) of every tensor.
+    fn tensors(&self) -> Vec<(String, Dtype, Vec<usize>)> {
+        let (h, f, v) = (self.hidden, self.d_ff, self.vocab);
+        let mut out = vec![
+            (
+                "model.embed_tokens.weight".to_string(),
+                Dtype::BF16,
+                vec![v, h],
+            ),
+            ("model.norm.weight".to_string(), Dtype::BF16, vec![h]),
+            ("lm_head.weight".to_string(), Dtype::BF16, vec![v, h]),
+        ];
+        let q = self.quant;
+        let linear = |out: &mut Vec<(String, Dtype, Vec<usize>)>,
+                      base: String,
+                      o: usize,
+                      i: usize| match q {
+            Quant::Bf16 => out.push((format!("{base}.weight"), Dtype::BF16, vec![o, i])),
+            Quant::Fp8 => {
+                out.push((format!("{base}.weight"), Dtype::F8_E4M3, vec![o, i]));
+                out.push((
+                    format!("{base}.weight_scale_inv"),
+                    Dtype::F32,
+                    vec![o.div_ceil(128), i.div_ceil(128)],
+                ));
+            }
+            Quant::Nvfp4 => {
+                out.push((format!("{base}.weight"), Dtype::U8, vec![o, i / 2]));
+                out.push((
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    vec![o, i / 16],
+                ));
+                out.push((format!("{base}.weight_scale_2"), Dtype::F32, vec![]));
+                out.push((format!("{base}.input_scale"), Dtype::F32, vec![]));
+            }
+        };
+        for l in 0..self.n_layers {
+            let p = format!("model.layers.{l}");
+            out.push((format!("{p}.input_layernorm.weight"), Dtype::BF16, vec![h]));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                Dtype::BF16,
+                vec![h],
+            ));
+            for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                linear(&mut out, format!("{p}.self_attn.{proj}"), h, h);
+            }
+            let moe = self.naming != Naming::QwenDense && l >= self.first_dense;
+            if !moe {
+                let ff = if self.naming == Naming::QwenDense {
+                    f
+                } else {
+                    32
+                };
+                linear(&mut out, format!("{p}.mlp.gate_proj"), ff, h);
+                linear(&mut out, format!("{p}.mlp.up_proj"), ff, h);
+                linear(&mut out, format!("{p}.mlp.down_proj"), h, ff);
+                continue;
+            }
+            out.push((
+                format!("{p}.mlp.gate.weight"),
+                Dtype::BF16,
+                vec![self.n_experts, h],
+            ));
+            let shared = match self.naming {
+                Naming::Glm => {
+                    out.push((
+                        format!("{p}.mlp.gate.e_score_correction_bias"),
+                        Dtype::F32,
+                        vec![self.n_experts],
+                    ));
+                    format!("{p}.mlp.shared_experts")
+                }
+                _ => {
+                    out.push((
+                        format!("{p}.mlp.shared_expert_gate.weight"),
+                        Dtype::BF16,
+                        vec![1, h],
+                    ));
+                    format!("{p}.mlp.shared_expert")
+                }
+            };
+            linear(&mut out, format!("{shared}.gate_proj"), f, h);
+            linear(&mut out, format!("{shared}.up_proj"), f, h);
+            linear(&mut out, format!("{shared}.down_proj"), h, f);
+            for e in 0..self.n_experts {
+                linear(&mut out, format!("{p}.mlp.experts.{e}.gate_proj"), f, h);
+                linear(&mut out, format!("{p}.mlp.experts.{e}.up_proj"), f, h);
+                linear(&mut out, format!("{p}.mlp.experts.{e}.down_proj"), h, f);
+            }
+        }
+        out
+    }
+
+    /// Writes config.json + `shards` safetensors files (round-robin) + index.json.
+    fn write(&self, dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("config.json"), self.config().to_string()).unwrap();
+        let tensors = self.tensors();
+        let data: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(name, dtype, shape)| {
+                let n = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+                // Deterministic bytes that differ per tensor.
+                let seed = name
+                    .bytes()
+                    .fold(0u32, |a, b| a.wrapping_mul(31).wrapping_add(b as u32));
+                (0..n)
+                    .map(|i| (seed.wrapping_add(i as u32 * 7919) >> 3) as u8)
+                    .collect()
+            })
+            .collect();
+        let mut weight_map = serde_json::Map::new();
+        for s in 0..self.shards {
+            let file = format!("model-{:05}-of-{:05}.safetensors", s + 1, self.shards);
+            let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+                .iter()
+                .zip(&data)
+                .enumerate()
+                .filter(|(i, _)| i % self.shards == s)
+                .map(|(_, ((name, dtype, shape), bytes))| {
+                    weight_map.insert(name.clone(), json!(file));
+                    (
+                        name.clone(),
+                        safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+                    )
+                })
+                .collect();
+            safetensors::serialize_to_file(views, None, &dir.join(&file)).unwrap();
+        }
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+        )
+        .unwrap();
+    }
+}
+
+fn build(dir: &Path) -> Result<Commitment, CommitError> {
+    commit::commit_checkpoint(dir, &CommitOptions::default(), &Progress::default())
+}
+
+fn gen(m: &Model) -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("ckpt");
+    m.write(&dir);
+    (t, dir)
+}
+
+/// Flips one byte of tensor `name`'s data in whichever shard holds it.
+fn flip_byte(dir: &Path, name: &str, at: usize) {
+    for shard in checkpoint::list_shards(dir).unwrap() {
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let (start, len) = {
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            let Ok(view) = st.tensor(name) else { continue };
+            let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let data_start = 8 + header_len;
+            let off = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+            assert!(off >= data_start);
+            (off, view.data().len())
+        };
+        assert!(at < len);
+        bytes[start + at] ^= 0x01;
+        std::fs::write(&shard, bytes).unwrap();
+        return;
+    }
+    panic!("no tensor {name}");
+}
+
+#[test]
+fn round_trip_is_deterministic_and_independent_of_sharding() {
+    for (naming, quant) in [
+        (Naming::Glm, Quant::Bf16),
+        (Naming::Glm, Quant::Fp8),
+        (Naming::QwenMoe, Quant::Fp8),
+        (Naming::QwenMoe, Quant::Nvfp4),
+        (Naming::QwenDense, Quant::Bf16),
+    ] {
+        let m = Model::new(naming, quant);
+        let (_t, dir) = gen(&m);
+        let c = build(&dir).unwrap();
+        assert_eq!(c.n_tensors as usize, m.tensors().len());
+        assert_eq!(
+            c.config.quant,
+            match quant {
+                Quant::Bf16 => "bf16",
+                Quant::Fp8 => "fp8",
+                Quant::Nvfp4 => "nvfp4",
+            }
+        );
+        let s = SpecFile::from_commitment(&c, 0.0);
+        assert!(s.check_internal().is_empty(), "{:?}", s.check_internal());
+        // gz round trip.
+        let path = dir.parent().unwrap().join("model_spec.json.gz");
+        s.write_gz(&path).unwrap();
+        let back = SpecFile::read(&path).unwrap();
+        assert_eq!(back, s);
+        assert!(back.diff(&s).is_empty());
+        // Same tensors, other sharding and a fresh build: same roots.
+        let (_t2, dir2) = gen(&Model {
+            shards: 1,
+            ..m.clone()
+        });
+        assert_eq!(build(&dir2).unwrap(), c);
+        if naming == Naming::QwenDense {
+            assert!(s.expert_roots_by_layer.is_empty());
+            assert_eq!(s.dense_roots_by_layer.len(), m.n_layers);
+        } else {
+            assert_eq!(s.n_moe_committed as usize, m.n_layers - m.first_dense);
+            assert_eq!(s.layer_roots.len(), m.n_layers);
+            assert!(s
+                .expert_roots_by_layer
+                .values()
+                .all(|l| l.experts.len() == m.n_experts));
+        }
+        if naming == Naming::Glm {
+            // Bias bytes are published raw (4 bytes per expert, F32) and its leaf is in the router unit.
+            let b = &s.router_bias_by_layer[&1];
+            assert_eq!(b.len(), m.n_experts * 8);
+            assert!(s.expert_roots_by_layer[&1].bias_leaf.is_some());
+        }
+    }
+}
+
+#[test]
+fn flipping_one_expert_byte_changes_exactly_its_root_its_layer_and_model_root() {
+    let m = Model::new(Naming::Glm, Quant::Fp8);
+    let (_t, dir) = gen(&m);
+    let before = SpecFile::from_commitment(&build(&dir).unwrap(), 0.0);
+    flip_byte(&dir, "model.layers.2.mlp.experts.3.down_proj.weight", 5);
+    let after = SpecFile::from_commitment(&build(&dir).unwrap(), 0.0);
+    let d = after.diff(&before);
+    let mut names: Vec<&str> = d.iter().map(|l| l.split(':').next().unwrap()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["layer 2", "layer 2 expert 3", "model_root"],
+        "{d:#?}"
+    );
+    assert_ne!(after.body_root, before.body_root);
+    // Scale tensors are committed too.
+    flip_byte(
+        &dir,
+        "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv",
+        0,
+    );
+    let again = SpecFile::from_commitment(&build(&dir).unwrap(), 0.0);
+    let mut d: Vec<String> = again
+        .diff(&after)
+        .iter()
+        .map(|l| l.split(':').next().unwrap().to_string())
+        .collect();
+    d.sort();
+    assert_eq!(d, ["layer 1", "layer 1 expert 0", "model_root"]);
+}
+
+#[test]
+fn config_and_metadata_are_bound() {
+    let m = Model::new(Naming::QwenMoe, Quant::Bf16);
+    let (_t, dir) = gen(&m);
+    let a = build(&dir).unwrap();
+    let b = commit::commit_checkpoint(
+        &dir,
+        &CommitOptions {
+            arch: Some("qwen3_moe_other".into()),
+            quant: None,
+        },
+        &Progress::default(),
+    )
+    .unwrap();
+    assert_ne!(a.model_root, b.model_root);
+    assert_eq!(a.body_root, b.body_root);
+    assert_ne!(a.config_leaf, b.config_leaf);
+}
+
+#[test]
+fn opening_proof_verifies_and_tampering_fails_for_the_right_reason() {
+    let m = Model::new(Naming::Glm, Quant::Fp8);
+    let (_t, dir) = gen(&m);
+    let c = build(&dir).unwrap();
+    let root = c.model_root;
+    let unit = UnitId::Layer {
+        layer: 2,
+        part: LayerPart::Expert(3),
+    };
+    let p = c.open(unit).unwrap();
+    p.verify(&root).unwrap();
+    // JSON round trip.
+    let text = serde_json::to_string_pretty(&p).unwrap();
+    let p: OpeningProof = serde_json::from_str(&text).unwrap();
+    p.verify(&root).unwrap();
+    assert_eq!(p.tensors.len(), 6, "3 FP8 weights + 3 scales");
+    // Every unit kind opens and verifies, from the commitment and from the spec file.
+    let s = SpecFile::from_commitment(&c, 0.0);
+    for u in [
+        UnitId::Globals,
+        UnitId::Lm,
+        UnitId::Layer {
+            layer: 0,
+            part: LayerPart::Attn,
+        },
+        UnitId::Layer {
+            layer: 0,
+            part: LayerPart::Mlp,
+        },
+        UnitId::Layer {
+            layer: 1,
+            part: LayerPart::Router,
+        },
+        UnitId::Layer {
+            layer: 1,
+            part: LayerPart::Shared,
+        },
+        UnitId::Layer {
+            layer: 1,
+            part: LayerPart::Expert(0),
+        },
+        UnitId::Layer {
+            layer: 2,
+            part: LayerPart::Expert(3),
+        },
+    ] {
+        let full = c.open(u).unwrap();
+        full.verify(&root).unwrap();
+        let tensors = checkpoint::hash_unit(&dir, &c.config, u).unwrap();
+        assert_eq!(s.open(u, tensors).unwrap(), full, "{u}");
+    }
+    assert!(matches!(
+        c.open(UnitId::Layer {
+            layer: 2,
+            part: LayerPart::Expert(4)
+        }),
+        Err(CommitError::NoSuchUnit(_))
+    ));
+    assert!(matches!(
+        c.open(UnitId::Layer {
+            layer: 0,
+            part: LayerPart::Router
+        }),
+        Err(CommitError::NoSuchUnit(_))
+    ));
+
+    // The auditor's copy of the tensor bytes.
+    let shards = checkpoint::list_shards(&dir).unwrap();
+    let name = "model.layers.2.mlp.experts.3.gate_proj.weight";
+    let (dtype, shape, mut data) = shards
+        .iter()
+        .find_map(|s| {
+            let bytes = std::fs::read(s).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            st.tensor(name).ok().map(|v| {
+                (
+                    v.dtype().to_string(),
+                    v.shape().iter().map(|d| *d as u64).collect::<Vec<_>>(),
+                    v.data().to_vec(),
+                )
+            })
+        })
+        .unwrap();
+    p.check_tensor(name, &dtype, &shape, &data).unwrap();
+    data[0] ^= 0x80;
+    assert!(matches!(
+        p.check_tensor(name, &dtype, &shape, &data),
+        Err(ProofError::TensorMismatch { .. })
+    ));
+
+    // Tampered tensor digest → unit root mismatch.
+    let mut t = p.clone();
+    t.tensors[0].leaf[0] ^= 1;
+    assert!(
+        matches!(t.verify(&root), Err(ProofError::UnitRootMismatch { .. })),
+        "{:?}",
+        t.verify(&root)
+    );
+    // Tampered layer sibling → layer root mismatch.
+    let mut t = p.clone();
+    t.layer.as_mut().unwrap().level.path[0].0[0] ^= 1;
+    assert!(matches!(
+        t.verify(&root),
+        Err(ProofError::LayerRootMismatch { .. })
+    ));
+    // Tampered body sibling → body root mismatch.
+    let mut t = p.clone();
+    t.body.path[0].0[0] ^= 1;
+    assert!(matches!(
+        t.verify(&root),
+        Err(ProofError::BodyRootMismatch { .. })
+    ));
+    // Tampered config → model root mismatch.
+    let mut t = p.clone();
+    t.config.top_k = 3;
+    assert!(matches!(
+        t.verify(&root),
+        Err(ProofError::ModelRootMismatch { .. })
+    ));
+    // Consistent proof, but another model.
+    let mut other = root;
+    other[31] ^= 1;
+    assert!(matches!(
+        p.verify(&other),
+        Err(ProofError::UntrustedRoot { .. })
+    ));
+    // Claim the tensors are another expert's → malformed (tensor belongs to expert 3).
+    let mut t = p.clone();
+    t.unit.expert = Some(2);
+    t.layer.as_mut().unwrap().level.index = 5;
+    assert!(
+        matches!(t.verify(&root), Err(ProofError::Malformed(ref m)) if m.contains("belongs to layer 2 expert 3"))
+    );
+    // Position inconsistent with the unit → malformed.
+    let mut t = p.clone();
+    t.layer.as_mut().unwrap().level.index = 4;
+    assert!(
+        matches!(t.verify(&root), Err(ProofError::Malformed(ref m)) if m.contains("layer position"))
+    );
+    // Truncated path → malformed.
+    let mut t = p.clone();
+    t.body.path.pop();
+    assert!(
+        matches!(t.verify(&root), Err(ProofError::Malformed(ref m)) if m.contains("body path"))
+    );
+    // Dropped tensor → unit root mismatch.
+    let mut t = p.clone();
+    t.tensors.remove(1);
+    assert!(matches!(
+        t.verify(&root),
+        Err(ProofError::UnitRootMismatch { .. })
+    ));
+    // Wrong scheme → malformed.
+    let mut t = p.clone();
+    t.scheme = "engy-commit/v0".into();
+    assert!(matches!(t.verify(&root), Err(ProofError::Malformed(_))));
+}
+
+#[test]
+fn spec_open_refuses_a_checkpoint_that_differs_from_the_spec() {
+    let m = Model::new(Naming::QwenMoe, Quant::Bf16);
+    let (_t, dir) = gen(&m);
+    let c = build(&dir).unwrap();
+    let s = SpecFile::from_commitment(&c, 0.0);
+    flip_byte(&dir, "model.layers.1.mlp.experts.2.up_proj.weight", 0);
+    let u = UnitId::Layer {
+        layer: 1,
+        part: LayerPart::Expert(2),
+    };
+    let tensors = checkpoint::hash_unit(&dir, &c.config, u).unwrap();
+    assert!(
+        matches!(s.open(u, tensors), Err(CommitError::Spec(ref m)) if m.contains("differs from the spec"))
+    );
+}
+
+// ---------- malformed inputs ----------
+
+fn err(dir: &Path) -> CommitError {
+    build(dir).expect_err("must fail")
+}
+
+#[test]
+fn truncated_shard_is_a_clear_error() {
+    let (_t, dir) = gen(&Model::new(Naming::Glm, Quant::Bf16));
+    let shard = checkpoint::list_shards(&dir).unwrap()[1].clone();
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() - 3]).unwrap();
+    let e = err(&dir);
+    assert!(
+        matches!(e, CommitError::BadShard { ref path, .. } if *path == shard),
+        "{e}"
+    );
+    assert!(e.to_string().contains("truncated"), "{e}");
+    // Cut inside the header too.
+    std::fs::write(&shard, &bytes[..20]).unwrap();
+    assert!(matches!(err(&dir), CommitError::BadShard { .. }));
+    std::fs::write(&shard, &bytes[..5]).unwrap();
+    assert!(matches!(err(&dir), CommitError::BadShard { .. }));
+}
+
+/// A shard written by hand: 8-byte header length, header JSON, data.
+fn raw_shard(path: &Path, header: serde_json::Value, data_len: usize) {
+    let h = header.to_string().into_bytes();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(&h);
+    out.extend(std::iter::repeat_n(7u8, data_len));
+    std::fs::write(path, out).unwrap();
+}
+
+#[test]
+fn header_lying_about_offsets_is_a_clear_error() {
+    let (_t, dir) = gen(&Model::new(Naming::QwenDense, Quant::Bf16));
+    let path = dir.join("zz-extra.safetensors");
+    // Overlapping ranges.
+    raw_shard(
+        &path,
+        json!({"model.layers.0.extra_a.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+               "model.layers.0.extra_b.weight": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}),
+        12,
+    );
+    let e = err(&dir);
+    assert!(matches!(e, CommitError::BadShard { .. }), "{e}");
+    assert!(e.to_string().contains("offsets"), "{e}");
+    // Range beyond the data.
+    raw_shard(
+        &path,
+        json!({"model.layers.0.extra_a.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}),
+        4,
+    );
+    assert!(matches!(err(&dir), CommitError::BadShard { .. }));
+    // Byte range that does not match dtype × shape.
+    raw_shard(
+        &path,
+        json!({"model.layers.0.extra_a.weight": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}),
+        8,
+    );
+    let e = err(&dir);
+    assert!(e.to_string().contains("dtype"), "{e}");
+    // A valid extra shard is accepted (attention-side tensor of layer 0).
+    raw_shard(
+        &path,
+        json!({"model.layers.0.extra_a.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}),
+        8,
+    );
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    build(&dir).unwrap();
+}
+
+#[test]
+fn duplicate_tensor_across_shards_is_a_clear_error() {
+    let (_t, dir) = gen(&Model::new(Naming::Glm, Quant::Bf16));
+    let name = "model.layers.1.mlp.experts.0.up_proj.weight";
+    let path = dir.join("zz-dup.safetensors");
+    raw_shard(
+        &path,
+        json!({name: {"dtype": "BF16", "shape": [4, 8], "data_offsets": [0, 64]}}),
+        64,
+    );
+    match err(&dir) {
+        CommitError::DuplicateTensor {
+            name: n, second, ..
+        } => {
+            assert_eq!(n, name);
+            assert_eq!(second, path);
+        }
+        e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn missing_or_orphan_scales_are_clear_errors() {
+    // FP8 weight without weight_scale_inv.
+    let m = Model::new(Naming::Glm, Quant::Fp8);
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("c");
+    m.write(&dir);
+    drop_tensor(
+        &dir,
+        "model.layers.2.mlp.experts.1.gate_proj.weight_scale_inv",
+    );
+    let e = err(&dir);
+    assert!(
+        matches!(e, CommitError::MissingScale { ref weight, .. } if weight == "model.layers.2.mlp.experts.1.gate_proj.weight"),
+        "{e}"
+    );
+    // Scale without its weight.
+    let dir = t.path().join("d");
+    m.write(&dir);
+    drop_tensor(&dir, "model.layers.2.mlp.experts.1.gate_proj.weight");
+    assert!(matches!(err(&dir), CommitError::OrphanScale { .. }));
+    // NVFP4 packed weight without its second-level scale.
+    let dir = t.path().join("e");
+    Model::new(Naming::QwenMoe, Quant::Nvfp4).write(&dir);
+    drop_tensor(
+        &dir,
+        "model.layers.1.mlp.experts.0.down_proj.weight_scale_2",
+    );
+    assert!(
+        matches!(err(&dir), CommitError::MissingScale { ref expected, .. } if expected.contains("weight_scale_2"))
+    );
+}
+
+/// Rewrites the shard holding `name` without it (and drops the index).
+fn drop_tensor(dir: &Path, name: &str) {
+    let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));
+    for shard in checkpoint::list_shards(dir).unwrap() {
+        let bytes = std::fs::read(&shard).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        if st.tensor(name).is_err() {
+            continue;
+        }
+        let keep: BTreeMap<String, _> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| n != name)
+            .collect();
+        let out = safetensors::serialize(keep, None).unwrap();
+        std::fs::write(&shard, out).unwrap();
+        return;
+    }
+    panic!("no tensor {name}");
+}
+
+#[test]
+fn layers_that_do_not_fit_the_config_are_clear_errors() {
+    let m = Model::new(Naming::QwenMoe, Quant::Bf16);
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("a");
+    m.write(&dir);
+    for proj in ["gate_proj", "up_proj", "down_proj"] {
+        drop_tensor(&dir, &format!("model.layers.2.mlp.experts.3.{proj}.weight"));
+    }
+    assert!(
+        matches!(err(&dir), CommitError::BadLayer { layer: 2, ref reason } if reason.contains("expert 3"))
+    );
+    let dir = t.path().join("b");
+    m.write(&dir);
+    drop_tensor(&dir, "model.layers.1.mlp.gate.weight");
+    assert!(
+        matches!(err(&dir), CommitError::BadLayer { layer: 1, ref reason } if reason.contains("router"))
+    );
+    // Fused expert tensors are refused, not silently misplaced.
+    let dir = t.path().join("c");
+    m.write(&dir);
+    raw_shard(
+        &dir.join("zz.safetensors"),
+        json!({"model.layers.1.mlp.experts.gate_up_proj": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}),
+        4,
+    );
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    assert!(matches!(err(&dir), CommitError::UnknownTensor { .. }));
+    // Index that disagrees with the shards.
+    let dir = t.path().join("d");
+    m.write(&dir);
+    let idx = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&idx).unwrap().replacen(
+        "model-00001-of-00003",
+        "model-00002-of-00003",
+        1,
+    );
+    std::fs::write(&idx, text).unwrap();
+    assert!(matches!(err(&dir), CommitError::Config(ref m) if m.contains("index")));
+    // No config / no shards.
+    let dir = t.path().join("e");
+    std::fs::create_dir_all(&dir).unwrap();
+    assert!(matches!(err(&dir), CommitError::Io { .. }));
+    std::fs::write(dir.join("config.json"), m.config().to_string()).unwrap();
+    assert!(matches!(err(&dir), CommitError::NoShards(_)));
+}
+
+// ---------- published specs (third-party data, read from ENGY_SHARED_DIR) ----------
+
+fn shared_specs_dir() -> PathBuf {
+    match std::env::var_os("ENGY_SHARED_DIR") {
+        Some(d) => PathBuf::from(d).join("specs"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/specs"),
+    }
+}
+
+#[test]
+fn inspects_published_specs_without_claiming_to_recompute_them() {
+    let dir = shared_specs_dir();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        eprintln!("skip: no published specs at {}", dir.display());
+        return;
+    };
+    let mut n = 0;
+    for e in entries {
+        let path = e.unwrap().path().join("model_spec.json.gz");
+        if !path.exists() {
+            continue;
+        }
+        n += 1;
+        let v = spec::read_json(&path).unwrap();
+        let s = spec::inspect(&v);
+        assert!(!s.recomputable, "{}", path.display());
+        assert!(s.internal_problems.is_none());
+        assert!(s.roots.contains_key("model_root") && s.roots.contains_key("lm_root"));
+        assert_eq!(s.n_layer_roots, s.moe_layer_keys.len());
+        assert!(s.layer_roots_match_entries);
+        let n_experts = s.n_experts.unwrap() as usize;
+        assert_eq!(s.experts_per_layer, Some((n_experts, n_experts)));
+        if let Some((n_bias, bytes)) = s.router_bias {
+            assert_eq!(n_bias, s.n_layer_roots);
+            assert_eq!(bytes, n_experts * 4, "one f32 per expert");
+        }
+        // And the strict reader refuses it with the reason.
+        let e = SpecFile::from_value(v).unwrap_err();
+        assert!(e.to_string().contains("cannot be recomputed"), "{e}");
+    }
+    eprintln!("inspected {n} published specs in {}", dir.display());
+}
+
+#[test]
+fn inspect_checks_our_own_files_internally() {
+    let (_t, dir) = gen(&Model::new(Naming::Glm, Quant::Bf16));
+    let s = SpecFile::from_commitment(&build(&dir).unwrap(), 0.0);
+    let mut v = serde_json::to_value(&s).unwrap();
+    let sum = spec::inspect(&v);
+    assert!(sum.recomputable);
+    assert_eq!(sum.internal_problems, Some(vec![]));
+    assert!(sum.layer_roots_match_entries);
+    // Change one expert root inside the file: the layer root no longer matches.
+    v["expert_roots_by_layer"]["2"]["experts"][1] = json!("00".repeat(32));
+    let sum = spec::inspect(&v);
+    let problems = sum.internal_problems.unwrap();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].contains("layer 2"));
+}
