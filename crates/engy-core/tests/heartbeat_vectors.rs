@@ -61,7 +61,12 @@ fn heartbeat_vectors() {
                 c["ts"].as_u64().unwrap(),
                 &body,
             );
-            assert_eq!(got, c["message"].as_str().unwrap(), "{}: {c}", path.display());
+            assert_eq!(
+                got,
+                c["message"].as_str().unwrap(),
+                "{}: {c}",
+                path.display()
+            );
             counts[0] += 1;
         }
 
@@ -128,7 +133,9 @@ fn heartbeat_vectors() {
                 assert_eq!(get(HEADER_TS), r["headers"][HEADER_TS].as_str());
                 let sig = get(HEADER_SIG).unwrap();
                 assert_eq!(sig.len(), 128);
-                assert!(sig.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+                assert!(sig
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
                 let sig = hex::decode(sig).unwrap();
                 let msg = r["message"].as_str().unwrap().as_bytes();
                 assert!(verify_signature(&signer_pk, msg, &sig).is_ok());
@@ -140,7 +147,13 @@ fn heartbeat_vectors() {
             let pk = hex32(r["public_key_hex"].as_str().unwrap());
             let sig = hex::decode(r["signature_hex"].as_str().unwrap()).unwrap();
             let ok = verify_signature(&pk, r["message"].as_str().unwrap().as_bytes(), &sig).is_ok();
-            assert_eq!(Some(ok), r["verifies"].as_bool(), "{}: {}", path.display(), r["why"]);
+            assert_eq!(
+                Some(ok),
+                r["verifies"].as_bool(),
+                "{}: {}",
+                path.display(),
+                r["why"]
+            );
             assert!(!ok);
             counts[4] += 1;
         }
@@ -149,5 +162,8 @@ fn heartbeat_vectors() {
         "heartbeat vectors: {} canonical messages, {} bodies, {} reference-signed requests, {} own-signed, {} rejections",
         counts[0], counts[1], counts[2], counts[3], counts[4]
     );
-    assert!(counts.iter().take(3).all(|c| *c > 0), "some heartbeat vector kind never ran: {counts:?}");
+    assert!(
+        counts.iter().take(3).all(|c| *c > 0),
+        "some heartbeat vector kind never ran: {counts:?}"
+    );
 }

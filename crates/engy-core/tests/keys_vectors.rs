@@ -60,8 +60,14 @@ fn message_bytes(v: &Value) -> Vec<u8> {
 #[test]
 fn keypair_vectors() {
     let (mut keys, mut sigs, mut rejections) = (0, 0, 0);
-    for (path, doc) in docs().into_iter().filter(|(_, d)| schema(d) == "engy-sn53/keys/v1") {
-        assert_eq!(doc["signing"]["signing_context"].as_str(), Some("substrate"));
+    for (path, doc) in docs()
+        .into_iter()
+        .filter(|(_, d)| schema(d) == "engy-sn53/keys/v1")
+    {
+        assert_eq!(
+            doc["signing"]["signing_context"].as_str(),
+            Some("substrate")
+        );
         for k in doc["keys"].as_array().unwrap() {
             let name = k["name"].as_str().unwrap();
             let pk = hex32(k["public_key_hex"].as_str().unwrap());
@@ -72,25 +78,42 @@ fn keypair_vectors() {
 
             let from_secret = Hotkey::from_secret_key_bytes(&secret).unwrap();
             assert_eq!(from_secret.public_key(), pk, "{name}: public from secret");
-            assert_eq!(from_secret.secret_key_bytes().as_slice(), secret.as_slice(), "{name}");
+            assert_eq!(
+                from_secret.secret_key_bytes().as_slice(),
+                secret.as_slice(),
+                "{name}"
+            );
             if let Some(seed) = k["mini_secret_hex"].as_str() {
                 let hk = Hotkey::from_mini_secret(&hex::decode(seed).unwrap()).unwrap();
                 assert_eq!(hk.public_key(), pk, "{name}: public from seed");
                 assert_eq!(hk.ss58(), ss58, "{name}");
-                assert_eq!(hk.secret_key_bytes().as_slice(), secret.as_slice(), "{name}: secret from seed");
+                assert_eq!(
+                    hk.secret_key_bytes().as_slice(),
+                    secret.as_slice(),
+                    "{name}: secret from seed"
+                );
             }
             // The ed25519 ("expanded") form is NOT what we accept as the same key.
             if let Some(ed) = k["secret_key_ed25519_form_hex"].as_str() {
                 let ed = hex::decode(ed).unwrap();
                 if let Ok(other) = Hotkey::from_secret_key_bytes(&ed) {
-                    assert_ne!(other.public_key(), pk, "{name}: ed25519 form must not alias");
+                    assert_ne!(
+                        other.public_key(),
+                        pk,
+                        "{name}: ed25519 form must not alias"
+                    );
                 }
             }
             for s in k["signatures"].as_array().unwrap() {
                 let msg = message_bytes(s);
                 let sig = hex::decode(s["signature_hex"].as_str().unwrap()).unwrap();
                 let ok = verify_signature(&pk, &msg, &sig).is_ok();
-                assert_eq!(Some(ok), s["verifies"].as_bool(), "{}: {name}: {s}", path.display());
+                assert_eq!(
+                    Some(ok),
+                    s["verifies"].as_bool(),
+                    "{}: {name}: {s}",
+                    path.display()
+                );
                 // Our own signature over the same message verifies; a different message does not.
                 let ours = from_secret.sign(&msg);
                 assert!(verify_signature(&pk, &msg, &ours).is_ok());
@@ -143,7 +166,12 @@ fn ss58_vectors() {
             let pk = hex32(e["public_key_hex"].as_str().unwrap());
             let prefix = u16::try_from(e["prefix"].as_u64().unwrap()).unwrap();
             let addr = e["address"].as_str().unwrap();
-            assert_eq!(ss58_encode_with_prefix(&pk, prefix).unwrap(), addr, "{}: {e}", path.display());
+            assert_eq!(
+                ss58_encode_with_prefix(&pk, prefix).unwrap(),
+                addr,
+                "{}: {e}",
+                path.display()
+            );
             assert_eq!(ss58_decode(addr).unwrap(), (prefix, pk));
             enc += 1;
         }
@@ -165,7 +193,10 @@ fn ss58_vectors() {
             } else {
                 let err = got.expect_err(addr);
                 let want = d["bittensor_error"].as_str().unwrap_or("");
-                assert!(expected_kind(want)(&err), "{addr:?}: got {err:?}, bittensor said {want}");
+                assert!(
+                    expected_kind(want)(&err),
+                    "{addr:?}: got {err:?}, bittensor said {want}"
+                );
                 assert!(ss58_decode_prefix_42(addr).is_err());
             }
             dec += 1;
@@ -199,7 +230,10 @@ fn assert_no_secret(err: &WalletError, secrets: &[String]) {
     let text = format!("{err} {err:?}");
     for s in secrets {
         if s.len() >= 16 {
-            assert!(!text.contains(s.as_str()), "error text leaks a secret: {text}");
+            assert!(
+                !text.contains(s.as_str()),
+                "error text leaks a secret: {text}"
+            );
         }
     }
 }
@@ -207,7 +241,10 @@ fn assert_no_secret(err: &WalletError, secrets: &[String]) {
 #[test]
 fn wallet_vectors() {
     let mut loaded = 0;
-    for (path, doc) in docs().into_iter().filter(|(_, d)| schema(d) == "engy-sn53/wallet/v1") {
+    for (path, doc) in docs()
+        .into_iter()
+        .filter(|(_, d)| schema(d) == "engy-sn53/wallet/v1")
+    {
         let base = path.parent().unwrap();
         let wallet = doc["wallet_name"].as_str().unwrap();
         let src_root = base.join(doc["wallet_root_in_vectors"].as_str().unwrap());
@@ -222,8 +259,8 @@ fn wallet_vectors() {
             let hot_path = root.join(wallet).join("hotkeys").join(hotkey_name);
             #[cfg(unix)]
             chmod(&hot_path, 0o600);
-            let lh = load_hotkey(&root, wallet, hotkey_name)
-                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            let lh =
+                load_hotkey(&root, wallet, hotkey_name).unwrap_or_else(|e| panic!("{file}: {e}"));
             let pk = hex32(h["public_key_hex"].as_str().unwrap());
             assert_eq!(lh.hotkey.public_key(), pk, "{file}");
             assert_eq!(lh.hotkey.ss58(), h["ss58_address"].as_str().unwrap());
@@ -241,9 +278,17 @@ fn wallet_vectors() {
                     assert!(!dbg.contains(s.as_str()), "Debug leaks a secret");
                 }
             }
-            for s in h.get("signatures").and_then(Value::as_array).into_iter().flatten() {
+            for s in h
+                .get("signatures")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
                 let sig = hex::decode(s["signature_hex"].as_str().unwrap()).unwrap();
-                assert!(verify_signature(&pk, &message_bytes(s), &sig).is_ok(), "{file}: {s}");
+                assert!(
+                    verify_signature(&pk, &message_bytes(s), &sig).is_ok(),
+                    "{file}: {s}"
+                );
                 let ours = lh.hotkey.sign(&message_bytes(s));
                 assert!(verify_signature(&pk, &message_bytes(s), &ours).is_ok());
             }
@@ -266,21 +311,48 @@ fn wallet_vectors() {
             let tp = root.join(wallet).join("hotkeys").join("tampered");
             std::fs::write(&tp, serde_json::to_vec(&tampered).unwrap()).unwrap();
             let err = load_hotkey(&root, wallet, "tampered").unwrap_err();
-            assert!(matches!(err, WalletError::KeyMismatch { field: "publicKey", .. }), "{err}");
+            assert!(
+                matches!(
+                    err,
+                    WalletError::KeyMismatch {
+                        field: "publicKey",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
             assert_no_secret(&err, &secrets);
             // Wrong ss58Address: refuse.
             let mut tampered = raw.clone();
             tampered["ss58Address"] = Value::String(ss58_encode(&other));
             std::fs::write(&tp, serde_json::to_vec(&tampered).unwrap()).unwrap();
             let err = load_hotkey(&root, wallet, "tampered").unwrap_err();
-            assert!(matches!(err, WalletError::KeyMismatch { field: "ss58Address", .. }), "{err}");
+            assert!(
+                matches!(
+                    err,
+                    WalletError::KeyMismatch {
+                        field: "ss58Address",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
             // Corrupt privateKey hex: a field error that does not echo the value.
             let mut tampered = raw.clone();
             let bad_priv = format!("0x{}zz", &secrets[0][..secrets[0].len() - 2]);
             tampered["privateKey"] = Value::String(bad_priv);
             std::fs::write(&tp, serde_json::to_vec(&tampered).unwrap()).unwrap();
             let err = load_hotkey(&root, wallet, "tampered").unwrap_err();
-            assert!(matches!(err, WalletError::BadField { field: "privateKey", .. }), "{err}");
+            assert!(
+                matches!(
+                    err,
+                    WalletError::BadField {
+                        field: "privateKey",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
             assert_no_secret(&err, &secrets);
             std::fs::remove_file(&tp).unwrap();
             loaded += 1;
@@ -291,7 +363,16 @@ fn wallet_vectors() {
             let f = doc["hotkey_pub_file"]["file"].as_str().unwrap();
             let name = Path::new(f).file_name().unwrap().to_str().unwrap();
             let err = load_hotkey(&root, wallet, name).unwrap_err();
-            assert!(matches!(err, WalletError::BadField { field: "privateKey", .. }), "{err}");
+            assert!(
+                matches!(
+                    err,
+                    WalletError::BadField {
+                        field: "privateKey",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
         }
 
         // Encrypted formats: refuse with the fix in the message.
@@ -303,7 +384,10 @@ fn wallet_vectors() {
         ] {
             std::fs::write(root.join(wallet).join("hotkeys").join(name), content).unwrap();
             let err = load_hotkey(&root, wallet, name).unwrap_err();
-            assert!(matches!(err, WalletError::Encrypted { .. }), "{name}: {err}");
+            assert!(
+                matches!(err, WalletError::Encrypted { .. }),
+                "{name}: {err}"
+            );
             assert!(err.to_string().contains("regen-hotkey"), "{err}");
         }
         std::fs::write(root.join(wallet).join("hotkeys").join("junk"), b"not json").unwrap();

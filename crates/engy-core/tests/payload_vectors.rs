@@ -45,13 +45,19 @@ fn body_bytes(case: &Value) -> Vec<u8> {
 }
 
 /// Compare one verdict; `Err(description)` on mismatch.
-fn check(result: &Result<engy_core::payload::VerifiedEpoch, PayloadError>, want: &Value) -> Result<(), String> {
+fn check(
+    result: &Result<engy_core::payload::VerifiedEpoch, PayloadError>,
+    want: &Value,
+) -> Result<(), String> {
     let outcome = want["outcome"].as_str().ok_or("expected.outcome missing")?;
     match (outcome, result) {
         ("verified", Ok(v)) => {
-            let want_epoch = want["epoch_index"]
-                .as_u64()
-                .ok_or_else(|| format!("verified with a non-u64 epoch_index {}", want["epoch_index"]))?;
+            let want_epoch = want["epoch_index"].as_u64().ok_or_else(|| {
+                format!(
+                    "verified with a non-u64 epoch_index {}",
+                    want["epoch_index"]
+                )
+            })?;
             if v.epoch_index != want_epoch {
                 return Err(format!("epoch_index {} != {want_epoch}", v.epoch_index));
             }
@@ -76,7 +82,9 @@ fn check(result: &Result<engy_core::payload::VerifiedEpoch, PayloadError>, want:
             if reason.as_str() == want_reason {
                 Ok(())
             } else {
-                Err(format!("rejected {reason} ({detail}), expected {want_reason}"))
+                Err(format!(
+                    "rejected {reason} ({detail}), expected {want_reason}"
+                ))
             }
         }
         ("parse_error", Err(PayloadError::Parse(_))) => Ok(()),
@@ -105,7 +113,9 @@ fn payload_vectors_match_strict_expectations() {
         for case in doc["cases"].as_array().expect("cases") {
             let id = case["id"].as_str().unwrap_or("?");
             let args = &case["verify_args"];
-            let master = args["master_hotkey"].as_str().expect("verify_args.master_hotkey");
+            let master = args["master_hotkey"]
+                .as_str()
+                .expect("verify_args.master_hotkey");
             let netuid = u16::try_from(args["netuid"].as_u64().expect("verify_args.netuid"))
                 .expect("netuid fits u16");
             let want = case
@@ -123,7 +133,10 @@ fn payload_vectors_match_strict_expectations() {
             }
             // A verified epoch must always carry the recomputed digest of its result_json.
             if let Ok(v) = &result {
-                assert_eq!(v.digest, engy_core::payload::sha256_hex(v.result_json.as_bytes()));
+                assert_eq!(
+                    v.digest,
+                    engy_core::payload::sha256_hex(v.result_json.as_bytes())
+                );
             }
         }
     }
@@ -131,6 +144,10 @@ fn payload_vectors_match_strict_expectations() {
         "payload vectors: {files} file(s), {ran} case(s) ({strict} with strict_expected), outcomes {by_outcome:?}, {} failure(s)",
         failures.len()
     );
-    assert!(ran > 0, "no payload vector case ran (dir {})", vectors_dir().display());
+    assert!(
+        ran > 0,
+        "no payload vector case ran (dir {})",
+        vectors_dir().display()
+    );
     assert!(failures.is_empty(), "mismatches:\n{}", failures.join("\n"));
 }
