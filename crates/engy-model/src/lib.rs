@@ -1,1 +1,139 @@
-//! The tiny devnet model (see ARCHITECTURE.md).
+//! engy-model: the tiny Qwen3-style devnet model on candle, and the TOPLOC auditor.
+//!
+//! * [`gen_model`] writes a real, small Qwen3(-MoE) checkpoint deterministically from a seed:
+//!   bf16 safetensors shards, `config.json`, a byte-level BPE `tokenizer.json` trained on a
+//!   generated corpus, a ChatML `tokenizer_config.json`, `generation_config.json`.
+//! * [`Model`] runs it on CPU: greedy decoding with a KV cache ([`Decoder`]) returning each
+//!   step's final hidden state (the LM head's input, what sglang returns), a teacher-forced
+//!   single pass ([`Model::hidden_states`]), and the int4 cheat ([`Precision::Int4`]).
+//! * [`audit`] re-derives a commitment's hidden states in one teacher-forced pass and verifies
+//!   its TOPLOC proofs (PROTOCOL.md §3.10, §4, §5), giving `pass` / `cheat` / `unproven`.
+use std::path::{Path, PathBuf};
+
+pub mod audit;
+pub mod config;
+pub mod corpus;
+mod gen;
+mod model;
+mod rng;
+
+pub use config::Qwen3Config;
+pub use gen::{gen_model, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START};
+pub use model::{quantize_int4, round_to_bf16, Decoder, KvCache, Model, Precision, Step};
+
+/// Errors of checkpoint generation, loading and the forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A file or directory could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `config.json` is missing fields or inconsistent, or a generation setting is invalid.
+    #[error("config: {0}")]
+    Config(String),
+    /// A safetensors shard is malformed.
+    #[error("{file}: {msg}")]
+    Safetensors {
+        /// The shard.
+        file: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A tensor the config requires is in no shard.
+    #[error("tensor {0} is missing from the checkpoint")]
+    MissingTensor(String),
+    /// A tensor has a shape other than the config implies.
+    #[error("tensor {name} has shape {got:?}, expected {want:?}")]
+    Shape {
+        /// Tensor name.
+        name: String,
+        /// Shape in the shard.
+        got: Vec<usize>,
+        /// Shape the config implies.
+        want: Vec<usize>,
+    },
+    /// Tokenizer training, loading or encoding failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A token id is not below `vocab_size`.
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    TokenOutOfVocab {
+        /// The id.
+        id: u32,
+        /// `vocab_size`.
+        vocab: usize,
+    },
+    /// The sequence would exceed `max_position_embeddings`.
+    #[error("sequence of {len} positions exceeds max_position_embeddings {max}")]
+    TooLong {
+        /// Positions requested.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// No input tokens.
+    #[error("empty input: at least one token is required")]
+    EmptyInput,
+    /// A tensor operation failed (a bug or resource exhaustion, not bad input).
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// A checkpoint directory opened for serving or auditing: the model, its tokenizer and its
+/// `model_root` (PROTOCOL.md §4).
+pub struct Checkpoint {
+    /// The directory.
+    pub dir: PathBuf,
+    /// The model.
+    pub model: Model,
+    /// `tokenizer.json`.
+    pub tokenizer: tokenizers::Tokenizer,
+    /// PROTOCOL.md §4 `model_root` of `dir` (independent of the precision it was loaded with:
+    /// the int4 cheat claims the honest root).
+    pub model_root: String,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("model", &self.model)
+            .field("model_root", &self.model_root)
+            .finish()
+    }
+}
+
+impl Checkpoint {
+    /// Opens `dir` with `precision`.
+    ///
+    /// # Errors
+    /// As [`Model::load`], and [`ModelError::Tokenizer`] when `tokenizer.json` cannot be read.
+    pub fn open(dir: &Path, precision: Precision) -> Result<Self, ModelError> {
+        let model = Model::load(dir, precision)?;
+        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", dir.display())))?;
+        let model_root = engy_core::identity::model_root(dir)
+            .map_err(|e| ModelError::Config(format!("model_root: {e}")))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            model,
+            tokenizer,
+            model_root,
+        })
+    }
+
+    /// Token ids that end a turn: `eos_token_id` (`<|im_end|>`) and `<|endoftext|>`.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut v = vec![self.model.config().eos_token_id];
+        if let Some(id) = self.tokenizer.token_to_id(ENDOFTEXT) {
+            if !v.contains(&id) {
+                v.push(id);
+            }
+        }
+        v
+    }
+}
