@@ -101,7 +101,7 @@ impl Qwen3Config {
         self.num_experts > 0
             && self.decoder_sparse_step > 0
             && !self.mlp_only_layers.contains(&i)
-            && (i + 1) % self.decoder_sparse_step == 0
+            && (i + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     /// Checks the shape invariants the forward pass relies on.
@@ -113,14 +113,19 @@ impl Qwen3Config {
             (self.hidden_size > 0, "hidden_size must be > 0"),
             (self.vocab_size > 0, "vocab_size must be > 0"),
             (self.num_hidden_layers > 0, "num_hidden_layers must be > 0"),
-            (self.num_attention_heads > 0, "num_attention_heads must be > 0"),
+            (
+                self.num_attention_heads > 0,
+                "num_attention_heads must be > 0",
+            ),
             (
                 self.num_key_value_heads > 0
-                    && self.num_attention_heads % self.num_key_value_heads == 0,
+                    && self
+                        .num_attention_heads
+                        .is_multiple_of(self.num_key_value_heads),
                 "num_attention_heads must be a multiple of num_key_value_heads",
             ),
             (
-                self.head_dim > 0 && self.head_dim % 2 == 0,
+                self.head_dim > 0 && self.head_dim.is_multiple_of(2),
                 "head_dim must be even and > 0",
             ),
             (

@@ -25,22 +25,8 @@ const SUBJECTS: &[&str] = &[
     "this request",
 ];
 const VERBS: &[&str] = &[
-    "checks",
-    "sends",
-    "signs",
-    "verifies",
-    "streams",
-    "computes",
-    "stores",
-    "reads",
-    "records",
-    "routes",
-    "returns",
-    "measures",
-    "keeps",
-    "rejects",
-    "accepts",
-    "writes",
+    "checks", "sends", "signs", "verifies", "streams", "computes", "stores", "reads", "records",
+    "routes", "returns", "measures", "keeps", "rejects", "accepts", "writes",
 ];
 const OBJECTS: &[&str] = &[
     "the hidden states",
@@ -151,9 +137,7 @@ pub fn chat_documents(seed: u64, n_docs: usize) -> Vec<String> {
         .map(|_| {
             let q = capitalise(pick(&mut rng, QUESTIONS));
             let a = answer(&mut rng);
-            format!(
-                "<|im_start|>user\n{q}?<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
-            )
+            format!("<|im_start|>user\n{q}?<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n")
         })
         .collect()
 }

@@ -288,7 +288,12 @@ fn bigram_matrix(
     let mut used: Vec<u32> = (0..vocab as u32)
         .filter(|&t| freq.get(t as usize).copied().unwrap_or(0) > 0)
         .collect();
-    used.sort_by_key(|&t| (std::cmp::Reverse(freq.get(t as usize).copied().unwrap_or(0)), t));
+    used.sort_by_key(|&t| {
+        (
+            std::cmp::Reverse(freq.get(t as usize).copied().unwrap_or(0)),
+            t,
+        )
+    });
     Ok((counts, used))
 }
 
@@ -319,7 +324,9 @@ fn embeddings(seed: u64, vocab: usize, d: usize, used: &[u32], massive: usize) -
         }
         v.iter_mut().for_each(|x| *x /= n);
         let scale = (d as f64).sqrt();
-        row.iter_mut().zip(&v).for_each(|(r, x)| *r = (x * scale) as f32);
+        row.iter_mut()
+            .zip(&v)
+            .for_each(|(r, x)| *r = (x * scale) as f32);
         basis.push(v);
     }
     embed
@@ -346,7 +353,9 @@ fn json_bytes(v: &impl serde::Serialize) -> Result<Vec<u8>, ModelError> {
 /// when tokenizer training fails, [`ModelError::Config`] for an inconsistent `cfg`.
 pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport, ModelError> {
     if cfg.shards == 0 || cfg.num_hidden_layers == 0 {
-        return Err(ModelError::Config("shards and num_hidden_layers must be > 0".into()));
+        return Err(ModelError::Config(
+            "shards and num_hidden_layers must be > 0".into(),
+        ));
     }
     std::fs::create_dir_all(out_dir).map_err(|source| ModelError::Io {
         path: out_dir.to_path_buf(),
@@ -413,7 +422,11 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
     config.validate().map_err(ModelError::Config)?;
 
     let d = cfg.hidden_size;
-    let (h, kv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let (h, kv, hd) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
     let (of, os) = (cfg.outlier_frac, cfg.outlier_scale);
     let lin = |name: &str, out: usize, inp: usize, gain: f32| {
         let std = gain / (inp as f32).sqrt();
@@ -549,11 +562,12 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
         for (n, shape, b) in &bytes {
             total_size += b.len();
             weight_map.insert(n.clone(), file.clone());
-            let v = TensorView::new(Dtype::BF16, shape.clone(), b)
-                .map_err(|e| ModelError::Safetensors {
+            let v = TensorView::new(Dtype::BF16, shape.clone(), b).map_err(|e| {
+                ModelError::Safetensors {
                     file: PathBuf::from(&file),
                     msg: e.to_string(),
-                })?;
+                }
+            })?;
             views.push((n.clone(), v));
         }
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
@@ -570,7 +584,10 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
         "metadata": {"total_size": total_size},
         "weight_map": weight_map,
     });
-    write_file(&out_dir.join("model.safetensors.index.json"), &json_bytes(&index)?)?;
+    write_file(
+        &out_dir.join("model.safetensors.index.json"),
+        &json_bytes(&index)?,
+    )?;
     files.push("model.safetensors.index.json".into());
 
     write_file(&out_dir.join("config.json"), &json_bytes(&config)?)?;
@@ -610,7 +627,10 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": null,
     });
-    write_file(&out_dir.join("tokenizer_config.json"), &json_bytes(&tok_cfg)?)?;
+    write_file(
+        &out_dir.join("tokenizer_config.json"),
+        &json_bytes(&tok_cfg)?,
+    )?;
     files.push("tokenizer_config.json".into());
 
     let gen_cfg = serde_json::json!({
@@ -620,7 +640,10 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
         "pad_token_id": eot,
         "transformers_version": "4.51.0",
     });
-    write_file(&out_dir.join("generation_config.json"), &json_bytes(&gen_cfg)?)?;
+    write_file(
+        &out_dir.join("generation_config.json"),
+        &json_bytes(&gen_cfg)?,
+    )?;
     files.push("generation_config.json".into());
     files.sort();
     Ok(GenReport {

@@ -18,7 +18,9 @@ mod model;
 mod rng;
 
 pub use config::Qwen3Config;
-pub use gen::{gen_model, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START};
+pub use gen::{
+    gen_model, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
+};
 pub use model::{quantize_int4, round_to_bf16, Decoder, KvCache, Model, Precision, Step};
 
 /// Errors of checkpoint generation, loading and the forward pass.

@@ -117,7 +117,11 @@ impl Ffn {
                     let sum: f32 = chosen.iter().filter_map(|&e| p.get(e)).sum();
                     for e in chosen {
                         let w = p.get(e).copied().unwrap_or(0.0);
-                        let w = if *norm_topk_prob && sum > 0.0 { w / sum } else { w };
+                        let w = if *norm_topk_prob && sum > 0.0 {
+                            w / sum
+                        } else {
+                            w
+                        };
                         if let Some(g) = gates.get_mut(t * n_exp + e) {
                             *g = w;
                         }
@@ -264,22 +268,23 @@ impl Model {
         cfg.validate().map_err(ModelError::Config)?;
         let mut raw = read_shards(dir)?;
         let device = Device::Cpu;
-        let mut take = |name: &str, shape: &[usize], quantize: bool| -> Result<Tensor, ModelError> {
-            let (s, mut v) = raw
-                .remove(name)
-                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-            if s != shape {
-                return Err(ModelError::Shape {
-                    name: name.to_string(),
-                    got: s,
-                    want: shape.to_vec(),
-                });
-            }
-            if let (true, Precision::Int4 { group_size }) = (quantize, precision) {
-                quantize_int4(&mut v, shape.last().copied().unwrap_or(1), group_size);
-            }
-            Ok(Tensor::from_vec(v, shape, &device)?)
-        };
+        let mut take =
+            |name: &str, shape: &[usize], quantize: bool| -> Result<Tensor, ModelError> {
+                let (s, mut v) = raw
+                    .remove(name)
+                    .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+                if s != shape {
+                    return Err(ModelError::Shape {
+                        name: name.to_string(),
+                        got: s,
+                        want: shape.to_vec(),
+                    });
+                }
+                if let (true, Precision::Int4 { group_size }) = (quantize, precision) {
+                    quantize_int4(&mut v, shape.last().copied().unwrap_or(1), group_size);
+                }
+                Ok(Tensor::from_vec(v, shape, &device)?)
+            };
         let (d, h, kv, hd, v) = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -323,10 +328,26 @@ impl Model {
             layers.push(Layer {
                 ln1: take(&format!("{p}.input_layernorm.weight"), &[d], false)?,
                 ln2: take(&format!("{p}.post_attention_layernorm.weight"), &[d], false)?,
-                q_t: tr(take(&format!("{p}.self_attn.q_proj.weight"), &[h * hd, d], true)?)?,
-                k_t: tr(take(&format!("{p}.self_attn.k_proj.weight"), &[kv * hd, d], true)?)?,
-                v_t: tr(take(&format!("{p}.self_attn.v_proj.weight"), &[kv * hd, d], true)?)?,
-                o_t: tr(take(&format!("{p}.self_attn.o_proj.weight"), &[d, h * hd], true)?)?,
+                q_t: tr(take(
+                    &format!("{p}.self_attn.q_proj.weight"),
+                    &[h * hd, d],
+                    true,
+                )?)?,
+                k_t: tr(take(
+                    &format!("{p}.self_attn.k_proj.weight"),
+                    &[kv * hd, d],
+                    true,
+                )?)?,
+                v_t: tr(take(
+                    &format!("{p}.self_attn.v_proj.weight"),
+                    &[kv * hd, d],
+                    true,
+                )?)?,
+                o_t: tr(take(
+                    &format!("{p}.self_attn.o_proj.weight"),
+                    &[d, h * hd],
+                    true,
+                )?)?,
                 q_norm: take(&format!("{p}.self_attn.q_norm.weight"), &[hd], false)?,
                 k_norm: take(&format!("{p}.self_attn.k_norm.weight"), &[hd], false)?,
                 ffn,
@@ -418,11 +439,7 @@ impl Model {
         Ok(out)
     }
 
-    fn forward_unchecked(
-        &self,
-        ids: &[u32],
-        cache: &mut KvCache,
-    ) -> candle_core::Result<Tensor> {
+    fn forward_unchecked(&self, ids: &[u32], cache: &mut KvCache) -> candle_core::Result<Tensor> {
         let t = ids.len();
         let off = cache.len;
         let (h, kv, hd) = (
@@ -450,14 +467,15 @@ impl Model {
         let mut new_cache = Vec::with_capacity(self.layers.len());
         for (li, layer) in self.layers.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &layer.ln1, eps)?;
-            let heads = |w: &Tensor, n: usize, norm: Option<&Tensor>| -> candle_core::Result<Tensor> {
-                let y = xn.matmul(w)?.reshape((t, n, hd))?;
-                let y = match norm {
-                    Some(nw) => candle_nn::ops::rms_norm(&y.contiguous()?, nw, eps)?,
-                    None => y,
+            let heads =
+                |w: &Tensor, n: usize, norm: Option<&Tensor>| -> candle_core::Result<Tensor> {
+                    let y = xn.matmul(w)?.reshape((t, n, hd))?;
+                    let y = match norm {
+                        Some(nw) => candle_nn::ops::rms_norm(&y.contiguous()?, nw, eps)?,
+                        None => y,
+                    };
+                    y.transpose(0, 1)?.contiguous()?.unsqueeze(0) // [1, n, t, hd]
                 };
-                y.transpose(0, 1)?.contiguous()?.unsqueeze(0) // [1, n, t, hd]
-            };
             let q = heads(&layer.q_t, h, Some(&layer.q_norm))?;
             let k = heads(&layer.k_t, kv, Some(&layer.k_norm))?;
             let v = heads(&layer.v_t, kv, None)?;
@@ -484,7 +502,11 @@ impl Model {
             }
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             let y = att.matmul(&v)?; // [1, h, t, hd]
-            let y = y.squeeze(0)?.transpose(0, 1)?.contiguous()?.reshape((t, h * hd))?;
+            let y = y
+                .squeeze(0)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((t, h * hd))?;
             x = (x + y.matmul(&layer.o_t)?)?;
             let xn = candle_nn::ops::rms_norm(&x, &layer.ln2, eps)?;
             x = (&x + layer.ffn.forward(&xn)?)?;
