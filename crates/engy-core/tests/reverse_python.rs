@@ -86,7 +86,8 @@ fn build_reverse() -> Value {
         key("miner-a").ss58(),
         key("miner-b").ss58(),
     ];
-    let cases: Vec<(&str, u64, Vec<(String, u16)>)> = vec![
+    type Weights = Vec<(String, u16)>;
+    let cases: Vec<(&str, u64, Weights)> = vec![
         (
             "typical",
             12,
