@@ -1,0 +1,783 @@
+//! The chain client: subxt, DYNAMIC against the node's own metadata (no static codegen that
+//! goes stale at the next runtime upgrade). PROTOCOL.md §7 steps 4 and 8.
+//!
+//! One [`Chain`] is opened per tick and dropped at its end, so a runtime upgrade, a node
+//! restart or a dropped websocket never outlives a tick. Reads are pinned to one block.
+//!
+//! Storage read (pallet `SubtensorModule`, names as in opentensor/subtensor):
+//! `SubnetworkN(netuid)`, `Keys(netuid, uid)` (uid → hotkey), `Uids(netuid, hotkey)`,
+//! `ValidatorPermit(netuid)`, `LastUpdate(netuid)`, `WeightsSetRateLimit`,
+//! `MinAllowedWeights`, `MaxWeightsLimit`, `CommitRevealWeightsEnabled`, `ActivityCutoff`,
+//! `WeightsVersionKey`, `NetworksAdded`, `TotalHotkeyAlpha(hotkey, netuid)` and the global
+//! `WeightsMinStake`.
+//!
+//! Submission: `SubtensorModule.set_weights(netuid, dests, weights, version_key)` signed
+//! with the wallet hotkey (sr25519, MultiSignature), mortal for [`MORTAL_PERIOD`] blocks
+//! from the latest finalized block, waiting for inclusion. Success = included without
+//! `System.ExtrinsicFailed`. A transaction-pool rejection ("Invalid Transaction",
+//! `Custom(N)` from subtensor's transaction extension) and a dispatch error are both
+//! [`SubmitError`]s that carry the runtime's own name.
+//!
+//! Transaction extensions are chosen from the metadata (subxt `AnyOf`): the standard
+//! Substrate ones, subtensor's `ChargeTransactionPaymentWrapper` (a compact tip, here 0),
+//! and every data-less extension (`SubtensorSignedExtension`, `SubtensorTransactionExtension`,
+//! `CommitmentsSignedExtension`, `DrandPriority`, `SudoTransactionExtension`,
+//! `CheckShieldedTxValidity`, …) which encode to nothing. [`unsupported_extensions`] names
+//! any extension carrying data this client cannot encode.
+
+use std::time::Duration;
+
+use futures_util::{stream, StreamExt, TryStreamExt};
+use subxt::config::transaction_extensions::{self as ext, TransactionExtension};
+use subxt::config::{ExtrinsicParams, ExtrinsicParamsEncoder, ExtrinsicParamsError};
+use subxt::dynamic::Value;
+use subxt::ext::codec::{Compact, Encode};
+use subxt::ext::scale_decode::DecodeAsType;
+use subxt::utils::{AccountId32, MultiAddress, MultiSignature};
+use subxt::OnlineClient;
+
+/// Mortality period of a `set_weights` extrinsic in blocks (~12.8 min on finney).
+pub const MORTAL_PERIOD: u64 = 64;
+
+/// How long to wait for a connection plus metadata download.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long to wait for one batch of reads.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long to wait for a submitted extrinsic to be included.
+pub const INCLUSION_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// subxt configuration for subtensor (node-subtensor): AccountId32, `MultiAddress<_, ()>`,
+/// MultiSignature, BLAKE2-256, u32 block numbers.
+#[derive(Debug, Clone, Copy)]
+pub enum SubtensorConfig {}
+
+impl subxt::Config for SubtensorConfig {
+    type AccountId = AccountId32;
+    type Address = MultiAddress<AccountId32, ()>;
+    type Signature = MultiSignature;
+    type Hasher = subxt::config::substrate::BlakeTwo256;
+    type Header = subxt::config::substrate::SubstrateHeader<u32, subxt::config::substrate::BlakeTwo256>;
+    type ExtrinsicParams = SubtensorExtrinsicParams;
+    type AssetId = u32;
+}
+
+/// The transaction extensions this client knows, picked per chain from the metadata.
+pub type SubtensorExtrinsicParams = ext::AnyOf<
+    SubtensorConfig,
+    (
+        ext::VerifySignature<SubtensorConfig>,
+        ext::CheckSpecVersion,
+        ext::CheckTxVersion,
+        ext::CheckNonce,
+        ext::CheckGenesis<SubtensorConfig>,
+        ext::CheckMortality<SubtensorConfig>,
+        ext::ChargeAssetTxPayment<SubtensorConfig>,
+        ext::ChargeTransactionPayment,
+        ext::CheckMetadataHash,
+        ChargeTransactionPaymentWrapper,
+    ),
+>;
+
+/// Identifiers of the non-empty extensions [`SubtensorExtrinsicParams`] encodes.
+const KNOWN_EXTENSIONS: &[&str] = &[
+    "VerifySignature",
+    "CheckSpecVersion",
+    "CheckTxVersion",
+    "CheckNonce",
+    "CheckGenesis",
+    "CheckMortality",
+    "ChargeAssetTxPayment",
+    "ChargeTransactionPayment",
+    "CheckMetadataHash",
+];
+
+/// subtensor's `ChargeTransactionPaymentWrapper`: wraps `ChargeTransactionPayment`, so its
+/// explicit data is a compact tip (here always 0) and it has no implicit data.
+pub struct ChargeTransactionPaymentWrapper {
+    tip: Compact<u128>,
+}
+
+impl ExtrinsicParams<SubtensorConfig> for ChargeTransactionPaymentWrapper {
+    type Params = ();
+    fn new(
+        _client: &subxt::client::ClientState<SubtensorConfig>,
+        _params: (),
+    ) -> Result<Self, ExtrinsicParamsError> {
+        Ok(Self { tip: Compact(0) })
+    }
+}
+
+impl ExtrinsicParamsEncoder for ChargeTransactionPaymentWrapper {
+    fn encode_value_to(&self, v: &mut Vec<u8>) {
+        self.tip.encode_to(v);
+    }
+}
+
+impl TransactionExtension<SubtensorConfig> for ChargeTransactionPaymentWrapper {
+    type Decoded = ();
+    fn matches(identifier: &str, type_id: u32, types: &scale_info::PortableRegistry) -> bool {
+        identifier == "ChargeTransactionPaymentWrapper" && is_compact_int(type_id, types, 0)
+    }
+}
+
+/// True when `type_id` is a compact integer, possibly wrapped in single-field composites.
+fn is_compact_int(type_id: u32, types: &scale_info::PortableRegistry, depth: u8) -> bool {
+    use scale_info::TypeDef;
+    if depth > 8 {
+        return false;
+    }
+    match types.resolve(type_id).map(|t| &t.type_def) {
+        Some(TypeDef::Compact(_)) => true,
+        Some(TypeDef::Composite(c)) => match c.fields.as_slice() {
+            [only] => is_compact_int(only.ty.id, types, depth + 1),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// True when values of `type_id` encode to zero bytes.
+fn is_empty_type(type_id: u32, types: &scale_info::PortableRegistry) -> bool {
+    use scale_info::TypeDef;
+    match types.resolve(type_id).map(|t| &t.type_def) {
+        Some(TypeDef::Composite(c)) => c.fields.iter().all(|f| is_empty_type(f.ty.id, types)),
+        Some(TypeDef::Tuple(t)) => t.fields.iter().all(|f| is_empty_type(f.id, types)),
+        Some(TypeDef::Array(a)) => a.len == 0 || is_empty_type(a.type_param.id, types),
+        _ => false,
+    }
+}
+
+/// Names of the runtime's transaction extensions that this client cannot encode (they
+/// carry explicit or implicit data and are not in its list). Empty = every `set_weights`
+/// this client builds is well-formed for this runtime.
+pub fn unsupported_extensions(metadata: &subxt::Metadata) -> Vec<String> {
+    let types = metadata.types();
+    metadata
+        .extrinsic()
+        .transaction_extensions_to_use_for_encoding()
+        .filter(|e| {
+            let id = e.identifier();
+            let known = KNOWN_EXTENSIONS.contains(&id)
+                || ChargeTransactionPaymentWrapper::matches(id, e.extra_ty(), types)
+                    && is_empty_type(e.additional_ty(), types);
+            !known && !(is_empty_type(e.extra_ty(), types) && is_empty_type(e.additional_ty(), types))
+        })
+        .map(|e| e.identifier().to_owned())
+        .collect()
+}
+
+/// The runtime's transaction extension identifiers, in signing order.
+pub fn extension_names(metadata: &subxt::Metadata) -> Vec<String> {
+    metadata
+        .extrinsic()
+        .transaction_extensions_to_use_for_encoding()
+        .map(|e| e.identifier().to_owned())
+        .collect()
+}
+
+/// Signs with an sr25519 key under the Substrate signing context (`substrate`).
+pub trait Sr25519Signer: Send + Sync {
+    /// The 32-byte public key.
+    fn public_key(&self) -> [u8; 32];
+    /// A 64-byte sr25519 signature over `message` (context `substrate`).
+    fn sign(&self, message: &[u8]) -> [u8; 64];
+}
+
+/// Adapts an [`Sr25519Signer`] to subxt's `Signer`.
+struct SubxtSigner<'a>(&'a dyn Sr25519Signer);
+
+impl subxt::tx::Signer<SubtensorConfig> for SubxtSigner<'_> {
+    fn account_id(&self) -> AccountId32 {
+        AccountId32(self.0.public_key())
+    }
+    fn sign(&self, signer_payload: &[u8]) -> MultiSignature {
+        MultiSignature::Sr25519(self.0.sign(signer_payload))
+    }
+}
+
+/// Errors opening or reading the chain.
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    /// Connecting or downloading metadata failed.
+    #[error("cannot connect to {url}: {reason}")]
+    Connect {
+        /// The node URL.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// An operation did not finish in time.
+    #[error("{what} timed out after {secs} s")]
+    Timeout {
+        /// What was being done.
+        what: &'static str,
+        /// The timeout.
+        secs: u64,
+    },
+    /// A read failed (RPC, decoding, missing storage item).
+    #[error("{what}: {reason}")]
+    Read {
+        /// What was being read.
+        what: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Why a `set_weights` did not land.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// Included, but the dispatch failed: `System.ExtrinsicFailed` with this module error.
+    #[error("{pallet}.{name} (included in block #{block}, ExtrinsicFailed)")]
+    Dispatch {
+        /// Pallet of the error, e.g. `SubtensorModule`.
+        pallet: String,
+        /// The error variant, e.g. `SettingWeightsTooFast`.
+        name: String,
+        /// Inclusion block.
+        block: u64,
+    },
+    /// Included, but the dispatch failed with a non-module error.
+    #[error("{0} (ExtrinsicFailed)")]
+    DispatchOther(String),
+    /// The transaction pool refused it (never in a block): RPC 1010 "Invalid Transaction".
+    #[error("pool rejected: Invalid Transaction {}{}", custom.map(|c| format!("Custom({c})")).unwrap_or_else(|| message.clone()), custom.and_then(custom_hint).map(|h| format!(" ({h})")).unwrap_or_default())]
+    Pool {
+        /// The `Custom(N)` code, when it is one.
+        custom: Option<u8>,
+        /// The node's message.
+        message: String,
+    },
+    /// The node dropped or refused it for another reason (usurped, dropped, error status).
+    #[error("not included: {0}")]
+    NotIncluded(String),
+    /// The client cannot build a valid extrinsic for this runtime (e.g. an extension it
+    /// cannot encode; reported by name at start-up).
+    #[error("cannot build the extrinsic: {0}")]
+    Build(String),
+    /// Transport or RPC failure while submitting or watching.
+    #[error("chain transport: {0}")]
+    Transport(String),
+    /// No inclusion within [`INCLUSION_TIMEOUT`].
+    #[error("not included within {0} s")]
+    Timeout(u64),
+}
+
+impl SubmitError {
+    /// The runtime's short name for the failure, for tests and `check`
+    /// (`SettingWeightsTooFast`, `Custom(6)`, …).
+    pub fn name(&self) -> String {
+        match self {
+            SubmitError::Dispatch { name, .. } => name.clone(),
+            SubmitError::Pool { custom: Some(c), .. } => format!("Custom({c})"),
+            SubmitError::Pool { message, .. } => message.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// What `Custom(N)` from subtensor's transaction extension means. The numbering changed
+/// over time: spec ≤ ~220 (early 2025) used raw codes per call, later runtimes use
+/// `CustomTransactionError`.
+pub fn custom_hint(code: u8) -> Option<&'static str> {
+    Some(match code {
+        0 => "ColdkeyInSwapSchedule",
+        1 => "StakeAmountTooLow",
+        2 => "BalanceTooLow",
+        3 => "SubnetDoesntExist; on early-2025 runtimes: stake below WeightsMinStake",
+        4 => "HotkeyAccountDoesntExist",
+        5 => "NotEnoughStakeToWithdraw",
+        6 => "RateLimitExceeded",
+        7 => "InsufficientLiquidity",
+        8 => "SlippageTooHigh",
+        9 => "TransferDisallowed",
+        10 => "HotKeyNotRegisteredInNetwork",
+        14 => "TransactionPriorityTooLow",
+        255 => "BadRequest",
+        _ => return None,
+    })
+}
+
+/// Parses an RPC error text for a pool rejection: real nodes say
+/// `1010: Invalid Transaction: Custom error: 6`, chopsticks says
+/// `1010: {"invalid":{"custom":6}}`.
+pub fn parse_pool_rejection(text: &str) -> Option<SubmitError> {
+    let lower = text.to_ascii_lowercase();
+    let pool = lower.contains("1010")
+        || lower.contains("invalid transaction")
+        || lower.contains("\"invalid\"");
+    if !pool {
+        return None;
+    }
+    let number_after = |pat: &str| -> Option<u8> {
+        let at = lower.find(pat)? + pat.len();
+        let digits: String = lower
+            .get(at..)?
+            .chars()
+            .skip_while(|c| c.is_whitespace())
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().ok()
+    };
+    let custom = number_after("custom error:").or_else(|| number_after("\"custom\":"));
+    Some(SubmitError::Pool {
+        custom,
+        message: text.trim().to_owned(),
+    })
+}
+
+/// The subnet hyperparameters that decide whether a vector can land.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hyperparams {
+    /// `WeightsSetRateLimit`: blocks between accepted `set_weights`.
+    pub weights_rate_limit: u64,
+    /// `MinAllowedWeights`: minimum number of dests.
+    pub min_allowed_weights: u16,
+    /// `MaxWeightsLimit`: maximum single weight after max-upscaling (u16 scale).
+    pub max_weight_limit: u16,
+    /// `CommitRevealWeightsEnabled`: plain `set_weights` is refused when true.
+    pub commit_reveal_weights_enabled: bool,
+    /// `ActivityCutoff`: blocks after which a silent validator leaves consensus.
+    pub activity_cutoff: u16,
+    /// `WeightsVersionKey`: the minimum `version_key` accepted.
+    pub weights_version_key: u64,
+    /// Global `WeightsMinStake` (rao), 0 when the runtime has none.
+    pub weights_min_stake: u64,
+}
+
+/// The validator's own neuron on the netuid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Neuron {
+    /// Its uid.
+    pub uid: u16,
+    /// `ValidatorPermit[uid]`.
+    pub validator_permit: bool,
+    /// `LastUpdate[uid]`: block of its last accepted weights (or registration).
+    pub last_update: u64,
+    /// Stake on the netuid in rao (`TotalHotkeyAlpha`), when the runtime has it.
+    pub stake: Option<u64>,
+}
+
+/// Where a successful extrinsic landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inclusion {
+    /// Inclusion block number.
+    pub block: u64,
+    /// Inclusion block hash, 0x-hex.
+    pub block_hash: String,
+}
+
+/// A connection to a subtensor node, with the metadata it served.
+pub struct Chain {
+    api: OnlineClient<SubtensorConfig>,
+    url: String,
+}
+
+async fn within<F, T, E>(what: &'static str, limit: Duration, f: F) -> Result<T, ChainError>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    match tokio::time::timeout(limit, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(ChainError::Read {
+            what: what.to_owned(),
+            reason: e.to_string(),
+        }),
+        Err(_) => Err(ChainError::Timeout {
+            what,
+            secs: limit.as_secs(),
+        }),
+    }
+}
+
+fn read_err(what: impl Into<String>) -> impl FnOnce(subxt::Error) -> ChainError {
+    let what = what.into();
+    move |e| ChainError::Read {
+        what,
+        reason: e.to_string(),
+    }
+}
+
+impl Chain {
+    /// Connects to `url` (ws:// or wss://) and downloads the node's metadata.
+    pub async fn connect(url: &str) -> Result<Chain, ChainError> {
+        let fut = OnlineClient::<SubtensorConfig>::from_insecure_url(url);
+        match tokio::time::timeout(CONNECT_TIMEOUT, fut).await {
+            Ok(Ok(api)) => Ok(Chain {
+                api,
+                url: url.to_owned(),
+            }),
+            Ok(Err(e)) => Err(ChainError::Connect {
+                url: url.to_owned(),
+                reason: e.to_string(),
+            }),
+            Err(_) => Err(ChainError::Timeout {
+                what: "connect",
+                secs: CONNECT_TIMEOUT.as_secs(),
+            }),
+        }
+    }
+
+    /// The node URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The runtime metadata the node served.
+    pub fn metadata(&self) -> subxt::Metadata {
+        self.api.metadata()
+    }
+
+    /// `(spec_version, transaction_version)` of the runtime.
+    pub fn runtime_version(&self) -> (u32, u32) {
+        let v = self.api.runtime_version();
+        (v.spec_version, v.transaction_version)
+    }
+
+    /// The underlying subxt client (tests use it for sudo calls and raw reads).
+    pub fn client(&self) -> &OnlineClient<SubtensorConfig> {
+        &self.api
+    }
+
+    /// The latest finalized block number (positive), via the node's head.
+    pub async fn block_number(&self) -> Result<u64, ChainError> {
+        let block = within("latest block", READ_TIMEOUT, self.api.blocks().at_latest()).await?;
+        Ok(u64::from(block.number()))
+    }
+
+    async fn fetch_value<T: DecodeAsType>(
+        storage: &subxt::storage::Storage<SubtensorConfig, OnlineClient<SubtensorConfig>>,
+        entry: &'static str,
+        keys: Vec<Value>,
+    ) -> Result<T, ChainError> {
+        let addr = subxt::dynamic::storage("SubtensorModule", entry, keys);
+        let thunk = storage
+            .fetch_or_default(&addr)
+            .await
+            .map_err(read_err(format!("SubtensorModule.{entry}")))?;
+        thunk
+            .as_type::<T>()
+            .map_err(|e| ChainError::Read {
+                what: format!("SubtensorModule.{entry}"),
+                reason: e.to_string(),
+            })
+    }
+
+    async fn storage_at_latest(
+        &self,
+    ) -> Result<subxt::storage::Storage<SubtensorConfig, OnlineClient<SubtensorConfig>>, ChainError> {
+        within("latest block", READ_TIMEOUT, self.api.storage().at_latest()).await
+    }
+
+    fn has_entry(&self, entry: &str) -> bool {
+        self.api
+            .metadata()
+            .pallet_by_name("SubtensorModule")
+            .and_then(|p| p.storage())
+            .and_then(|s| s.entry_by_name(entry))
+            .is_some()
+    }
+
+    /// True when the netuid exists (`NetworksAdded`).
+    pub async fn subnet_exists(&self, netuid: u16) -> Result<bool, ChainError> {
+        let s = self.storage_at_latest().await?;
+        Self::fetch_value::<bool>(&s, "NetworksAdded", vec![Value::u128(netuid.into())]).await
+    }
+
+    /// The metagraph hotkeys of `netuid` in uid order (`metagraph[uid]` = SS58, prefix 42).
+    pub async fn metagraph(&self, netuid: u16) -> Result<Vec<String>, ChainError> {
+        let s = self.storage_at_latest().await?;
+        let n = tokio::time::timeout(
+            READ_TIMEOUT,
+            Self::fetch_value::<u16>(&s, "SubnetworkN", vec![Value::u128(netuid.into())]),
+        )
+        .await
+        .map_err(|_| ChainError::Timeout {
+            what: "SubnetworkN",
+            secs: READ_TIMEOUT.as_secs(),
+        })??;
+        let reads = stream::iter(0..n)
+            .map(|uid| {
+                let s = s.clone();
+                async move {
+                    let keys = vec![Value::u128(netuid.into()), Value::u128(uid.into())];
+                    Self::fetch_value::<AccountId32>(&s, "Keys", keys)
+                        .await
+                        .map(|a| a.to_string())
+                }
+            })
+            .buffered(32)
+            .try_collect::<Vec<String>>();
+        tokio::time::timeout(READ_TIMEOUT, reads)
+            .await
+            .map_err(|_| ChainError::Timeout {
+                what: "metagraph Keys",
+                secs: READ_TIMEOUT.as_secs(),
+            })?
+    }
+
+    /// The subnet hyperparameters of `netuid`.
+    pub async fn hyperparams(&self, netuid: u16) -> Result<Hyperparams, ChainError> {
+        let s = self.storage_at_latest().await?;
+        let k = || vec![Value::u128(netuid.into())];
+        let min_stake = if self.has_entry("WeightsMinStake") {
+            Self::fetch_value::<u64>(&s, "WeightsMinStake", vec![]).await?
+        } else {
+            0
+        };
+        Ok(Hyperparams {
+            weights_rate_limit: Self::fetch_value(&s, "WeightsSetRateLimit", k()).await?,
+            min_allowed_weights: Self::fetch_value(&s, "MinAllowedWeights", k()).await?,
+            max_weight_limit: Self::fetch_value(&s, "MaxWeightsLimit", k()).await?,
+            commit_reveal_weights_enabled: Self::fetch_value(&s, "CommitRevealWeightsEnabled", k())
+                .await?,
+            activity_cutoff: Self::fetch_value(&s, "ActivityCutoff", k()).await?,
+            weights_version_key: Self::fetch_value(&s, "WeightsVersionKey", k()).await?,
+            weights_min_stake: min_stake,
+        })
+    }
+
+    /// The neuron of `hotkey` (32-byte public key) on `netuid`, or `None` when it is not
+    /// registered there.
+    pub async fn neuron(&self, netuid: u16, hotkey: [u8; 32]) -> Result<Option<Neuron>, ChainError> {
+        let s = self.storage_at_latest().await?;
+        let addr = subxt::dynamic::storage(
+            "SubtensorModule",
+            "Uids",
+            vec![Value::u128(netuid.into()), Value::from_bytes(hotkey)],
+        );
+        let Some(thunk) = s.fetch(&addr).await.map_err(read_err("SubtensorModule.Uids"))? else {
+            return Ok(None);
+        };
+        let uid: u16 = thunk.as_type().map_err(|e| ChainError::Read {
+            what: "SubtensorModule.Uids".into(),
+            reason: e.to_string(),
+        })?;
+        let k = || vec![Value::u128(netuid.into())];
+        let permits: Vec<bool> = Self::fetch_value(&s, "ValidatorPermit", k()).await?;
+        let last: Vec<u64> = Self::fetch_value(&s, "LastUpdate", k()).await?;
+        let stake = if self.has_entry("TotalHotkeyAlpha") {
+            Some(
+                Self::fetch_value::<u64>(
+                    &s,
+                    "TotalHotkeyAlpha",
+                    vec![Value::from_bytes(hotkey), Value::u128(netuid.into())],
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
+        Ok(Some(Neuron {
+            uid,
+            validator_permit: permits.get(usize::from(uid)).copied().unwrap_or(false),
+            last_update: last.get(usize::from(uid)).copied().unwrap_or(0),
+            stake,
+        }))
+    }
+
+    /// `Weights(netuid, uid)` as stored (max-upscaled by the runtime): `(dest uid, weight)`.
+    pub async fn weights(&self, netuid: u16, uid: u16) -> Result<Vec<(u16, u16)>, ChainError> {
+        let s = self.storage_at_latest().await?;
+        Self::fetch_value(
+            &s,
+            "Weights",
+            vec![Value::u128(netuid.into()), Value::u128(uid.into())],
+        )
+        .await
+    }
+
+    /// Signs, submits and waits for inclusion of any dynamic call (also used by tests for
+    /// sudo calls). Success = included without `System.ExtrinsicFailed`.
+    pub async fn submit(
+        &self,
+        call: &subxt::tx::DynamicPayload,
+        signer: &dyn Sr25519Signer,
+    ) -> Result<Inclusion, SubmitError> {
+        let signer = SubxtSigner(signer);
+        let params = (
+            (),
+            (),
+            (),
+            ext::CheckNonceParams::from_chain(),
+            (),
+            ext::CheckMortalityParams::mortal(MORTAL_PERIOD),
+            ext::ChargeAssetTxPaymentParams::no_tip(),
+            ext::ChargeTransactionPaymentParams::no_tip(),
+            (),
+            (),
+        );
+        let run = async {
+            let mut tx_client = self.api.tx();
+            let tx = tx_client
+                .create_signed(call, &signer, params)
+                .await
+                .map_err(classify)?;
+            let mut progress = tx.submit_and_watch().await.map_err(classify)?;
+            while let Some(status) = progress.next().await {
+                use subxt::tx::TxStatus;
+                match status.map_err(classify)? {
+                    TxStatus::InBestBlock(in_block) | TxStatus::InFinalizedBlock(in_block) => {
+                        let hash = in_block.block_hash();
+                        let block = self
+                            .api
+                            .blocks()
+                            .at(hash)
+                            .await
+                            .map(|b| u64::from(b.number()))
+                            .unwrap_or(0);
+                        return match in_block.wait_for_success().await {
+                            Ok(_) => Ok(Inclusion {
+                                block,
+                                block_hash: format!("0x{}", hex::encode(hash.0)),
+                            }),
+                            Err(subxt::Error::Runtime(subxt::error::DispatchError::Module(m))) => {
+                                Err(match m.details() {
+                                    Ok(d) => SubmitError::Dispatch {
+                                        pallet: d.pallet.name().to_owned(),
+                                        name: d.variant.name.clone(),
+                                        block,
+                                    },
+                                    Err(_) => SubmitError::DispatchOther(m.to_string()),
+                                })
+                            }
+                            Err(subxt::Error::Runtime(e)) => {
+                                Err(SubmitError::DispatchOther(e.to_string()))
+                            }
+                            Err(e) => Err(SubmitError::Transport(e.to_string())),
+                        };
+                    }
+                    TxStatus::Invalid { message } => {
+                        return Err(parse_pool_rejection(&message)
+                            .unwrap_or(SubmitError::NotIncluded(format!("invalid: {message}"))))
+                    }
+                    TxStatus::Dropped { message } => {
+                        return Err(SubmitError::NotIncluded(format!("dropped: {message}")))
+                    }
+                    TxStatus::Error { message } => {
+                        return Err(parse_pool_rejection(&message)
+                            .unwrap_or(SubmitError::NotIncluded(format!("error: {message}"))))
+                    }
+                    TxStatus::Validated | TxStatus::Broadcasted | TxStatus::NoLongerInBestBlock => {}
+                }
+            }
+            Err(SubmitError::NotIncluded(
+                "the node closed the status subscription".into(),
+            ))
+        };
+        match tokio::time::timeout(INCLUSION_TIMEOUT, run).await {
+            Ok(r) => r,
+            Err(_) => Err(SubmitError::Timeout(INCLUSION_TIMEOUT.as_secs())),
+        }
+    }
+
+    /// `SubtensorModule.set_weights(netuid, dests, weights, version_key)` (PROTOCOL.md §7
+    /// step 8), signed by `signer`, waiting for inclusion.
+    pub async fn set_weights(
+        &self,
+        netuid: u16,
+        dests: &[u16],
+        weights: &[u16],
+        version_key: u64,
+        signer: &dyn Sr25519Signer,
+    ) -> Result<Inclusion, SubmitError> {
+        let call = set_weights_call(netuid, dests, weights, version_key);
+        self.submit(&call, signer).await
+    }
+}
+
+/// The dynamic `SubtensorModule.set_weights` call.
+pub fn set_weights_call(
+    netuid: u16,
+    dests: &[u16],
+    weights: &[u16],
+    version_key: u64,
+) -> subxt::tx::DynamicPayload {
+    subxt::dynamic::tx(
+        "SubtensorModule",
+        "set_weights",
+        vec![
+            Value::u128(netuid.into()),
+            Value::unnamed_composite(dests.iter().map(|d| Value::u128((*d).into()))),
+            Value::unnamed_composite(weights.iter().map(|w| Value::u128((*w).into()))),
+            Value::u128(version_key.into()),
+        ],
+    )
+}
+
+/// Maps a subxt error during build/submit to a [`SubmitError`].
+fn classify(e: subxt::Error) -> SubmitError {
+    match &e {
+        subxt::Error::Extrinsic(p) => SubmitError::Build(p.to_string()),
+        subxt::Error::Encode(p) => SubmitError::Build(p.to_string()),
+        subxt::Error::Metadata(m) => SubmitError::Build(m.to_string()),
+        subxt::Error::Transaction(subxt::error::TransactionError::Invalid(m)) => {
+            parse_pool_rejection(m).unwrap_or_else(|| SubmitError::NotIncluded(m.clone()))
+        }
+        _ => {
+            let text = e.to_string();
+            parse_pool_rejection(&text).unwrap_or(SubmitError::Transport(text))
+        }
+    }
+}
+
+/// Maps a module error name of `set_weights` to the operator's fix (for logs and `check`).
+pub fn dispatch_hint(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "CommitRevealEnabled" => "commit-reveal is enabled on this subnet; plain set_weights is refused (timelocked commit is not implemented by this validator)",
+        "SettingWeightsTooFast" => "inside weights_rate_limit since the last accepted set_weights; retried on the next due tick",
+        "NeuronNoValidatorPermit" | "NoValidatorPermit" => "the hotkey holds no validator permit on this subnet; add stake until it ranks among max_allowed_validators",
+        "HotKeyNotRegisteredInSubNet" => "the wallet hotkey is not registered on this netuid; register it (btcli subnets register)",
+        "IncorrectWeightVersionKey" => "the subnet's weights_version_key is above the version_key this validator sends (0)",
+        "NotEnoughStakeToSetWeights" => "stake is below the chain's WeightsMinStake",
+        "WeightVecLengthIsLow" => "fewer dests than min_allowed_weights",
+        "MaxWeightExceeded" => "one weight exceeds max_weight_limit after normalisation",
+        "UidVecContainInvalidOne" => "a dest uid is not on the subnet (metagraph changed between read and inclusion)",
+        "DuplicateUids" => "duplicate dest uids",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_rejections_parse_on_both_node_flavours() {
+        let real = parse_pool_rejection("RPC error: 1010: Invalid Transaction: Custom error: 6").unwrap();
+        assert_eq!(real.name(), "Custom(6)");
+        assert!(real.to_string().contains("RateLimitExceeded"), "{real}");
+        let chopsticks = parse_pool_rejection(r#"1010: {"invalid":{"custom":3}}"#).unwrap();
+        assert_eq!(chopsticks.name(), "Custom(3)");
+        let stale = parse_pool_rejection("1010: Invalid Transaction: Transaction is outdated").unwrap();
+        assert!(matches!(stale, SubmitError::Pool { custom: None, .. }));
+        assert!(parse_pool_rejection("connection reset by peer").is_none());
+    }
+
+    #[test]
+    fn dispatch_errors_keep_the_runtime_name() {
+        // In this runtime every registered uid holds a validator permit, so the permit
+        // error is covered here rather than on chain.
+        let e = SubmitError::Dispatch {
+            pallet: "SubtensorModule".into(),
+            name: "NeuronNoValidatorPermit".into(),
+            block: 9,
+        };
+        assert_eq!(e.name(), "NeuronNoValidatorPermit");
+        assert!(e.to_string().contains("SubtensorModule.NeuronNoValidatorPermit"));
+        assert!(dispatch_hint(&e.name()).unwrap().contains("validator permit"));
+        assert!(dispatch_hint("SettingWeightsTooFast").is_some());
+        assert!(dispatch_hint("CommitRevealEnabled").unwrap().contains("commit-reveal"));
+    }
+
+    #[test]
+    fn set_weights_call_shape() {
+        let call = set_weights_call(53, &[2, 3], &[65535, 1], 0);
+        use subxt::tx::Payload;
+        assert_eq!(call.pallet_name(), "SubtensorModule");
+        assert_eq!(call.call_name(), "set_weights");
+    }
+}

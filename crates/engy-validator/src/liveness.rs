@@ -1,0 +1,146 @@
+//! Liveness (PROTOCOL.md §7 "Liveness"): the heartbeat file every tick stamps, the watchdog
+//! that turns a wedged loop into an exit, and the `health` check the container runs.
+//!
+//! The heartbeat records "the loop completed a tick", not "weights were applied": most
+//! ticks legitimately skip (the resubmit interval spans several polls), and fetch failures
+//! and rejected payloads are healthy.
+
+use std::path::Path;
+use std::time::Duration;
+
+/// Floor of the stall limit in seconds (§7: max(3 × POLL_S, 900 s)).
+pub const MIN_STALL_S: u64 = 900;
+
+/// How often the watchdog looks at the heartbeat file.
+pub const WATCHDOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Seconds without a completed tick that count as a stall: `max(3 × poll_s, 900)`.
+pub fn stall_limit(poll_s: u64) -> u64 {
+    poll_s.saturating_mul(3).max(MIN_STALL_S)
+}
+
+/// Writes `{"ts": now}` to the heartbeat file (parent directory created; temp + rename so
+/// `health` never reads a half-written file).
+pub fn stamp(path: &Path, now: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".heartbeat-")
+        .tempfile_in(dir)?;
+    tmp.write_all(serde_json::json!({ "ts": now }).to_string().as_bytes())?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// The heartbeat's timestamp (unix seconds), or `None` when the file is missing or invalid.
+/// Integers and finite non-negative floats are accepted; booleans are not.
+pub fn read_ts(path: &Path) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    match v.get("ts")? {
+        serde_json::Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.is_finite() && *f >= 0.0)
+                .map(|f| f as u64)
+        }),
+        _ => None,
+    }
+}
+
+/// Health verdict of a heartbeat timestamp (pure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// No heartbeat yet (or unreadable).
+    Missing,
+    /// Last tick `age` seconds ago, within the limit.
+    Fresh {
+        /// Seconds since the last completed tick (0 if the clock went backwards).
+        age: u64,
+    },
+    /// Last tick `age` seconds ago, past `limit`.
+    Stale {
+        /// Seconds since the last completed tick.
+        age: u64,
+        /// The stall limit.
+        limit: u64,
+    },
+}
+
+/// Judges a heartbeat timestamp against `stall_limit(poll_s)`.
+pub fn judge(ts: Option<u64>, now: u64, poll_s: u64) -> Health {
+    let Some(ts) = ts else {
+        return Health::Missing;
+    };
+    let age = now.saturating_sub(ts);
+    let limit = stall_limit(poll_s);
+    if age > limit {
+        Health::Stale { age, limit }
+    } else {
+        Health::Fresh { age }
+    }
+}
+
+/// Current unix time in seconds (0 if the clock is before 1970).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Starts the watchdog thread: every [`WATCHDOG_EVERY`] it exits the process with code 1
+/// when the heartbeat is stale. A missing heartbeat (start-up) is not a stall. It runs on
+/// its own OS thread so a wedged async runtime cannot stop it.
+pub fn spawn_watchdog(path: std::path::PathBuf, poll_s: u64) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("watchdog".into())
+        .spawn(move || loop {
+            std::thread::sleep(WATCHDOG_EVERY);
+            if let Health::Stale { age, limit } = judge(read_ts(&path), unix_now(), poll_s) {
+                tracing::error!(
+                    "watchdog: no completed tick in {age} s (limit {limit} s); exiting 1 so the restart policy recovers the validator"
+                );
+                std::process::exit(1);
+            }
+        })
+        .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stall_limit_floor() {
+        assert_eq!(stall_limit(300), 900);
+        assert_eq!(stall_limit(10), 900);
+        assert_eq!(stall_limit(301), 903);
+        assert_eq!(stall_limit(u64::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn judge_cases() {
+        assert_eq!(judge(None, 100, 300), Health::Missing);
+        assert_eq!(judge(Some(100), 1000, 300), Health::Fresh { age: 900 });
+        assert_eq!(judge(Some(100), 1001, 300), Health::Stale { age: 901, limit: 900 });
+        assert_eq!(judge(Some(2000), 1000, 300), Health::Fresh { age: 0 });
+    }
+
+    #[test]
+    fn stamp_and_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x/heartbeat.json");
+        assert_eq!(read_ts(&p), None);
+        stamp(&p, 1234).unwrap();
+        assert_eq!(read_ts(&p), Some(1234));
+        std::fs::write(&p, r#"{"ts": true}"#).unwrap();
+        assert_eq!(read_ts(&p), None);
+        std::fs::write(&p, r#"{"ts": 12.9}"#).unwrap();
+        assert_eq!(read_ts(&p), Some(12));
+        std::fs::write(&p, "{").unwrap();
+        assert_eq!(read_ts(&p), None);
+    }
+}

@@ -1,0 +1,231 @@
+//! The state file (PROTOCOL.md §7 step 9): what this validator last landed on chain.
+//!
+//! Written only after a successful submit, all fields together, atomically: a temp file in
+//! the same directory, `fsync`, `rename` over the old file, then `fsync` of the directory.
+//! A kill -9 at any moment leaves either the old file or the new one, never a torn one.
+//! Read leniently: each field validates on its own (a wrong type, a bool where an integer
+//! belongs, malformed weights → that field is absent); a missing, truncated or non-object
+//! file reads as empty. Reading never fails.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+/// The validator's persisted anchors and cache. Every field is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct State {
+    /// Epoch of the last successful submission.
+    pub last_applied: Option<u64>,
+    /// Block anchoring the last successful submission (positive).
+    pub last_submit_block: Option<u64>,
+    /// Unix seconds of the last successful submission.
+    pub last_submit_ts: Option<u64>,
+    /// The last vector actually landed from a payload: `(hotkey SS58, weight)` pairs.
+    pub cached_weights: Option<Vec<(String, u16)>>,
+    /// sha256 hex digest of the payload `cached_weights` came from.
+    pub cached_digest: Option<String>,
+}
+
+/// Errors writing the state file.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// Creating the parent directory, writing, syncing or renaming failed.
+    #[error("state file {path}: {source}")]
+    Io {
+        /// The path involved.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+impl State {
+    /// The schedule's view of this state.
+    pub fn anchors(&self) -> crate::schedule::Anchors {
+        crate::schedule::Anchors {
+            last_applied: self.last_applied,
+            last_submit_block: self.last_submit_block,
+            last_submit_ts: self.last_submit_ts,
+        }
+    }
+
+    /// Parses a state document; never fails (see the module docs).
+    pub fn from_bytes(bytes: &[u8]) -> State {
+        let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(bytes) else {
+            return State::default();
+        };
+        State {
+            last_applied: uint(&obj, "last_applied"),
+            last_submit_block: uint(&obj, "last_submit_block").filter(|b| *b > 0),
+            last_submit_ts: timestamp(&obj, "last_submit_ts"),
+            cached_weights: obj.get("cached_weights").and_then(weights),
+            cached_digest: obj
+                .get("cached_digest")
+                .and_then(Value::as_str)
+                .filter(|d| d.len() == 64 && d.bytes().all(|b| b.is_ascii_hexdigit()))
+                .map(str::to_ascii_lowercase),
+        }
+    }
+
+    /// Serialises all fields (absent ones as `null`).
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "last_applied": self.last_applied,
+            "last_submit_block": self.last_submit_block,
+            "last_submit_ts": self.last_submit_ts,
+            "cached_weights": self.cached_weights.as_ref().map(|ws| {
+                ws.iter().map(|(h, w)| serde_json::json!([h, w])).collect::<Vec<_>>()
+            }),
+            "cached_digest": self.cached_digest,
+        })
+    }
+}
+
+/// Non-negative integer field; booleans, floats and strings are absent.
+fn uint(obj: &Map<String, Value>, key: &str) -> Option<u64> {
+    match obj.get(key)? {
+        Value::Number(n) => n.as_u64(),
+        _ => None,
+    }
+}
+
+/// Unix-seconds field: an integer, or a finite non-negative float (files written by the
+/// Python validator store `time.time()`), truncated to whole seconds.
+fn timestamp(obj: &Map<String, Value>, key: &str) -> Option<u64> {
+    match obj.get(key)? {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.is_finite() && *f >= 0.0 && *f < 1.0e15)
+                .map(|f| f as u64)
+        }),
+        _ => None,
+    }
+}
+
+/// `[[hotkey: string, weight: integer 0..=65535], ...]`; any malformed entry voids the field.
+fn weights(v: &Value) -> Option<Vec<(String, u16)>> {
+    v.as_array()?
+        .iter()
+        .map(|pair| match pair.as_array().map(Vec::as_slice) {
+            Some([Value::String(h), Value::Number(w)]) => {
+                Some((h.clone(), u16::try_from(w.as_u64()?).ok()?))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Reads the state file; a missing or unreadable file reads as empty.
+pub fn read(path: &Path) -> State {
+    std::fs::read(path)
+        .map(|b| State::from_bytes(&b))
+        .unwrap_or_default()
+}
+
+/// Writes `state` atomically (temp file in the same directory, fsync, rename, fsync of the
+/// directory), creating the parent directory first.
+pub fn write(path: &Path, state: &State) -> Result<(), StateError> {
+    let io = |source| StateError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".state-")
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(io)?;
+    let mut bytes = serde_json::to_vec_pretty(&state.to_json()).unwrap_or_default();
+    bytes.push(b'\n');
+    tmp.write_all(&bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    // Make the rename itself durable.
+    if let Ok(d) = std::fs::File::open(&dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full() -> State {
+        State {
+            last_applied: Some(7),
+            last_submit_block: Some(1234),
+            last_submit_ts: Some(1_700_000_000),
+            cached_weights: Some(vec![("5Abc".into(), 65535), ("5Def".into(), 0)]),
+            cached_digest: Some("ab".repeat(32)),
+        }
+    }
+
+    #[test]
+    fn round_trip_and_parent_dir_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b/state.json");
+        write(&path, &full()).unwrap();
+        assert_eq!(read(&path), full());
+        // overwrite keeps a single file and no temp files behind
+        let mut s = full();
+        s.last_applied = Some(8);
+        write(&path, &s).unwrap();
+        assert_eq!(read(&path), s);
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().collect();
+        assert_eq!(names.len(), 1);
+    }
+
+    #[test]
+    fn missing_truncated_or_non_object_reads_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        assert_eq!(read(&path), State::default());
+        let good = serde_json::to_vec(&full().to_json()).unwrap();
+        for cut in 0..good.len() {
+            std::fs::write(&path, &good[..cut]).unwrap();
+            // a truncated file never reads as anything but empty
+            assert_eq!(read(&path), State::default(), "cut at {cut}");
+        }
+        for junk in ["[]", "3", "\"x\"", "null", "{"] {
+            std::fs::write(&path, junk).unwrap();
+            assert_eq!(read(&path), State::default());
+        }
+    }
+
+    #[test]
+    fn each_field_validates_on_its_own() {
+        let s = State::from_bytes(
+            br#"{"last_applied": true, "last_submit_block": 0, "last_submit_ts": 1700000000.75,
+                "cached_weights": [["5A", 1], ["5B", 70000]], "cached_digest": "zz"}"#,
+        );
+        assert_eq!(
+            s,
+            State {
+                last_submit_ts: Some(1_700_000_000),
+                ..State::default()
+            }
+        );
+        let s = State::from_bytes(
+            br#"{"last_applied": 3, "last_submit_block": -5, "last_submit_ts": "now",
+                "cached_weights": [["5A", true]]}"#,
+        );
+        assert_eq!(
+            s,
+            State {
+                last_applied: Some(3),
+                ..State::default()
+            }
+        );
+        let s = State::from_bytes(br#"{"last_applied": 2.5, "cached_weights": [["5A", 1, 2]], "last_submit_ts": -1}"#);
+        assert_eq!(s, State::default());
+        let s = State::from_bytes(br#"{"cached_weights": [], "cached_digest": "ABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABAB"}"#);
+        assert_eq!(s.cached_weights, Some(vec![]));
+        assert_eq!(s.cached_digest, Some("ab".repeat(32)));
+    }
+}
