@@ -1,13 +1,20 @@
 //! engy-validator library: the light validator's parts, used by the binary and its tests.
 //!
-//! * [`schedule`]: the pure decisions of PROTOCOL.md §7 (schedule, pre-gate, uid mapping,
-//!   scaling, burn, standby).
+//! * [`config`]: env + flags (PROTOCOL.md §7 "Config").
+//! * [`schedule`]: the pure decisions of §7 (schedule, pre-gate, uid mapping, scaling,
+//!   burn, standby).
 //! * [`state`]: the atomic state file (§7 step 9).
 //! * [`liveness`]: heartbeat file, watchdog, health (§7 "Liveness").
+//! * [`provider`]: epoch fetch and heartbeat POST (§6).
 //! * [`chain`]: the subxt client, dynamic against the node's metadata (§7 steps 4, 8).
+//! * [`daemon`]: the tick loop; [`check`]: the operator preflight.
 #![deny(unsafe_code)]
 
 pub mod chain;
+pub mod check;
+pub mod config;
+pub mod daemon;
 pub mod liveness;
+pub mod provider;
 pub mod schedule;
 pub mod state;

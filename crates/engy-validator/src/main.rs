@@ -3,14 +3,22 @@
 //! Subcommands: `run` (the daemon), `check` (operator preflight), `health` (container
 //! HEALTHCHECK), `audit` (re-derive a miner's hidden states and check its TOPLOC proof),
 //! `spec` (Merkle weight commitments over a checkpoint).
+use std::process::ExitCode;
+
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use engy_validator::{check, config, daemon, liveness};
 
 mod audit;
 mod spec;
 
 /// engy SN53 light validator.
+///
+/// Fetches the master-signed epoch weight vector from the provider API, verifies it, and
+/// keeps it on chain with `SubtensorModule.set_weights`, resubmitting every
+/// ENGY_SN53_RESUBMIT_BLOCKS blocks. Every option can be set by its ENGY_SN53_* variable.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(version, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -18,16 +26,121 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the validator daemon (exit 0 on SIGTERM/SIGINT, 1 when the watchdog fires or the
+    /// configuration/wallet is unusable).
+    Run(RunArgs),
+    /// Preflight: wallet, provider, chain, registration, permit, stake, commit-reveal,
+    /// activity and whether the current payload would land. Exit 1 on any FAIL.
+    Check(config::NodeArgs),
+    /// Container HEALTHCHECK: exit 0 only when the heartbeat file is fresh
+    /// (younger than max(3 × POLL_S, 900 s)).
+    Health(config::FileArgs),
     /// Audit a miner commitment against a checkpoint (teacher-forced recompute + TOPLOC verify).
     Audit(audit::AuditArgs),
     /// Build, verify, open and inspect Merkle weight commitments (specs/SCHEME.md).
     Spec(spec::SpecArgs),
 }
 
-fn main() -> anyhow::Result<std::process::ExitCode> {
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    node: config::NodeArgs,
+    /// Exit 0 after this many ticks (one-shot runs and tests); default: run forever.
+    #[arg(long, env = "ENGY_SN53_MAX_TICKS")]
+    ticks: Option<u64>,
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ENGY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stdout)
+        .init();
+}
+
+fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    init_logging();
+    let s = args.node.settings()?;
+    let loaded = engy_core::keys::load_hotkey(&s.wallet_path, &s.wallet, &s.wallet_hotkey)
+        .with_context(|| format!("wallet {}/{}", s.wallet, s.wallet_hotkey))?;
+    if loaded.insecure_permissions {
+        tracing::warn!(
+            "hotkey file {} is readable by others (mode {:o}); fix: chmod 600",
+            loaded.path.display(),
+            loaded.mode.unwrap_or(0)
+        );
+    }
+    tracing::info!(
+        "engy-validator {} starting: hotkey {} (wallet {}/{}), netuid {}, chain {} ({}), api {}, master {}, poll {} s, resubmit every {} blocks, state {}, heartbeat {} (stall limit {} s)",
+        env!("CARGO_PKG_VERSION"),
+        loaded.hotkey.ss58(),
+        s.wallet,
+        s.wallet_hotkey,
+        s.netuid,
+        s.network,
+        s.chain_url,
+        s.api,
+        s.master_hotkey,
+        s.poll_s,
+        s.resubmit_blocks,
+        s.state_file.display(),
+        s.heartbeat_file.display(),
+        liveness::stall_limit(s.poll_s)
+    );
+    liveness::spawn_watchdog(s.heartbeat_file.clone(), s.poll_s)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut d = daemon::Daemon::new(s.clone(), loaded.hotkey)?;
+        // Report the runtime's transaction extensions once, at start-up.
+        match engy_validator::chain::Chain::connect(&s.chain_url).await {
+            Ok(c) => d.report_extensions(&c),
+            Err(e) => tracing::warn!("chain not reachable at start-up ({e}); the first tick retries"),
+        }
+        daemon::run(d, args.ticks).await
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::Check(args) => (|| {
+            let s = args.settings()?;
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let report = rt.block_on(check::run(&s));
+            Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        })(),
+        Command::Health(args) => (|| {
+            let (_, hb) = args.paths()?;
+            match liveness::judge(liveness::read_ts(&hb), liveness::unix_now(), args.poll_s) {
+                liveness::Health::Fresh { age } => {
+                    println!("ok: last tick {age} s ago");
+                    Ok(ExitCode::SUCCESS)
+                }
+                liveness::Health::Missing => {
+                    println!("unhealthy: no heartbeat at {}", hb.display());
+                    Ok(ExitCode::FAILURE)
+                }
+                liveness::Health::Stale { age, limit } => {
+                    println!("unhealthy: last tick {age} s ago (limit {limit} s)");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        })(),
         Command::Audit(args) => audit::main(args),
         Command::Spec(args) => spec::main(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("engy-validator: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }

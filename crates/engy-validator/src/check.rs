@@ -1,0 +1,286 @@
+//! `engy-validator check`: the operator's one-time preflight. Every line is `ok` or `FAIL`
+//! with the fix; the exit code is non-zero when any line FAILs.
+
+use crate::chain::{self, Chain};
+use crate::config::Settings;
+use crate::schedule;
+
+/// Collected check lines.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// `(passed, line)` in order.
+    pub lines: Vec<(bool, String)>,
+}
+
+impl Report {
+    fn ok(&mut self, line: impl Into<String>) {
+        let line = line.into();
+        println!("ok    {line}");
+        self.lines.push((true, line));
+    }
+    fn fail(&mut self, line: impl Into<String>) {
+        let line = line.into();
+        println!("FAIL  {line}");
+        self.lines.push((false, line));
+    }
+    fn check(&mut self, pass: bool, line: impl Into<String>) {
+        if pass {
+            self.ok(line)
+        } else {
+            self.fail(line)
+        }
+    }
+    /// True when no line failed.
+    pub fn passed(&self) -> bool {
+        self.lines.iter().all(|(p, _)| *p)
+    }
+}
+
+/// Runs every check against `settings` and prints the lines.
+pub async fn run(s: &Settings) -> Report {
+    let mut r = Report::default();
+    r.ok(format!(
+        "config: netuid {}, network {} ({}), api {}, master {}, poll {} s, resubmit every {} blocks, state {}",
+        s.netuid,
+        s.network,
+        s.chain_url,
+        s.api,
+        s.master_hotkey,
+        s.poll_s,
+        s.resubmit_blocks,
+        s.state_file.display()
+    ));
+
+    // wallet
+    let hotkey = match engy_core::keys::load_hotkey(&s.wallet_path, &s.wallet, &s.wallet_hotkey) {
+        Ok(l) => {
+            r.ok(format!(
+                "wallet {}/{} loads and matches its address {} ({}, from {})",
+                s.wallet,
+                s.wallet_hotkey,
+                l.hotkey.ss58(),
+                l.path.display(),
+                l.source_field
+            ));
+            if l.insecure_permissions {
+                r.ok(format!(
+                    "(warning) hotkey file is readable by others (mode {:o}); fix: chmod 600 {}",
+                    l.mode.unwrap_or(0),
+                    l.path.display()
+                ));
+            }
+            Some(l.hotkey)
+        }
+        Err(e) => {
+            r.fail(format!(
+                "wallet {}/{} under {}: {e}; fix: set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to an unencrypted bittensor hotkey file",
+                s.wallet,
+                s.wallet_hotkey,
+                s.wallet_path.display()
+            ));
+            None
+        }
+    };
+
+    // provider
+    let payload = match crate::provider::client() {
+        Ok(http) => match crate::provider::fetch_latest(&http, &s.api).await {
+            Ok(body) => match engy_core::payload::verify(&body, &s.master_hotkey, s.netuid) {
+                Ok(v) => {
+                    r.ok(format!(
+                        "provider {} reachable; epoch {} verifies against master {} ({} hotkeys, digest {})",
+                        s.api,
+                        v.epoch_index,
+                        s.master_hotkey,
+                        v.weights.len(),
+                        v.digest.get(..12).unwrap_or(&v.digest)
+                    ));
+                    Some(v)
+                }
+                Err(e) => {
+                    r.fail(format!(
+                        "provider {} payload rejected: {} ({e}); fix: check ENGY_SN53_API / ENGY_SN53_MASTER_HOTKEY (a pair) and the netuid",
+                        s.api,
+                        e.reason_word()
+                    ));
+                    None
+                }
+            },
+            Err(e) => {
+                r.fail(format!(
+                    "provider {} unreachable: {e}; fix: check network egress to the provider (the validator keeps resubmitting its cached vector meanwhile)",
+                    s.api
+                ));
+                None
+            }
+        },
+        Err(e) => {
+            r.fail(format!("HTTP client: {e}"));
+            None
+        }
+    };
+
+    // chain
+    let chain = match Chain::connect(&s.chain_url).await {
+        Ok(c) => c,
+        Err(e) => {
+            r.fail(format!(
+                "chain {}: {e}; fix: check ENGY_SN53_NETWORK and that the node is reachable",
+                s.chain_url
+            ));
+            return r;
+        }
+    };
+    let block = chain.block_number().await.ok();
+    let (spec, txv) = chain.runtime_version();
+    r.check(
+        block.is_some_and(|b| b > 0),
+        format!(
+            "chain {} reachable: runtime spec {spec} tx {txv}, block #{}",
+            s.chain_url,
+            block.map_or("?".into(), |b| b.to_string())
+        ),
+    );
+    let bad = chain::unsupported_extensions(&chain.metadata());
+    r.check(
+        bad.is_empty(),
+        if bad.is_empty() {
+            format!(
+                "transaction extensions encodable: {}",
+                chain::extension_names(&chain.metadata()).join(", ")
+            )
+        } else {
+            format!(
+                "transaction extension(s) this validator cannot encode: {}; fix: upgrade engy-validator",
+                bad.join(", ")
+            )
+        },
+    );
+    match chain.subnet_exists(s.netuid).await {
+        Ok(true) => r.ok(format!("netuid {} exists", s.netuid)),
+        Ok(false) => {
+            r.fail(format!("netuid {} does not exist on this chain; fix: ENGY_SN53_NETUID / ENGY_SN53_NETWORK", s.netuid));
+            return r;
+        }
+        Err(e) => r.fail(format!("netuid {}: {e}", s.netuid)),
+    }
+    let hp = match chain.hyperparams(s.netuid).await {
+        Ok(h) => Some(h),
+        Err(e) => {
+            r.fail(format!("hyperparameters of netuid {}: {e}", s.netuid));
+            None
+        }
+    };
+    if let Some(h) = &hp {
+        r.check(
+            !h.commit_reveal_weights_enabled,
+            if h.commit_reveal_weights_enabled {
+                format!("commit-reveal is ENABLED on netuid {}: plain set_weights is refused (CommitRevealEnabled) and this validator does not implement the timelocked commit; nothing it submits will land", s.netuid)
+            } else {
+                format!("commit-reveal disabled on netuid {}: plain set_weights accepted", s.netuid)
+            },
+        );
+        r.check(
+            h.weights_version_key <= crate::daemon::VERSION_KEY,
+            format!(
+                "weights_version_key {} (this validator sends {}){}",
+                h.weights_version_key,
+                crate::daemon::VERSION_KEY,
+                if h.weights_version_key > crate::daemon::VERSION_KEY { "; set_weights fails with IncorrectWeightVersionKey" } else { "" }
+            ),
+        );
+        r.check(
+            s.resubmit_blocks > h.weights_rate_limit,
+            format!(
+                "resubmit interval {} blocks vs weights_rate_limit {}{}",
+                s.resubmit_blocks,
+                h.weights_rate_limit,
+                if s.resubmit_blocks > h.weights_rate_limit { "" } else { "; fix: raise ENGY_SN53_RESUBMIT_BLOCKS above the rate limit (SettingWeightsTooFast otherwise)" }
+            ),
+        );
+    }
+
+    let Some(hotkey) = hotkey else { return r };
+    let neuron = match chain.neuron(s.netuid, hotkey.public_key()).await {
+        Ok(Some(n)) => {
+            r.ok(format!("hotkey {} registered on netuid {} at uid {}", hotkey.ss58(), s.netuid, n.uid));
+            Some(n)
+        }
+        Ok(None) => {
+            r.fail(format!(
+                "hotkey {} is not registered on netuid {} (set_weights fails with HotKeyNotRegisteredInSubNet); fix: btcli subnets register --netuid {}",
+                hotkey.ss58(),
+                s.netuid,
+                s.netuid
+            ));
+            None
+        }
+        Err(e) => {
+            r.fail(format!("neuron of {}: {e}", hotkey.ss58()));
+            None
+        }
+    };
+    if let (Some(n), Some(h)) = (neuron, &hp) {
+        r.check(
+            n.validator_permit,
+            if n.validator_permit {
+                format!("uid {} holds a validator permit", n.uid)
+            } else {
+                format!("uid {} has NO validator permit (NeuronNoValidatorPermit); fix: stake more so it ranks among the subnet's max_allowed_validators", n.uid)
+            },
+        );
+        match n.stake {
+            Some(stake) => r.check(
+                stake > 0 && stake >= h.weights_min_stake,
+                format!(
+                    "stake {:.4} (alpha) on netuid {}, chain minimum WeightsMinStake {:.4}{}",
+                    stake as f64 / 1e9,
+                    s.netuid,
+                    h.weights_min_stake as f64 / 1e9,
+                    if stake > 0 && stake >= h.weights_min_stake { "" } else { "; fix: add stake to the hotkey" }
+                ),
+            ),
+            None => r.ok("stake: this runtime has no TotalHotkeyAlpha; not checked"),
+        }
+        if let Some(b) = block {
+            let since = b.saturating_sub(n.last_update);
+            r.check(
+                since < u64::from(h.activity_cutoff),
+                format!(
+                    "{since} blocks since last_update (block #{}) vs activity_cutoff {}{}",
+                    n.last_update,
+                    h.activity_cutoff,
+                    if since < u64::from(h.activity_cutoff) { "" } else { "; the validator is out of consensus until its next accepted set_weights (start the daemon)" }
+                ),
+            );
+        }
+    }
+
+    // would the current payload land?
+    if let (Some(v), Some(h)) = (payload, hp) {
+        match chain.metagraph(s.netuid).await {
+            Ok(mg) => {
+                let res = schedule::resolve(&v.weights, &mg);
+                let n = res.uids.len();
+                let max = res.weights.iter().copied().max().unwrap_or(0);
+                let lands = !res.is_empty()
+                    && n >= usize::from(h.min_allowed_weights)
+                    && max <= h.max_weight_limit;
+                r.check(
+                    lands,
+                    format!(
+                        "epoch {} would land: {n} of {} hotkeys resolve to uids (dropped {} holding {:.1}%), min_allowed_weights {}, largest weight {max} vs max_weight_limit {}",
+                        v.epoch_index,
+                        v.weights.len(),
+                        res.dropped.len(),
+                        res.dropped_share * 100.0,
+                        h.min_allowed_weights,
+                        h.max_weight_limit
+                    ),
+                );
+            }
+            Err(e) => r.fail(format!("metagraph of netuid {}: {e}", s.netuid)),
+        }
+    }
+    r
+}

@@ -1,0 +1,421 @@
+//! The tick loop (PROTOCOL.md §7): I/O at the edges, decisions in [`crate::schedule`].
+//!
+//! Each tick prints exactly one line saying what happened and when the validator acts next,
+//! and stamps the heartbeat file however it turned out.
+
+use std::time::Duration;
+
+use engy_core::keys::Hotkey;
+
+use crate::chain::{self, Chain, Sr25519Signer};
+use crate::config::Settings;
+use crate::schedule::{self, Decision, EpochRelation, Plan, Source};
+use crate::state::{self, State};
+
+/// The `version_key` sent with `set_weights` (PROTOCOL.md §7 step 8).
+pub const VERSION_KEY: u64 = 0;
+
+/// The wallet hotkey as a chain signer.
+pub struct HotkeySigner<'a>(pub &'a Hotkey);
+
+impl Sr25519Signer for HotkeySigner<'_> {
+    fn public_key(&self) -> [u8; 32] {
+        self.0.public_key()
+    }
+    fn sign(&self, message: &[u8]) -> [u8; 64] {
+        self.0.sign(message)
+    }
+}
+
+/// Severity of a tick's line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// Healthy outcome (submitted, skipped on schedule, provider outage with cache).
+    Info,
+    /// Something the operator may need to look at (a failed submit, a rejected payload).
+    Warn,
+}
+
+/// What one tick did: the one log line and what it means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TickReport {
+    /// Severity.
+    pub level: Level,
+    /// The line (what happened; when the validator acts next).
+    pub line: String,
+    /// Short outcome word for tests and metrics: `submitted`, `skipped`, `failed`,
+    /// `nothing`, `replay`, `chain-down`.
+    pub outcome: &'static str,
+}
+
+/// The vector a tick works with.
+struct Vector {
+    epoch: u64,
+    weights: Vec<(String, u16)>,
+    digest: Option<String>,
+    source: Source,
+    /// Why the payload was not used (fetch failure / rejection), when falling back.
+    fallback_reason: Option<String>,
+}
+
+/// The long-lived daemon state (settings, key, HTTP client, one-shot notices).
+pub struct Daemon {
+    settings: Settings,
+    hotkey: Hotkey,
+    http: reqwest::Client,
+    extensions_checked: bool,
+}
+
+fn short(hk: &str) -> String {
+    match (hk.get(..6), hk.len() > 12) {
+        (Some(head), true) => format!("{head}…{}", hk.get(hk.len() - 4..).unwrap_or("")),
+        _ => hk.to_owned(),
+    }
+}
+
+impl Daemon {
+    /// A daemon for `settings` signing with `hotkey`.
+    pub fn new(settings: Settings, hotkey: Hotkey) -> anyhow::Result<Daemon> {
+        Ok(Daemon {
+            settings,
+            hotkey,
+            http: crate::provider::client()?,
+            extensions_checked: false,
+        })
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    fn next_poll(&self) -> String {
+        format!("next poll in {} s", self.settings.poll_s)
+    }
+
+    /// Reports (once per process) the transaction extensions this client cannot encode.
+    pub fn report_extensions(&mut self, chain: &Chain) {
+        if self.extensions_checked {
+            return;
+        }
+        self.extensions_checked = true;
+        let md = chain.metadata();
+        let (spec, txv) = chain.runtime_version();
+        let names = chain::extension_names(&md);
+        let bad = chain::unsupported_extensions(&md);
+        if bad.is_empty() {
+            tracing::info!(
+                "chain {}: runtime spec {spec} tx {txv}; transaction extensions all encodable: {}",
+                chain.url(),
+                names.join(", ")
+            );
+        } else {
+            tracing::error!(
+                "chain {}: runtime spec {spec} tx {txv} uses transaction extension(s) this validator cannot encode: {} — set_weights cannot be signed for this runtime; upgrade engy-validator (extensions: {})",
+                chain.url(),
+                bad.join(", "),
+                names.join(", ")
+            );
+        }
+    }
+
+    /// Fetch + verify, falling back to the cache (§7 step 1). `Err(line)` when there is
+    /// nothing to work with.
+    async fn vector(&self, st: &State) -> Result<Vector, String> {
+        let s = &self.settings;
+        let reason = match crate::provider::fetch_latest(&self.http, &s.api).await {
+            Ok(body) => match engy_core::payload::verify(&body, &s.master_hotkey, s.netuid) {
+                Ok(v) => {
+                    return Ok(Vector {
+                        epoch: v.epoch_index,
+                        weights: v.weights,
+                        digest: Some(v.digest),
+                        source: Source::Payload,
+                        fallback_reason: None,
+                    })
+                }
+                Err(e) => format!("payload rejected: {}", e.reason_word()),
+            },
+            Err(e) => format!("fetch failed: {e}"),
+        };
+        match (&st.cached_weights, st.last_applied) {
+            (Some(w), Some(epoch)) => Ok(Vector {
+                epoch,
+                weights: w.clone(),
+                digest: st.cached_digest.clone(),
+                source: Source::Cache,
+                fallback_reason: Some(reason),
+            }),
+            _ => Err(format!(
+                "{reason}; no cached vector, nothing submitted (the chain keeps the last weights); {}",
+                self.next_poll()
+            )),
+        }
+    }
+
+    /// Runs one tick (§7 steps 1–10) at unix time `now`. Never panics; every failure is in
+    /// the report.
+    pub async fn tick(&mut self, now: u64) -> TickReport {
+        let s = self.settings.clone();
+        let st = state::read(&s.state_file);
+        let anchors = st.anchors();
+        let info = |outcome, line| TickReport {
+            level: Level::Info,
+            line,
+            outcome,
+        };
+        let warn = |outcome, line| TickReport {
+            level: Level::Warn,
+            line,
+            outcome,
+        };
+
+        // 1. fetch + verify, else the cache
+        let v = match self.vector(&st).await {
+            Ok(v) => v,
+            Err(line) => return warn("nothing", line),
+        };
+        let via = match &v.fallback_reason {
+            Some(r) => format!("{r}; using cached epoch {}", v.epoch),
+            None => format!("epoch {} verified", v.epoch),
+        };
+
+        // 2–3. replay guard and pre-gate, before any chain connection
+        match schedule::relate_epoch(v.epoch, anchors.last_applied) {
+            EpochRelation::Replay { last_applied } => {
+                return warn(
+                    "replay",
+                    format!(
+                        "{via}: older than last applied epoch {last_applied}, refused (replay guard), nothing submitted; {}",
+                        self.next_poll()
+                    ),
+                )
+            }
+            EpochRelation::Same => {
+                if let Some(wait) = schedule::pregate(now, anchors.last_submit_ts, s.resubmit_blocks) {
+                    return info(
+                        "skipped",
+                        format!(
+                            "{via}: already applied, resubmit due in ~{wait} s (pre-gate, chain not contacted); {}",
+                            self.next_poll()
+                        ),
+                    );
+                }
+            }
+            EpochRelation::New => {}
+        }
+
+        // 4. open the chain once for this tick
+        let chain = match Chain::connect(&s.chain_url).await {
+            Ok(c) => c,
+            Err(e) => {
+                return warn(
+                    "chain-down",
+                    format!("{via}: chain unreachable ({e}); nothing submitted, state unchanged; retry {}", self.next_poll()),
+                )
+            }
+        };
+        self.report_extensions(&chain);
+        // a block read failure degrades to the wall clock (only positive numbers count)
+        let block = chain.block_number().await.ok().filter(|b| *b > 0);
+        let decision = schedule::decide(v.epoch, &anchors, block, now, s.resubmit_blocks);
+        let why = match decision {
+            Decision::NotDue(wait) => {
+                return info(
+                    "skipped",
+                    format!(
+                        "{via}: already applied at block {}, resubmit due {wait}; {}",
+                        anchors.last_submit_block.map_or("?".into(), |b| format!("#{b}")),
+                        self.next_poll()
+                    ),
+                )
+            }
+            Decision::Replay { last_applied } => {
+                return warn("replay", format!("{via}: older than last applied epoch {last_applied}, refused; {}", self.next_poll()))
+            }
+            Decision::SubmitNew => "new epoch".to_owned(),
+            Decision::Resubmit => match (block, anchors.last_submit_block) {
+                (Some(b), Some(l)) if b >= l => format!("resubmit, {} blocks since last", b - l),
+                _ => "resubmit (wall clock)".to_owned(),
+            },
+        };
+
+        let metagraph = match chain.metagraph(s.netuid).await {
+            Ok(m) => m,
+            Err(e) => {
+                return warn(
+                    "chain-down",
+                    format!("{via} ({why}): metagraph read failed ({e}); nothing submitted, state unchanged; retry {}", self.next_poll()),
+                )
+            }
+        };
+        let mut notes: Vec<String> = Vec::new();
+        if let Ok(h) = chain.hyperparams(s.netuid).await {
+            if h.commit_reveal_weights_enabled {
+                notes.push(format!(
+                    "commit-reveal is ENABLED on netuid {}: plain set_weights is refused and this validator does not implement the timelocked commit",
+                    s.netuid
+                ));
+            }
+        }
+
+        // 5–7. uids, scaling, dropped hotkeys, burn, standby
+        let cache = st.cached_weights.as_deref();
+        let planned = schedule::plan(&v.weights, v.source, cache, &metagraph, &s.master_hotkey);
+        let (source, resolved, primary) = match planned {
+            Plan::Submit { source, resolved, primary } => (source, resolved, primary),
+            Plan::Nothing { primary } => {
+                let mut line = format!(
+                    "{via} ({why}): nothing lands ({} of {} hotkeys registered), no standby vector and owner hotkey not registered; nothing submitted",
+                    v.weights.len() - primary.dropped.len(),
+                    v.weights.len()
+                );
+                line.push_str(&format!("; {}", self.next_poll()));
+                return warn("nothing", line);
+            }
+        };
+        if !primary.dropped.is_empty() {
+            notes.push(format!(
+                "dropped {} unregistered hotkey(s) holding {:.1}% of the weight: {}",
+                primary.dropped.len(),
+                primary.dropped_share * 100.0,
+                primary
+                    .dropped
+                    .iter()
+                    .map(|(h, w)| format!("{}={w}", short(h)))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
+        }
+        if source != v.source {
+            notes.push(format!("standby: submitting the {} vector", source.as_str()));
+        }
+        if let Some(hk) = schedule::unexpected_burn(&resolved, &metagraph, &s.master_hotkey) {
+            notes.push(format!(
+                "all weight on one hotkey {hk} that is not the subnet owner hotkey (submitting anyway)"
+            ));
+        }
+        let notes = if notes.is_empty() {
+            String::new()
+        } else {
+            format!(" [{}]", notes.join("; "))
+        };
+
+        // 8. set_weights, waiting for inclusion
+        let signer = HotkeySigner(&self.hotkey);
+        let result = chain
+            .set_weights(s.netuid, &resolved.uids, &resolved.weights, VERSION_KEY, &signer)
+            .await;
+        let inclusion = match result {
+            Ok(inc) => inc,
+            Err(e) => {
+                let hint = chain::dispatch_hint(&e.name())
+                    .map(|h| format!(" — {h}"))
+                    .unwrap_or_default();
+                return warn(
+                    "failed",
+                    format!(
+                        "{via} ({why}): set_weights of {} uids FAILED: {e}{hint}; state unchanged, retry {}{notes}",
+                        resolved.uids.len(),
+                        self.next_poll()
+                    ),
+                );
+            }
+        };
+
+        // 9. only now, write the state atomically
+        let landed_block = if inclusion.block > 0 { Some(inclusion.block) } else { block };
+        let mut next = State {
+            last_applied: Some(v.epoch),
+            last_submit_block: landed_block,
+            last_submit_ts: Some(now),
+            cached_weights: st.cached_weights.clone(),
+            cached_digest: st.cached_digest.clone(),
+        };
+        if source == Source::Payload {
+            next.cached_weights = Some(v.weights.clone());
+            next.cached_digest = v.digest.clone();
+        }
+        let saved = match state::write(&s.state_file, &next) {
+            Ok(()) => String::new(),
+            Err(e) => format!(" WARNING: landed but the state file was not written ({e}); the next tick may resubmit early"),
+        };
+        let level = if saved.is_empty() { Level::Info } else { Level::Warn };
+        TickReport {
+            level,
+            outcome: "submitted",
+            line: format!(
+                "{via} ({why}): set_weights of {} uids from {} landed in block #{}; next resubmit in {} blocks (~{} s), {}{notes}{saved}",
+                resolved.uids.len(),
+                source.as_str(),
+                inclusion.block,
+                s.resubmit_blocks,
+                schedule::interval_s(s.resubmit_blocks),
+                self.next_poll()
+            ),
+        }
+    }
+}
+
+impl Daemon {
+    /// The best-effort provider heartbeat (PROTOCOL.md §6), after the tick's work, so it
+    /// never delays a submit; a failure is appended to the tick's line and ignored.
+    pub async fn provider_heartbeat(&self, mut report: TickReport) -> TickReport {
+        let s = &self.settings;
+        let st = state::read(&s.state_file);
+        let r = crate::provider::post_heartbeat(
+            &self.http,
+            &s.api,
+            s.netuid,
+            &self.hotkey,
+            st.last_applied,
+            st.cached_digest.as_deref(),
+            crate::liveness::unix_now(),
+        )
+        .await;
+        if let Err(e) = r {
+            report.line.push_str(&format!(" (provider heartbeat: {e}, ignored)"));
+        }
+        report
+    }
+}
+
+/// Runs the loop until SIGTERM/SIGINT (exit 0) or `max_ticks` ticks.
+pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let s = daemon.settings().clone();
+    let mut interval = tokio::time::interval(Duration::from_secs(s.poll_s));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut done = 0u64;
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = term.recv() => { tracing::info!("SIGTERM: no tick in progress; exiting 0"); return Ok(()); }
+            _ = int.recv() => { tracing::info!("SIGINT: no tick in progress; exiting 0"); return Ok(()); }
+        }
+        let now = crate::liveness::unix_now();
+        let report = tokio::select! {
+            r = daemon.tick(now) => Some(r),
+            _ = term.recv() => None,
+            _ = int.recv() => None,
+        };
+        let Some(report) = report else {
+            tracing::info!("signal during a tick: abandoned it (state file unchanged, it is only written after an included extrinsic); exiting 0");
+            return Ok(());
+        };
+        if let Err(e) = crate::liveness::stamp(&s.heartbeat_file, crate::liveness::unix_now()) {
+            tracing::warn!("heartbeat file {} not written: {e}", s.heartbeat_file.display());
+        }
+        let report = daemon.provider_heartbeat(report).await;
+        match report.level {
+            Level::Info => tracing::info!("{}", report.line),
+            Level::Warn => tracing::warn!("{}", report.line),
+        }
+        done += 1;
+        if max_ticks.is_some_and(|m| done >= m) {
+            return Ok(());
+        }
+    }
+}
