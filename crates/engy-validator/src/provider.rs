@@ -34,8 +34,18 @@ pub fn client() -> Result<reqwest::Client, reqwest::Error> {
         .build()
 }
 
-/// GETs `{api}/api/subnet/v1/epoch/latest` and returns the raw body (≤ 1 MiB).
+/// GETs `{api}/api/subnet/v1/epoch/latest` and returns the raw body (≤ 1 MiB), within
+/// [`FETCH_TIMEOUT`].
 pub async fn fetch_latest(http: &reqwest::Client, api: &str) -> Result<Vec<u8>, FetchError> {
+    fetch_latest_within(http, api, FETCH_TIMEOUT).await
+}
+
+/// [`fetch_latest`] with an explicit overall timeout (connect + headers + whole body).
+pub async fn fetch_latest_within(
+    http: &reqwest::Client,
+    api: &str,
+    limit: Duration,
+) -> Result<Vec<u8>, FetchError> {
     let url = format!("{api}{}", engy_core::payload::EPOCH_LATEST_PATH);
     let work = async {
         let resp = http
@@ -62,11 +72,11 @@ pub async fn fetch_latest(http: &reqwest::Client, api: &str) -> Result<Vec<u8>, 
         }
         Ok(body)
     };
-    match tokio::time::timeout(FETCH_TIMEOUT, work).await {
+    match tokio::time::timeout(limit, work).await {
         Ok(r) => r,
         Err(_) => Err(FetchError::Transport(format!(
-            "timed out after {} s",
-            FETCH_TIMEOUT.as_secs()
+            "timed out after {} ms",
+            limit.as_millis()
         ))),
     }
 }
