@@ -205,7 +205,10 @@ async fn epoch_latest(State(shared): State<Arc<Shared>>) -> Response {
         (fault, current)
     };
     match fault {
-        Fault::Status500 => status(StatusCode::INTERNAL_SERVER_ERROR, "provider double: fault 500"),
+        Fault::Status500 => status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "provider double: fault 500",
+        ),
         Fault::Hang => {
             std::future::pending::<()>().await;
             status(StatusCode::OK, "")

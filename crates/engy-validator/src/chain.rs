@@ -58,7 +58,8 @@ impl subxt::Config for SubtensorConfig {
     type Address = MultiAddress<AccountId32, ()>;
     type Signature = MultiSignature;
     type Hasher = subxt::config::substrate::BlakeTwo256;
-    type Header = subxt::config::substrate::SubstrateHeader<u32, subxt::config::substrate::BlakeTwo256>;
+    type Header =
+        subxt::config::substrate::SubstrateHeader<u32, subxt::config::substrate::BlakeTwo256>;
     type ExtrinsicParams = SubtensorExtrinsicParams;
     type AssetId = u32;
 }
@@ -162,7 +163,9 @@ pub fn unsupported_extensions(metadata: &subxt::Metadata) -> Vec<String> {
             let known = KNOWN_EXTENSIONS.contains(&id)
                 || ChargeTransactionPaymentWrapper::matches(id, e.extra_ty(), types)
                     && is_empty_type(e.additional_ty(), types);
-            !known && !(is_empty_type(e.extra_ty(), types) && is_empty_type(e.additional_ty(), types))
+            let data_less =
+                is_empty_type(e.extra_ty(), types) && is_empty_type(e.additional_ty(), types);
+            !(known || data_less)
         })
         .map(|e| e.identifier().to_owned())
         .collect()
@@ -271,7 +274,9 @@ impl SubmitError {
     pub fn name(&self) -> String {
         match self {
             SubmitError::Dispatch { name, .. } => name.clone(),
-            SubmitError::Pool { custom: Some(c), .. } => format!("Custom({c})"),
+            SubmitError::Pool {
+                custom: Some(c), ..
+            } => format!("Custom({c})"),
             SubmitError::Pool { message, .. } => message.clone(),
             other => other.to_string(),
         }
@@ -458,17 +463,16 @@ impl Chain {
             .fetch_or_default(&addr)
             .await
             .map_err(read_err(format!("SubtensorModule.{entry}")))?;
-        thunk
-            .as_type::<T>()
-            .map_err(|e| ChainError::Read {
-                what: format!("SubtensorModule.{entry}"),
-                reason: e.to_string(),
-            })
+        thunk.as_type::<T>().map_err(|e| ChainError::Read {
+            what: format!("SubtensorModule.{entry}"),
+            reason: e.to_string(),
+        })
     }
 
     async fn storage_at_latest(
         &self,
-    ) -> Result<subxt::storage::Storage<SubtensorConfig, OnlineClient<SubtensorConfig>>, ChainError> {
+    ) -> Result<subxt::storage::Storage<SubtensorConfig, OnlineClient<SubtensorConfig>>, ChainError>
+    {
         within("latest block", READ_TIMEOUT, self.api.storage().at_latest()).await
     }
 
@@ -542,14 +546,22 @@ impl Chain {
 
     /// The neuron of `hotkey` (32-byte public key) on `netuid`, or `None` when it is not
     /// registered there.
-    pub async fn neuron(&self, netuid: u16, hotkey: [u8; 32]) -> Result<Option<Neuron>, ChainError> {
+    pub async fn neuron(
+        &self,
+        netuid: u16,
+        hotkey: [u8; 32],
+    ) -> Result<Option<Neuron>, ChainError> {
         let s = self.storage_at_latest().await?;
         let addr = subxt::dynamic::storage(
             "SubtensorModule",
             "Uids",
             vec![Value::u128(netuid.into()), Value::from_bytes(hotkey)],
         );
-        let Some(thunk) = s.fetch(&addr).await.map_err(read_err("SubtensorModule.Uids"))? else {
+        let Some(thunk) = s
+            .fetch(&addr)
+            .await
+            .map_err(read_err("SubtensorModule.Uids"))?
+        else {
             return Ok(None);
         };
         let uid: u16 = thunk.as_type().map_err(|e| ChainError::Read {
@@ -661,7 +673,8 @@ impl Chain {
                         return Err(parse_pool_rejection(&message)
                             .unwrap_or(SubmitError::NotIncluded(format!("error: {message}"))))
                     }
-                    TxStatus::Validated | TxStatus::Broadcasted | TxStatus::NoLongerInBestBlock => {}
+                    TxStatus::Validated | TxStatus::Broadcasted | TxStatus::NoLongerInBestBlock => {
+                    }
                 }
             }
             Err(SubmitError::NotIncluded(
@@ -747,12 +760,14 @@ mod tests {
 
     #[test]
     fn pool_rejections_parse_on_both_node_flavours() {
-        let real = parse_pool_rejection("RPC error: 1010: Invalid Transaction: Custom error: 6").unwrap();
+        let real =
+            parse_pool_rejection("RPC error: 1010: Invalid Transaction: Custom error: 6").unwrap();
         assert_eq!(real.name(), "Custom(6)");
         assert!(real.to_string().contains("RateLimitExceeded"), "{real}");
         let chopsticks = parse_pool_rejection(r#"1010: {"invalid":{"custom":3}}"#).unwrap();
         assert_eq!(chopsticks.name(), "Custom(3)");
-        let stale = parse_pool_rejection("1010: Invalid Transaction: Transaction is outdated").unwrap();
+        let stale =
+            parse_pool_rejection("1010: Invalid Transaction: Transaction is outdated").unwrap();
         assert!(matches!(stale, SubmitError::Pool { custom: None, .. }));
         assert!(parse_pool_rejection("connection reset by peer").is_none());
     }
@@ -767,16 +782,21 @@ mod tests {
             block: 9,
         };
         assert_eq!(e.name(), "NeuronNoValidatorPermit");
-        assert!(e.to_string().contains("SubtensorModule.NeuronNoValidatorPermit"));
-        assert!(dispatch_hint(&e.name()).unwrap().contains("validator permit"));
+        assert!(e
+            .to_string()
+            .contains("SubtensorModule.NeuronNoValidatorPermit"));
+        assert!(dispatch_hint(&e.name())
+            .unwrap()
+            .contains("validator permit"));
         assert!(dispatch_hint("SettingWeightsTooFast").is_some());
-        assert!(dispatch_hint("CommitRevealEnabled").unwrap().contains("commit-reveal"));
+        assert!(dispatch_hint("CommitRevealEnabled")
+            .unwrap()
+            .contains("commit-reveal"));
     }
 
     #[test]
     fn set_weights_call_shape() {
         let call = set_weights_call(53, &[2, 3], &[65535, 1], 0);
-        use subxt::tx::Payload;
         assert_eq!(call.pallet_name(), "SubtensorModule");
         assert_eq!(call.call_name(), "set_weights");
     }

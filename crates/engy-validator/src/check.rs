@@ -159,7 +159,10 @@ pub async fn run(s: &Settings) -> Report {
     match chain.subnet_exists(s.netuid).await {
         Ok(true) => r.ok(format!("netuid {} exists", s.netuid)),
         Ok(false) => {
-            r.fail(format!("netuid {} does not exist on this chain; fix: ENGY_SN53_NETUID / ENGY_SN53_NETWORK", s.netuid));
+            r.fail(format!(
+                "netuid {} does not exist on this chain; fix: ENGY_SN53_NETUID / ENGY_SN53_NETWORK",
+                s.netuid
+            ));
             return r;
         }
         Err(e) => r.fail(format!("netuid {}: {e}", s.netuid)),
@@ -181,12 +184,16 @@ pub async fn run(s: &Settings) -> Report {
             },
         );
         r.check(
-            h.weights_version_key <= crate::daemon::VERSION_KEY,
+            version_key_ok(h.weights_version_key),
             format!(
                 "weights_version_key {} (this validator sends {}){}",
                 h.weights_version_key,
                 crate::daemon::VERSION_KEY,
-                if h.weights_version_key > crate::daemon::VERSION_KEY { "; set_weights fails with IncorrectWeightVersionKey" } else { "" }
+                if h.weights_version_key > crate::daemon::VERSION_KEY {
+                    "; set_weights fails with IncorrectWeightVersionKey"
+                } else {
+                    ""
+                }
             ),
         );
         r.check(
@@ -203,7 +210,12 @@ pub async fn run(s: &Settings) -> Report {
     let Some(hotkey) = hotkey else { return r };
     let neuron = match chain.neuron(s.netuid, hotkey.public_key()).await {
         Ok(Some(n)) => {
-            r.ok(format!("hotkey {} registered on netuid {} at uid {}", hotkey.ss58(), s.netuid, n.uid));
+            r.ok(format!(
+                "hotkey {} registered on netuid {} at uid {}",
+                hotkey.ss58(),
+                s.netuid,
+                n.uid
+            ));
             Some(n)
         }
         Ok(None) => {
@@ -237,7 +249,11 @@ pub async fn run(s: &Settings) -> Report {
                     stake as f64 / 1e9,
                     s.netuid,
                     h.weights_min_stake as f64 / 1e9,
-                    if stake > 0 && stake >= h.weights_min_stake { "" } else { "; fix: add stake to the hotkey" }
+                    if stake > 0 && stake >= h.weights_min_stake {
+                        ""
+                    } else {
+                        "; fix: add stake to the hotkey"
+                    }
                 ),
             ),
             None => r.ok("stake: this runtime has no TotalHotkeyAlpha; not checked"),
@@ -283,4 +299,11 @@ pub async fn run(s: &Settings) -> Report {
         }
     }
     r
+}
+
+/// The runtime accepts `version_key >= weights_version_key` (PROTOCOL.md §7 step 8 sends 0).
+fn version_key_ok(subnet_key: u64) -> bool {
+    subnet_key
+        .checked_sub(crate::daemon::VERSION_KEY)
+        .is_none_or(|d| d == 0)
 }

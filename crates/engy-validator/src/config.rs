@@ -40,7 +40,11 @@ pub struct NodeArgs {
     #[arg(long, env = "ENGY_SN53_WALLET_HOTKEY")]
     pub wallet_hotkey: String,
     /// Root of the bittensor wallets directory.
-    #[arg(long, env = "ENGY_SN53_WALLET_PATH", default_value = "~/.bittensor/wallets")]
+    #[arg(
+        long,
+        env = "ENGY_SN53_WALLET_PATH",
+        default_value = "~/.bittensor/wallets"
+    )]
     pub wallet_path: PathBuf,
     /// Provider API base URL (protocol constant; override only together with
     /// ENGY_SN53_MASTER_HOTKEY). [default: https://provider.engy.ai]
@@ -190,8 +194,7 @@ impl NodeArgs {
         if !(api.starts_with("http://") || api.starts_with("https://")) {
             return Err(ConfigError::BadApi(api));
         }
-        engy_core::keys::ss58_decode(&master)
-            .map_err(|e| ConfigError::BadMaster(e.to_string()))?;
+        engy_core::keys::ss58_decode(&master).map_err(|e| ConfigError::BadMaster(e.to_string()))?;
         let (state_file, heartbeat_file) = self.files.paths()?;
         Ok(Settings {
             wallet: self.wallet.clone(),
@@ -235,7 +238,10 @@ mod tests {
         assert_eq!(network_url("finney").unwrap(), FINNEY_URL);
         assert_eq!(network_url("test").unwrap(), TEST_URL);
         assert_eq!(network_url("local").unwrap(), LOCAL_URL);
-        assert_eq!(network_url("ws://1.2.3.4:9944").unwrap(), "ws://1.2.3.4:9944");
+        assert_eq!(
+            network_url("ws://1.2.3.4:9944").unwrap(),
+            "ws://1.2.3.4:9944"
+        );
         assert_eq!(network_url("wss://x").unwrap(), "wss://x");
         for bad in ["", "mainnet", "http://x", "ws://"] {
             assert!(network_url(bad).is_err(), "{bad}");
@@ -253,23 +259,70 @@ mod tests {
             eprintln!("skip: ENGY_SN53_* set in the test environment");
             return;
         }
-        let s = parse(&["--wallet", "w", "--wallet-hotkey", "h", "--state-file", "/x/s.json"]).unwrap();
+        let s = parse(&[
+            "--wallet",
+            "w",
+            "--wallet-hotkey",
+            "h",
+            "--state-file",
+            "/x/s.json",
+        ])
+        .unwrap();
         assert_eq!(s.api, engy_core::payload::DEFAULT_API);
         assert_eq!(s.master_hotkey, engy_core::payload::DEFAULT_MASTER_HOTKEY);
         assert_eq!((s.netuid, s.poll_s, s.resubmit_blocks), (53, 300, 120));
         assert_eq!(s.chain_url, FINNEY_URL);
         assert_eq!(s.heartbeat_file, PathBuf::from("/x/heartbeat.json"));
-        let e = parse(&["--wallet", "w", "--wallet-hotkey", "h", "--api", "http://127.0.0.1:1"]).unwrap_err();
+        let e = parse(&[
+            "--wallet",
+            "w",
+            "--wallet-hotkey",
+            "h",
+            "--api",
+            "http://127.0.0.1:1",
+        ])
+        .unwrap_err();
         assert!(e.contains("only be overridden together"), "{e}");
-        let e = parse(&["--wallet", "w", "--wallet-hotkey", "h", "--master-hotkey", MASTER]).unwrap_err();
+        let e = parse(&[
+            "--wallet",
+            "w",
+            "--wallet-hotkey",
+            "h",
+            "--master-hotkey",
+            MASTER,
+        ])
+        .unwrap_err();
         assert!(e.contains("only be overridden together"), "{e}");
         let s = parse(&[
-            "--wallet", "w", "--wallet-hotkey", "h", "--api", "http://127.0.0.1:1/", "--master-hotkey", MASTER,
-            "--network", "ws://127.0.0.1:9", "--state-file", "/x/s.json",
+            "--wallet",
+            "w",
+            "--wallet-hotkey",
+            "h",
+            "--api",
+            "http://127.0.0.1:1/",
+            "--master-hotkey",
+            MASTER,
+            "--network",
+            "ws://127.0.0.1:9",
+            "--state-file",
+            "/x/s.json",
         ])
         .unwrap();
-        assert_eq!((s.api.as_str(), s.master_hotkey.as_str()), ("http://127.0.0.1:1", MASTER));
-        let e = parse(&["--wallet", "w", "--wallet-hotkey", "h", "--api", "http://a", "--master-hotkey", "nope"]).unwrap_err();
+        assert_eq!(
+            (s.api.as_str(), s.master_hotkey.as_str()),
+            ("http://127.0.0.1:1", MASTER)
+        );
+        let e = parse(&[
+            "--wallet",
+            "w",
+            "--wallet-hotkey",
+            "h",
+            "--api",
+            "http://a",
+            "--master-hotkey",
+            "nope",
+        ])
+        .unwrap_err();
         assert!(e.contains("SS58"), "{e}");
         // both wallet names are required
         assert!(parse(&["--wallet", "w"]).is_err());

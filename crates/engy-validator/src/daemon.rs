@@ -211,7 +211,10 @@ impl Daemon {
             Err(e) => {
                 return warn(
                     "chain-down",
-                    format!("{via}: chain unreachable ({e}); nothing submitted, state unchanged; retry {}", self.next_poll()),
+                    format!(
+                    "{via}: chain unreachable ({e}); nothing submitted, state unchanged; retry {}",
+                    self.next_poll()
+                ),
                 )
             }
         };
@@ -225,13 +228,21 @@ impl Daemon {
                     "skipped",
                     format!(
                         "{via}: already applied at block {}, resubmit due {wait}; {}",
-                        anchors.last_submit_block.map_or("?".into(), |b| format!("#{b}")),
+                        anchors
+                            .last_submit_block
+                            .map_or("?".into(), |b| format!("#{b}")),
                         self.next_poll()
                     ),
                 )
             }
             Decision::Replay { last_applied } => {
-                return warn("replay", format!("{via}: older than last applied epoch {last_applied}, refused; {}", self.next_poll()))
+                return warn(
+                    "replay",
+                    format!(
+                        "{via}: older than last applied epoch {last_applied}, refused; {}",
+                        self.next_poll()
+                    ),
+                )
             }
             Decision::SubmitNew => "new epoch".to_owned(),
             Decision::Resubmit => match (block, anchors.last_submit_block) {
@@ -263,7 +274,11 @@ impl Daemon {
         let cache = st.cached_weights.as_deref();
         let planned = schedule::plan(&v.weights, v.source, cache, &metagraph, &s.master_hotkey);
         let (source, resolved, primary) = match planned {
-            Plan::Submit { source, resolved, primary } => (source, resolved, primary),
+            Plan::Submit {
+                source,
+                resolved,
+                primary,
+            } => (source, resolved, primary),
             Plan::Nothing { primary } => {
                 let mut line = format!(
                     "{via} ({why}): nothing lands ({} of {} hotkeys registered), no standby vector and owner hotkey not registered; nothing submitted",
@@ -288,7 +303,10 @@ impl Daemon {
             ));
         }
         if source != v.source {
-            notes.push(format!("standby: submitting the {} vector", source.as_str()));
+            notes.push(format!(
+                "standby: submitting the {} vector",
+                source.as_str()
+            ));
         }
         if let Some(hk) = schedule::unexpected_burn(&resolved, &metagraph, &s.master_hotkey) {
             notes.push(format!(
@@ -304,7 +322,13 @@ impl Daemon {
         // 8. set_weights, waiting for inclusion
         let signer = HotkeySigner(&self.hotkey);
         let result = chain
-            .set_weights(s.netuid, &resolved.uids, &resolved.weights, VERSION_KEY, &signer)
+            .set_weights(
+                s.netuid,
+                &resolved.uids,
+                &resolved.weights,
+                VERSION_KEY,
+                &signer,
+            )
             .await;
         let inclusion = match result {
             Ok(inc) => inc,
@@ -324,7 +348,11 @@ impl Daemon {
         };
 
         // 9. only now, write the state atomically
-        let landed_block = if inclusion.block > 0 { Some(inclusion.block) } else { block };
+        let landed_block = if inclusion.block > 0 {
+            Some(inclusion.block)
+        } else {
+            block
+        };
         let mut next = State {
             last_applied: Some(v.epoch),
             last_submit_block: landed_block,
@@ -340,7 +368,11 @@ impl Daemon {
             Ok(()) => String::new(),
             Err(e) => format!(" WARNING: landed but the state file was not written ({e}); the next tick may resubmit early"),
         };
-        let level = if saved.is_empty() { Level::Info } else { Level::Warn };
+        let level = if saved.is_empty() {
+            Level::Info
+        } else {
+            Level::Warn
+        };
         TickReport {
             level,
             outcome: "submitted",
@@ -374,7 +406,9 @@ impl Daemon {
         )
         .await;
         if let Err(e) = r {
-            report.line.push_str(&format!(" (provider heartbeat: {e}, ignored)"));
+            report
+                .line
+                .push_str(&format!(" (provider heartbeat: {e}, ignored)"));
         }
         report
     }
@@ -406,7 +440,10 @@ pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<(
             return Ok(());
         };
         if let Err(e) = crate::liveness::stamp(&s.heartbeat_file, crate::liveness::unix_now()) {
-            tracing::warn!("heartbeat file {} not written: {e}", s.heartbeat_file.display());
+            tracing::warn!(
+                "heartbeat file {} not written: {e}",
+                s.heartbeat_file.display()
+            );
         }
         let report = daemon.provider_heartbeat(report).await;
         match report.level {

@@ -125,7 +125,13 @@ mod tests {
     fn judge_cases() {
         assert_eq!(judge(None, 100, 300), Health::Missing);
         assert_eq!(judge(Some(100), 1000, 300), Health::Fresh { age: 900 });
-        assert_eq!(judge(Some(100), 1001, 300), Health::Stale { age: 901, limit: 900 });
+        assert_eq!(
+            judge(Some(100), 1001, 300),
+            Health::Stale {
+                age: 901,
+                limit: 900
+            }
+        );
         assert_eq!(judge(Some(2000), 1000, 300), Health::Fresh { age: 0 });
     }
 

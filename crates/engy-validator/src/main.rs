@@ -56,6 +56,7 @@ fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .with_writer(std::io::stdout)
         .init();
 }
@@ -99,7 +100,9 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         // Report the runtime's transaction extensions once, at start-up.
         match engy_validator::chain::Chain::connect(&s.chain_url).await {
             Ok(c) => d.report_extensions(&c),
-            Err(e) => tracing::warn!("chain not reachable at start-up ({e}); the first tick retries"),
+            Err(e) => {
+                tracing::warn!("chain not reachable at start-up ({e}); the first tick retries")
+            }
         }
         daemon::run(d, args.ticks).await
     })?;
@@ -112,9 +115,15 @@ fn main() -> ExitCode {
         Command::Run(args) => run(args),
         Command::Check(args) => (|| {
             let s = args.settings()?;
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             let report = rt.block_on(check::run(&s));
-            Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if report.passed() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         })(),
         Command::Health(args) => (|| {
             let (_, hb) = args.paths()?;

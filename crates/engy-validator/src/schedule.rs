@@ -372,8 +372,14 @@ mod tests {
 
     #[test]
     fn new_epoch_submits_now() {
-        assert_eq!(decide(5, &Anchors::default(), None, 0, 120), Decision::SubmitNew);
-        assert_eq!(decide(6, &anchors(5, 1000, 0), Some(1001), 1, 120), Decision::SubmitNew);
+        assert_eq!(
+            decide(5, &Anchors::default(), None, 0, 120),
+            Decision::SubmitNew
+        );
+        assert_eq!(
+            decide(6, &anchors(5, 1000, 0), Some(1001), 1, 120),
+            Decision::SubmitNew
+        );
     }
 
     #[test]
@@ -389,7 +395,10 @@ mod tests {
     #[test]
     fn same_epoch_resubmits_on_block_interval() {
         let a = anchors(5, 1000, 0);
-        assert_eq!(decide(5, &a, Some(1119), 0, 120), Decision::NotDue(Wait::Blocks(1)));
+        assert_eq!(
+            decide(5, &a, Some(1119), 0, 120),
+            Decision::NotDue(Wait::Blocks(1))
+        );
         assert_eq!(decide(5, &a, Some(1120), 0, 120), Decision::Resubmit);
         assert_eq!(decide(5, &a, Some(5000), 0, 120), Decision::Resubmit);
     }
@@ -398,29 +407,50 @@ mod tests {
     fn block_beats_wall_clock_when_usable() {
         // The wall clock says "long ago", the blocks say "not yet": blocks win.
         let a = anchors(5, 1000, 0);
-        assert_eq!(decide(5, &a, Some(1010), 1_000_000, 120), Decision::NotDue(Wait::Blocks(110)));
+        assert_eq!(
+            decide(5, &a, Some(1010), 1_000_000, 120),
+            Decision::NotDue(Wait::Blocks(110))
+        );
     }
 
     #[test]
     fn wall_clock_fallback_without_usable_block() {
         let a = anchors(5, 1000, 10_000);
         let iv = 120 * BLOCK_S;
-        assert_eq!(decide(5, &a, None, 10_000 + iv - 1, 120), Decision::NotDue(Wait::Seconds(1)));
+        assert_eq!(
+            decide(5, &a, None, 10_000 + iv - 1, 120),
+            Decision::NotDue(Wait::Seconds(1))
+        );
         assert_eq!(decide(5, &a, None, 10_000 + iv, 120), Decision::Resubmit);
         // Block 0 is not a usable block number.
-        assert_eq!(decide(5, &a, Some(0), 10_000, 120), Decision::NotDue(Wait::Seconds(iv)));
+        assert_eq!(
+            decide(5, &a, Some(0), 10_000, 120),
+            Decision::NotDue(Wait::Seconds(iv))
+        );
         // A block below the anchor (chain reset) is not trusted.
-        assert_eq!(decide(5, &a, Some(10), 10_000, 120), Decision::NotDue(Wait::Seconds(iv)));
+        assert_eq!(
+            decide(5, &a, Some(10), 10_000, 120),
+            Decision::NotDue(Wait::Seconds(iv))
+        );
         // No anchor block at all.
-        let b = Anchors { last_submit_block: None, ..a };
-        assert_eq!(decide(5, &b, Some(5000), 10_000 + iv, 120), Decision::Resubmit);
+        let b = Anchors {
+            last_submit_block: None,
+            ..a
+        };
+        assert_eq!(
+            decide(5, &b, Some(5000), 10_000 + iv, 120),
+            Decision::Resubmit
+        );
     }
 
     #[test]
     fn wall_clock_backwards_or_missing_is_due() {
         let a = anchors(5, 1000, 10_000);
         assert_eq!(decide(5, &a, None, 9_999, 120), Decision::Resubmit);
-        let b = Anchors { last_submit_ts: None, ..a };
+        let b = Anchors {
+            last_submit_ts: None,
+            ..a
+        };
         assert_eq!(decide(5, &b, None, 10_000, 120), Decision::Resubmit);
     }
 
@@ -463,7 +493,10 @@ mod tests {
         let m = mg(6);
         let r = resolve(&v(&[("hk4", 1), ("hk2", 1), ("hk3", 1)]), &m);
         assert_eq!(r.uids, vec![2, 3, 4]);
-        assert_eq!(r.weights.iter().map(|w| u64::from(*w)).sum::<u64>(), WEIGHT_SUM);
+        assert_eq!(
+            r.weights.iter().map(|w| u64::from(*w)).sum::<u64>(),
+            WEIGHT_SUM
+        );
         // 65535/3 = 21845 exactly
         assert_eq!(r.weights, vec![21845, 21845, 21845]);
         let r = resolve(&v(&[("hk1", 1), ("hk2", 1)]), &m);
@@ -483,10 +516,18 @@ mod tests {
         let m = mg(256);
         for n in 1..40u16 {
             let vec: Vec<(String, u16)> = (0..n)
-                .map(|i| (format!("hk{}", (i * 7) % 256), i.wrapping_mul(977) % 65535 + 1))
+                .map(|i| {
+                    (
+                        format!("hk{}", (i * 7) % 256),
+                        i.wrapping_mul(977) % 65535 + 1,
+                    )
+                })
                 .collect();
             let r = resolve(&vec, &m);
-            assert_eq!(r.weights.iter().map(|w| u64::from(*w)).sum::<u64>(), WEIGHT_SUM);
+            assert_eq!(
+                r.weights.iter().map(|w| u64::from(*w)).sum::<u64>(),
+                WEIGHT_SUM
+            );
             assert!(r.uids.windows(2).all(|w| w[0] < w[1]));
         }
     }
@@ -537,7 +578,11 @@ mod tests {
         }
         // payload does not land → cache
         match plan(&ghost, Source::Payload, Some(&cache), &m, "hk0") {
-            Plan::Submit { source, resolved, primary } => {
+            Plan::Submit {
+                source,
+                resolved,
+                primary,
+            } => {
                 assert_eq!(source, Source::Cache);
                 assert_eq!(resolved.uids, vec![2]);
                 assert_eq!(primary.dropped.len(), 1);
@@ -546,7 +591,9 @@ mod tests {
         }
         // the cache was already the source → burn to the owner
         match plan(&ghost, Source::Cache, Some(&ghost), &m, "hk0") {
-            Plan::Submit { source, resolved, .. } => {
+            Plan::Submit {
+                source, resolved, ..
+            } => {
                 assert_eq!(source, Source::Burn);
                 assert_eq!((resolved.uids, resolved.weights), (vec![0], vec![65535]));
             }
@@ -556,7 +603,10 @@ mod tests {
         let zero = v(&[("hk1", 0)]);
         assert!(matches!(
             plan(&zero, Source::Payload, Some(&ghost), &m, "hk0"),
-            Plan::Submit { source: Source::Burn, .. }
+            Plan::Submit {
+                source: Source::Burn,
+                ..
+            }
         ));
         // owner not registered → nothing
         assert!(matches!(

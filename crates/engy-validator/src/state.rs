@@ -222,7 +222,9 @@ mod tests {
                 ..State::default()
             }
         );
-        let s = State::from_bytes(br#"{"last_applied": 2.5, "cached_weights": [["5A", 1, 2]], "last_submit_ts": -1}"#);
+        let s = State::from_bytes(
+            br#"{"last_applied": 2.5, "cached_weights": [["5A", 1, 2]], "last_submit_ts": -1}"#,
+        );
         assert_eq!(s, State::default());
         let s = State::from_bytes(br#"{"cached_weights": [], "cached_digest": "ABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABAB"}"#);
         assert_eq!(s.cached_weights, Some(vec![]));

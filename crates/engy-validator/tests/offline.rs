@@ -15,7 +15,10 @@ use engy_validator::state::{self, State};
 const DEAD_CHAIN: &str = "ws://127.0.0.1:9";
 
 fn weights() -> Vec<(String, u16)> {
-    vec![(key(DAVE_SEED).ss58(), 40000), (key(EVE_SEED).ss58(), 25535)]
+    vec![
+        (key(DAVE_SEED).ss58(), 40000),
+        (key(EVE_SEED).ss58(), 25535),
+    ]
 }
 
 #[tokio::test]
@@ -23,17 +26,28 @@ async fn fetch_faults_are_fetch_failures() {
     let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
     let http = engy_validator::provider::client().unwrap();
     // nothing published yet
-    assert!(matches!(fetch_latest(&http, &p.url()).await, Err(FetchError::Status(404))));
+    assert!(matches!(
+        fetch_latest(&http, &p.url()).await,
+        Err(FetchError::Status(404))
+    ));
     p.publish(3, &weights());
     let body = fetch_latest(&http, &p.url()).await.unwrap();
     let v = engy_core::payload::verify(&body, &p.master_ss58(), 53).unwrap();
     assert_eq!((v.epoch_index, v.weights), (3, weights()));
     // a different master does not verify
     let other = key(ALICE_SEED).ss58();
-    assert_eq!(engy_core::payload::verify(&body, &other, 53).unwrap_err().reason_word(), "signature");
+    assert_eq!(
+        engy_core::payload::verify(&body, &other, 53)
+            .unwrap_err()
+            .reason_word(),
+        "signature"
+    );
 
     p.set_fault(Fault::Status500);
-    assert!(matches!(fetch_latest(&http, &p.url()).await, Err(FetchError::Status(500))));
+    assert!(matches!(
+        fetch_latest(&http, &p.url()).await,
+        Err(FetchError::Status(500))
+    ));
     p.set_fault(Fault::OversizeByHeader);
     match fetch_latest(&http, &p.url()).await {
         Err(FetchError::TooLarge(how)) => assert!(how.contains("Content-Length"), "{how}"),
@@ -49,7 +63,9 @@ async fn fetch_faults_are_fetch_failures() {
         Err(FetchError::Transport(m)) => assert!(m.contains("timed out"), "{m}"),
         other => panic!("{other:?}"),
     }
-    p.set_fault(Fault::Slowloris { interval: Duration::from_millis(20) });
+    p.set_fault(Fault::Slowloris {
+        interval: Duration::from_millis(20),
+    });
     match fetch_latest_within(&http, &p.url(), Duration::from_millis(400)).await {
         Err(FetchError::Transport(m)) => assert!(m.contains("timed out"), "{m}"),
         other => panic!("{other:?}"),
@@ -70,7 +86,10 @@ async fn provider_outage_without_cache_submits_nothing_and_stays_healthy() {
     assert!(!env.run(&["health"]).await.status.success());
     let (ok, out) = env.tick().await;
     assert!(ok);
-    assert!(out.contains("fetch failed: HTTP 500; no cached vector, nothing submitted"), "{out}");
+    assert!(
+        out.contains("fetch failed: HTTP 500; no cached vector, nothing submitted"),
+        "{out}"
+    );
     assert_eq!(env.state(), State::default());
     assert!(!env.state_file().exists());
     // the heartbeat file was stamped and health passes
@@ -110,14 +129,22 @@ async fn rejected_payload_falls_back_to_cache_and_replay_is_refused_before_the_c
     p.publish(9, &weights());
     let (ok, out) = env.tick().await;
     assert!(ok);
-    assert!(out.contains("epoch 9 verified: older than last applied epoch 10, refused (replay guard)"), "{out}");
+    assert!(
+        out.contains("epoch 9 verified: older than last applied epoch 10, refused (replay guard)"),
+        "{out}"
+    );
     assert_eq!(env.state(), cached);
 
     // A payload signed by another key: rejected, the cached epoch is used; the pre-gate
     // skips (just submitted) without contacting the chain (which is down here).
     p.set_fault(Fault::Raw(
-        engy_core::payload::sign_payload(&key(ALICE_SEED), 53, 11, &engy_core::payload::build_result_json(53, 11, &weights()))
-            .into_bytes(),
+        engy_core::payload::sign_payload(
+            &key(ALICE_SEED),
+            53,
+            11,
+            &engy_core::payload::build_result_json(53, 11, &weights()),
+        )
+        .into_bytes(),
     ));
     let (ok, out) = env.tick().await;
     assert!(ok);
@@ -175,7 +202,10 @@ async fn sigterm_exits_zero() {
     let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
     env.set("ENGY_SN53_POLL_S", "300");
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_engy-validator"));
-    cmd.arg("run").env_clear().stdout(std::process::Stdio::piped()).kill_on_drop(true);
+    cmd.arg("run")
+        .env_clear()
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
     for (k, v) in &env.vars {
         cmd.env(k, v);
     }
@@ -188,7 +218,10 @@ async fn sigterm_exits_zero() {
         }
     }
     let pid = child.id().unwrap().to_string();
-    let kill = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
     assert!(kill.success());
     let status = child.wait().await.unwrap();
     assert_eq!(status.code(), Some(0));

@@ -125,7 +125,10 @@ impl Env {
     /// One daemon tick (`run --ticks 1`); returns (exit ok, stdout).
     pub async fn tick(&self) -> (bool, String) {
         let out = self.run(&["run", "--ticks", "1"]).await;
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
     }
 
     /// Makes the last submit look old on the wall clock (so the pre-gate lets the tick
