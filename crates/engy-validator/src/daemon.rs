@@ -219,6 +219,17 @@ impl Daemon {
             }
         };
         self.report_extensions(&chain);
+        let unsupported = chain::unsupported_extensions(&chain.metadata());
+        if !unsupported.is_empty() {
+            return warn(
+                "blocked",
+                format!(
+                    "{via}: set_weights cannot be signed for this runtime (transaction extension(s) {} reported at start-up); nothing submitted; {}",
+                    unsupported.join(", "),
+                    self.next_poll()
+                ),
+            );
+        }
         // a block read failure degrades to the wall clock (only positive numbers count)
         let block = chain.block_number().await.ok().filter(|b| *b > 0);
         let decision = schedule::decide(v.epoch, &anchors, block, now, s.resubmit_blocks);
