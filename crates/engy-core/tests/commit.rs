@@ -794,3 +794,176 @@ fn inspect_checks_our_own_files_internally() {
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(problems[0].contains("layer 2"));
 }
+
+// ---------- specs/SCHEME.md: worked example and the Python reference ----------
+
+fn scheme_md() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/SCHEME.md"))
+        .unwrap()
+}
+
+#[test]
+fn scheme_md_worked_example_and_python_reference_agree() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("example");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type":"qwen3_moe","num_hidden_layers":2,"hidden_size":1,"intermediate_size":1,"moe_intermediate_size":1,"num_experts":2,"num_experts_per_tok":1,"vocab_size":2,"quantization_config":{"quant_method":"fp8","weight_block_size":[128,128]}}"#,
+    )
+    .unwrap();
+    let tensors: [(&str, Dtype, Vec<usize>, &str); 10] = [
+        (
+            "model.embed_tokens.weight",
+            Dtype::BF16,
+            vec![2, 1],
+            "803f0040",
+        ),
+        ("lm_head.weight", Dtype::BF16, vec![2, 1], "803f00c0"),
+        (
+            "model.layers.0.input_layernorm.weight",
+            Dtype::BF16,
+            vec![1],
+            "803f",
+        ),
+        (
+            "model.layers.0.mlp.down_proj.weight",
+            Dtype::BF16,
+            vec![1, 1],
+            "003f",
+        ),
+        (
+            "model.layers.1.input_layernorm.weight",
+            Dtype::BF16,
+            vec![1],
+            "803f",
+        ),
+        (
+            "model.layers.1.mlp.gate.weight",
+            Dtype::BF16,
+            vec![2, 1],
+            "803f80bf",
+        ),
+        (
+            "model.layers.1.mlp.experts.0.down_proj.weight",
+            Dtype::F8_E4M3,
+            vec![1, 1],
+            "38",
+        ),
+        (
+            "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv",
+            Dtype::F32,
+            vec![1, 1],
+            "0000803f",
+        ),
+        (
+            "model.layers.1.mlp.experts.1.down_proj.weight",
+            Dtype::F8_E4M3,
+            vec![1, 1],
+            "40",
+        ),
+        (
+            "model.layers.1.mlp.experts.1.down_proj.weight_scale_inv",
+            Dtype::F32,
+            vec![1, 1],
+            "0000003f",
+        ),
+    ];
+    let data: Vec<Vec<u8>> = tensors.iter().map(|t| hex::decode(t.3).unwrap()).collect();
+    // Two shards, to show sharding does not matter.
+    for (k, range) in [(1, 0..5), (2, 5..10)] {
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = range
+            .map(|i| {
+                let (n, d, s, _) = &tensors[i];
+                (
+                    n.to_string(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), &data[i]).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(format!("m-{k}.safetensors")))
+            .unwrap();
+    }
+    let c = build(&dir).unwrap();
+    let md = scheme_md();
+    let expect_in_md = |what: &str, d: &[u8; 32]| {
+        let h = hex::encode(d);
+        assert!(md.contains(&h), "{what} {h} is not in specs/SCHEME.md");
+    };
+    expect_in_md("model_root", &c.model_root);
+    expect_in_md("config_leaf", &c.config_leaf);
+    expect_in_md("body_root", &c.body_root);
+    expect_in_md("globals_root", &c.globals.root);
+    expect_in_md("lm_root", &c.lm.root);
+    for (i, l) in c.layers.iter().enumerate() {
+        expect_in_md(&format!("layer {i}"), &l.root);
+        for u in l.body.units() {
+            expect_in_md(&format!("layer {i} unit"), &u.root);
+            for t in &u.tensors {
+                expect_in_md(&t.name, &t.leaf);
+            }
+        }
+    }
+    assert!(md.contains(&c.config.canonical_json().unwrap()));
+    // The opening of layer 1 expert 1 as described.
+    let p = c
+        .open(UnitId::Layer {
+            layer: 1,
+            part: LayerPart::Expert(1),
+        })
+        .unwrap();
+    let l = p.layer.as_ref().unwrap();
+    assert_eq!((l.level.index, l.level.size, l.level.path.len()), (4, 5, 1));
+    assert_eq!((p.body.index, p.body.size, p.body.path.len()), (3, 4, 2));
+    assert!(md.contains(&l.level.path[0].to_string()[..8]));
+    p.verify(&c.model_root).unwrap();
+
+    // The appendix script, run by python3 when present, agrees on generated checkpoints.
+    let script = md
+        .split("```python\n")
+        .nth(1)
+        .and_then(|s| s.split("\n```").next())
+        .expect("python block in SCHEME.md");
+    let py = t.path().join("engy_commit_v1.py");
+    std::fs::write(&py, script).unwrap();
+    let run = |dir: &Path| {
+        std::process::Command::new("python3")
+            .arg(&py)
+            .arg(dir)
+            .output()
+    };
+    let Ok(out) = run(&dir) else {
+        eprintln!("skip: python3 not available for the reference cross-check");
+        return;
+    };
+    let mut dirs = vec![(dir.clone(), c)];
+    for (naming, quant) in [
+        (Naming::Glm, Quant::Fp8),
+        (Naming::QwenMoe, Quant::Nvfp4),
+        (Naming::QwenDense, Quant::Bf16),
+    ] {
+        let d = t.path().join(format!("g{}", dirs.len()));
+        Model::new(naming, quant).write(&d);
+        let c = build(&d).unwrap();
+        dirs.push((d, c));
+    }
+    drop(out);
+    for (d, c) in dirs {
+        let out = run(&d).unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            v["model_root"],
+            hex::encode(c.model_root),
+            "{}",
+            d.display()
+        );
+        assert_eq!(v["config"], c.config.canonical_json().unwrap());
+        let layers: Vec<String> = c.layers.iter().map(|l| hex::encode(l.root)).collect();
+        assert_eq!(v["layer_roots"], json!(layers));
+    }
+}

@@ -237,9 +237,9 @@ impl ModelConfig {
 /// NVFP4) or the checkpoint dtype.
 fn detect_quant(config: &serde_json::Value) -> String {
     let text = config.get("text_config").unwrap_or(config);
-    let qc = config
-        .get("quantization_config")
-        .or_else(|| text.get("quantization_config"));
+    let qc = [config, text]
+        .iter()
+        .find_map(|c| c.get("quantization_config").filter(|v| !v.is_null()));
     if let Some(qc) = qc {
         let blob = qc.to_string().to_ascii_lowercase();
         if blob.contains("nvfp4") {
@@ -258,10 +258,10 @@ fn detect_quant(config: &serde_json::Value) -> String {
         }
         return "quantized".into();
     }
-    let dtype = text
-        .get("torch_dtype")
-        .or_else(|| text.get("dtype"))
-        .or_else(|| config.get("torch_dtype"))
+    // First key present (in `text_config`, else top level), as the Python reference.
+    let dtype = ["torch_dtype", "dtype"]
+        .iter()
+        .find_map(|k| text.get(*k).or_else(|| config.get(*k)))
         .and_then(|v| v.as_str())
         .unwrap_or("");
     match dtype {
