@@ -427,7 +427,7 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
         opt(&s.quant)
     );
     for (k, v) in &s.roots {
-        println!("{:<12} {v}", format!("{k}:"));
+        println!("{:<13}{v}", format!("{k}:"));
     }
     let keys = match (s.moe_layer_keys.first(), s.moe_layer_keys.last()) {
         (Some(a), Some(b)) => format!("{} MoE entries, keys {a}..{b}", s.moe_layer_keys.len()),
