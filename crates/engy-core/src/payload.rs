@@ -450,4 +450,22 @@ mod tests {
         let e = verify(body.as_bytes(), &master.ss58(), 54).unwrap_err();
         assert_eq!(e.reason(), Some(RejectReason::Netuid));
     }
+
+    #[test]
+    fn hostile_epoch_index_shapes_are_rejected_not_hung() {
+        let master = Hotkey::from_mini_secret(&[9u8; 32]).unwrap();
+        let rj = build_result_json(53, 1, &[]);
+        let digest = sha256_hex(rj.as_bytes());
+        let members: Vec<String> = (0..50_000).map(|i| format!("\"k{i}\":{i}")).collect();
+        let nested = format!("{}1{}", "[".repeat(120), "]".repeat(120));
+        for epoch in [format!("{{{}}}", members.join(",")), nested] {
+            let body = format!(
+                "{{\"v\":1,\"netuid\":53,\"epoch_index\":{epoch},\"digest\":\"{digest}\",\"result_json\":{},\"signature\":\"{}\"}}",
+                serde_json::to_string(&rj).unwrap(),
+                hex::encode(master.sign(b"x"))
+            );
+            let e = verify(body.as_bytes(), &master.ss58(), 53).unwrap_err();
+            assert_eq!(e.reason(), Some(RejectReason::Signature));
+        }
+    }
 }
