@@ -142,3 +142,55 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn float16_builds_but_does_not_verify() {
+    // float16 bit patterns are accepted as proof values (vectors `float16_input`); the
+    // reference's verify reads only bfloat16 fields and raises, so ours refuses.
+    let rows: Vec<Vec<u16>> = (0..3u16)
+        .map(|r| (0..64u16).map(|i| 0x3C00 ^ (i * 37 + r * 11)).collect())
+        .collect();
+    let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+    let params = Params {
+        topk: 8,
+        decode_batching_size: 2,
+        skip_prefill: true,
+    };
+    let proofs = build_proofs(&elements, Dtype::F16, &params).unwrap();
+    assert_eq!(proofs.len(), 2);
+    assert!(matches!(
+        verify_proofs(&elements, Dtype::F16, &proofs, &params),
+        Err(engy_core::toploc::ToplocError::UnsupportedDtype { .. })
+    ));
+    assert!(matches!(
+        Dtype::from_torch_name("float32"),
+        Err(engy_core::toploc::ToplocError::UnsupportedDtype { .. })
+    ));
+}
+
+#[test]
+fn verify_refuses_null_and_miscounted_proofs() {
+    use engy_core::toploc::ToplocError;
+    let rows: Vec<Vec<u16>> = (0..4u16)
+        .map(|r| (0..64u16).map(|i| 0x3F80 + ((i * 13 + r) % 100)).collect())
+        .collect();
+    let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+    let params = Params {
+        topk: 8,
+        decode_batching_size: 2,
+        skip_prefill: true,
+    };
+    let mut proofs = build_proofs(&elements, Dtype::Bf16, &params).unwrap();
+    assert_eq!(
+        verify_proofs(&elements, Dtype::Bf16, &proofs[..1], &params),
+        Err(ToplocError::ProofCountMismatch {
+            proofs: 1,
+            batches: 2
+        })
+    );
+    proofs[1] = ProofPoly::null(8);
+    assert_eq!(
+        verify_proofs(&elements, Dtype::Bf16, &proofs, &params),
+        Err(ToplocError::NullProof { index: 1 })
+    );
+}

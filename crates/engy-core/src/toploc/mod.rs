@@ -22,6 +22,8 @@
 //! row), exactly the `activations: list[Tensor]` argument of the reference flattened with
 //! `.view(-1)`.
 
+#![deny(missing_docs)]
+
 mod bf16;
 mod build;
 mod poly;
@@ -67,7 +69,7 @@ impl Dtype {
             "float16" | "f16" | "half" | "torch.float16" => Ok(Self::F16),
             other => Err(ToplocError::UnsupportedDtype {
                 dtype: other.to_string(),
-                operation: "build",
+                operation: "proofs",
             }),
         }
     }
@@ -147,7 +149,7 @@ pub enum ToplocError {
     UnsupportedDtype {
         /// The refused dtype name.
         dtype: String,
-        /// `"build"` or `"verify"`.
+        /// `"proofs"` (build and verify) or `"verify"`.
         operation: &'static str,
     },
     /// Proof bytes shorter than the 2-byte modulus (reference: `ValueError("Data too short")`).

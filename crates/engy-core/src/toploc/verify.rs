@@ -2,7 +2,7 @@
 //! C++ tensor path (`verify_proofs` in `toploc/C/csrc/poly.cpp`).
 
 use super::build::{batch_ranges, plan};
-use super::poly::{evaluate_coeffs, ProofPoly, PRIME};
+use super::poly::{evaluate_many, ProofPoly, PRIME};
 use super::topk::{topk_into, TopkScratch};
 use super::{Dtype, Params, ToplocError};
 
@@ -83,15 +83,24 @@ pub fn verify_proofs(
 
     let mut scratch = TopkScratch::default();
     let mut mant_errs: Vec<u32> = Vec::with_capacity(topk);
+    let mut xs: Vec<u32> = Vec::with_capacity(topk);
+    let mut ys: Vec<u32> = Vec::with_capacity(topk);
     let mut results = Vec::with_capacity(batches.len());
     for (batch, proof) in batches.into_iter().zip(proofs) {
         let selected = topk_into(batch.parts, batch.len, dtype, topk, &mut scratch);
         let modulus = u32::from(proof.modulus);
+        xs.clear();
+        // modulus != 0: null proofs were refused above.
+        xs.extend(
+            selected
+                .iter()
+                .map(|e| e.idx.checked_rem(modulus).unwrap_or(e.idx) % PRIME),
+        );
+        ys.clear();
+        evaluate_many(&proof.coeffs, &xs, &mut ys);
         mant_errs.clear();
         let mut exp_mismatches: u64 = 0;
-        for e in selected {
-            let x = (e.idx % modulus) % PRIME;
-            let y = evaluate_coeffs(&proof.coeffs, x);
+        for (e, &y) in selected.iter().zip(&ys) {
             let proof_exp = (y >> 7) & 0xFF;
             let proof_mant = y & 0x7F;
             let act_exp = (u32::from(e.bits) >> 7) & 0xFF;
