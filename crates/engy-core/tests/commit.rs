@@ -967,3 +967,22 @@ fn scheme_md_worked_example_and_python_reference_agree() {
         assert_eq!(v["layer_roots"], json!(layers));
     }
 }
+
+#[test]
+fn committed_devnet_spec_is_a_consistent_engy_commit_v1_file() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/devnet/model_spec.json.gz");
+    let s = SpecFile::read(&path).unwrap();
+    assert_eq!(s.scheme, commit::SCHEME);
+    assert_eq!(s.check_internal(), Vec::<String>::new());
+    assert_eq!(s.layer_roots.len() as u64, s.config.n_layers);
+    // specs/README.md and specs/devnet/README.md quote this root.
+    for readme in ["../../specs/README.md", "../../specs/devnet/README.md"] {
+        let text =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(readme)).unwrap();
+        assert!(
+            text.contains(&s.model_root.to_string()),
+            "{readme} does not quote {}",
+            s.model_root
+        );
+    }
+}
