@@ -14,6 +14,16 @@
 //!   secret key (`privateKey` in wallet files) is `SecretKey::to_bytes()` (scalar || nonce).
 //!
 //! Secrets never appear in any `Debug`, `Display` or error string of this module.
+//!
+//! Policy versus bittensor-wallet (see `tests/keys_vectors.rs`):
+//! * [`ss58_decode`] accepts any non-reserved prefix, as bittensor-wallet does; the pinned
+//!   master hotkey is decoded this way (the same public key written with e.g. Polkadot's
+//!   prefix 0 is the same master). [`ss58_decode_prefix_42`] is STRICTER: it only accepts the
+//!   bittensor prefix 42, for places where an address must be in bittensor form.
+//! * [`load_hotkey`] is STRICTER than bittensor-wallet: the key derived from `privateKey`
+//!   must match `publicKey`, `accountId` and `ss58Address`, and it reads `privateKey` rather
+//!   than re-deriving from `secretPhrase` (so the `utf8seed` file bittensor-wallet 4.1.1
+//!   cannot read back loads here).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -394,6 +404,9 @@ pub struct LoadedHotkey {
     pub source_field: &'static str,
 }
 
+/// Largest hotkey file read (a real one is under 1 KiB).
+pub const MAX_KEYFILE_BYTES: u64 = 64 * 1024;
+
 /// The default wallet path root, `~/.bittensor/wallets` (bittensor's default).
 pub fn default_wallet_root() -> Result<PathBuf, WalletError> {
     let home = std::env::var_os("HOME")
@@ -501,6 +514,17 @@ pub fn load_hotkey(
 
 /// Load a hotkey file by its path (see [`load_hotkey`] for the rules).
 pub fn load_hotkey_file(path: &Path) -> Result<LoadedHotkey, WalletError> {
+    if let Ok(meta) = std::fs::metadata(path) {
+        if meta.len() > MAX_KEYFILE_BYTES {
+            return Err(WalletError::NotKeyfile {
+                path: path.to_path_buf(),
+                why: format!(
+                    "{} bytes, larger than any keyfile ({MAX_KEYFILE_BYTES} bytes max)",
+                    meta.len()
+                ),
+            });
+        }
+    }
     let data = Zeroizing::new(std::fs::read(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             WalletError::NotFound {

@@ -393,6 +393,10 @@ fn wallet_vectors() {
         std::fs::write(root.join(wallet).join("hotkeys").join("junk"), b"not json").unwrap();
         let err = load_hotkey(&root, wallet, "junk").unwrap_err();
         assert!(matches!(err, WalletError::NotKeyfile { .. }), "{err}");
+        let big = vec![b' '; (engy_core::keys::MAX_KEYFILE_BYTES + 1) as usize];
+        std::fs::write(root.join(wallet).join("hotkeys").join("big"), big).unwrap();
+        let err = load_hotkey(&root, wallet, "big").unwrap_err();
+        assert!(matches!(err, WalletError::NotKeyfile { .. }), "{err}");
         assert!(matches!(
             load_hotkey(&root, wallet, "missing").unwrap_err(),
             WalletError::NotFound { .. }
