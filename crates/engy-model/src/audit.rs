@@ -1,1 +1,398 @@
-//! TODO
+//! The auditor: re-derive a commitment's hidden states from the pinned weights and check its
+//! TOPLOC proofs.
+//!
+//! Input: a miner commitment (PROTOCOL.md §3.10: `{model_root, output_token_ids, toploc:
+//! {proofs, topk, decode_batching_size, skip_prefill, n_tokens, prompt_ids}}`) and a checkpoint.
+//!
+//! 1. Shape checks. Anything the miner got wrong in form (another `model_root`, `n_tokens` not
+//!    matching the output ids or the proof count, `skip_prefill` false, a `topk` other than the
+//!    model spec's `toploc_k`, bad base64, a null proof, ids outside the vocabulary, a sequence
+//!    longer than the model's context) makes the verdict [`Verdict::Unproven`] with the reason:
+//!    such a commitment proves nothing, but it is not evidence of swapped weights.
+//! 2. ONE teacher-forced pass over `prompt_ids + output_token_ids[..n-1]`. Row `j` of the proof
+//!    is the final hidden state (LM-head input) that sampled output token `j`, i.e. position
+//!    `len(prompt_ids) - 1 + j` (sglang-native-api.md §2.6.1; PROTOCOL.md §3.5).
+//! 3. Rows → bf16 (round to nearest even, [`engy_core::toploc::f32_to_bf16_bits`]) →
+//!    [`engy_core::toploc::verify_proofs`] with `skip_prefill = true` and the commitment's
+//!    `topk` / `decode_batching_size` (PROTOCOL.md §5).
+//! 4. Verdict (model spec fields, PROTOCOL.md §4; engy docs/MINER.md "toploc_v: mismatch
+//!    threshold, toploc_p: pass ratio required"): a batch **passes** when its
+//!    `exp_mismatches <= toploc_v`; the commitment **passes** when
+//!    `passing_batches / batches >= toploc_p`, otherwise it is a **cheat**. With the defaults
+//!    (128, 40, 0.99) and fewer than 100 batches, one failing batch is a cheat.
+//! 5. Score: the mean over batches of `exp_mismatches / topk`, in `[0, 1]` (the SN53 one-pager's
+//!    "mean top-k mismatch count normalised by topk"). Reported with every verdict that got as
+//!    far as verification.
+use serde::{Deserialize, Serialize};
+
+use engy_core::toploc::{self, Dtype, Params, ProofPoly};
+
+use crate::{Model, ModelError};
+
+/// Thresholds of the model spec (PROTOCOL.md §4; defaults of `qwen3.6-35b-a3b`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AuditParams {
+    /// Proof top-k the commitment must use (`toploc_k`, default 128).
+    pub toploc_k: usize,
+    /// Largest exponent-mismatch count a passing batch may have (`toploc_v`, default 40).
+    pub toploc_v: u64,
+    /// Smallest fraction of passing batches for a passing commitment (`toploc_p`, default 0.99).
+    pub toploc_p: f64,
+}
+
+impl Default for AuditParams {
+    fn default() -> Self {
+        Self {
+            toploc_k: 128,
+            toploc_v: 40,
+            toploc_p: 0.99,
+        }
+    }
+}
+
+/// The audit outcome.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "verdict", rename_all = "lowercase")]
+pub enum Verdict {
+    /// The proofs match the recomputed hidden states within the thresholds.
+    Pass,
+    /// Well-formed proofs that do not match: the serve's hidden states are not the checkpoint's.
+    Cheat,
+    /// The commitment could not be checked (malformed or mis-shaped); `reason` says why.
+    Unproven {
+        /// What is wrong with the commitment.
+        reason: String,
+    },
+}
+
+impl Verdict {
+    /// `pass`, `cheat` or `unproven`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Cheat => "cheat",
+            Verdict::Unproven { .. } => "unproven",
+        }
+    }
+}
+
+/// One decode batch's comparison.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BatchAudit {
+    /// Output rows in the batch.
+    pub rows: usize,
+    /// Top-k positions whose bf16 exponent differs (0..=topk).
+    pub exp_mismatches: u64,
+    /// Mean mantissa error where exponents match (toploc's statistic; 2^64 if none matched).
+    pub mant_err_mean: f64,
+    /// Upper median of the same.
+    pub mant_err_median: f64,
+    /// `exp_mismatches <= toploc_v`.
+    pub pass: bool,
+}
+
+/// What [`audit`] found.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AuditReport {
+    /// The verdict (flattened into this object when serialised).
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    /// Mean `exp_mismatches / topk` over batches, in `[0, 1]`; `None` when verification did not
+    /// run.
+    pub score: Option<f64>,
+    /// Prompt tokens (`prompt_ids`, including any `prompt_extra`).
+    pub prompt_tokens: usize,
+    /// Output rows proven (`n_tokens`).
+    pub n_tokens: usize,
+    /// Proof bytes (decoded, summed over proofs).
+    pub proof_bytes: usize,
+    /// Batches that passed.
+    pub passing_batches: usize,
+    /// Per-batch results (empty when verification did not run).
+    pub batches: Vec<BatchAudit>,
+    /// The thresholds applied.
+    pub params: AuditParams,
+}
+
+impl AuditReport {
+    fn unproven(reason: impl Into<String>, params: AuditParams) -> Self {
+        Self {
+            verdict: Verdict::Unproven {
+                reason: reason.into(),
+            },
+            score: None,
+            prompt_tokens: 0,
+            n_tokens: 0,
+            proof_bytes: 0,
+            passing_batches: 0,
+            batches: Vec::new(),
+            params,
+        }
+    }
+}
+
+/// The commitment's wire shape (PROTOCOL.md §3.10). Unknown fields are ignored.
+#[derive(Debug, Clone, Deserialize)]
+struct WireCommitment {
+    model_root: String,
+    output_token_ids: Vec<u64>,
+    toploc: WireToploc,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct WireToploc {
+    proofs: Vec<String>,
+    topk: u64,
+    decode_batching_size: u64,
+    skip_prefill: bool,
+    n_tokens: u64,
+    prompt_ids: Vec<u64>,
+}
+
+/// Audits `commitment` (the §3.10 object, or any object holding it under `"commitment"`, such
+/// as a gateway `response` frame) against `model`, whose checkpoint has `model_root`.
+///
+/// Every problem with the commitment is an [`Verdict::Unproven`] report, never an error.
+///
+/// # Errors
+/// Only the auditor's own failures (a tensor operation failing): [`ModelError::Candle`].
+pub fn audit(
+    model: &Model,
+    model_root: &str,
+    commitment: &serde_json::Value,
+    params: &AuditParams,
+) -> Result<AuditReport, ModelError> {
+    let p = *params;
+    let value = match commitment.get("commitment") {
+        Some(inner) if commitment.get("toploc").is_none() => inner,
+        _ => commitment,
+    };
+    if value.is_null() {
+        return Ok(AuditReport::unproven("the commitment is null", p));
+    }
+    let c: WireCommitment = match serde_json::from_value(value.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            return Ok(AuditReport::unproven(
+                format!("malformed commitment: {e}"),
+                p,
+            ))
+        }
+    };
+    match check_shape(model, model_root, &c, &p) {
+        Ok(checked) => verify(model, checked, p),
+        Err(reason) => Ok(AuditReport::unproven(reason, p)),
+    }
+}
+
+/// A commitment that passed the shape checks.
+struct Checked {
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    proofs: Vec<ProofPoly>,
+    proof_bytes: usize,
+    params: Params,
+}
+
+fn ids_in_vocab(ids: &[u64], vocab: usize, what: &str) -> Result<Vec<u32>, String> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            u32::try_from(id)
+                .ok()
+                .filter(|&v| (v as usize) < vocab)
+                .ok_or_else(|| {
+                    format!("{what}[{i}] = {id} is outside the vocabulary (size {vocab})")
+                })
+        })
+        .collect()
+}
+
+fn check_shape(
+    model: &Model,
+    model_root: &str,
+    c: &WireCommitment,
+    p: &AuditParams,
+) -> Result<Checked, String> {
+    let cfg = model.config();
+    if c.model_root != model_root {
+        return Err(format!(
+            "model_root {:?} is not the checkpoint's {model_root}",
+            c.model_root
+        ));
+    }
+    let t = &c.toploc;
+    if !t.skip_prefill {
+        return Err("toploc.skip_prefill is false; engy proofs use skip_prefill = true".into());
+    }
+    if t.topk != p.toploc_k as u64 {
+        return Err(format!(
+            "toploc.topk {} differs from the model spec's toploc_k {}",
+            t.topk, p.toploc_k
+        ));
+    }
+    let dbs = usize::try_from(t.decode_batching_size)
+        .ok()
+        .filter(|&d| d > 0)
+        .ok_or_else(|| {
+            format!(
+                "toploc.decode_batching_size {} is invalid",
+                t.decode_batching_size
+            )
+        })?;
+    let n = usize::try_from(t.n_tokens).unwrap_or(usize::MAX);
+    if n == 0 {
+        return Err("toploc.n_tokens is 0: there is nothing to prove".into());
+    }
+    if n != c.output_token_ids.len() {
+        return Err(format!(
+            "toploc.n_tokens {n} differs from the {} output_token_ids",
+            c.output_token_ids.len()
+        ));
+    }
+    let want_proofs = n.div_ceil(dbs);
+    if t.proofs.len() != want_proofs {
+        return Err(format!(
+            "{} proofs for {n} rows in batches of {dbs} (expected {want_proofs})",
+            t.proofs.len()
+        ));
+    }
+    if t.prompt_ids.is_empty() {
+        return Err("toploc.prompt_ids is empty".into());
+    }
+    let prompt = ids_in_vocab(&t.prompt_ids, cfg.vocab_size, "prompt_ids")?;
+    let output = ids_in_vocab(&c.output_token_ids, cfg.vocab_size, "output_token_ids")?;
+    let positions = prompt.len() + n - 1;
+    if positions > cfg.max_position_embeddings {
+        return Err(format!(
+            "prompt + output is {positions} positions, more than the model's {}",
+            cfg.max_position_embeddings
+        ));
+    }
+    let mut proofs = Vec::with_capacity(t.proofs.len());
+    let mut proof_bytes = 0;
+    for (i, b64) in t.proofs.iter().enumerate() {
+        let proof = ProofPoly::from_base64(b64).map_err(|e| format!("proof {i}: {e}"))?;
+        if proof.is_null() {
+            return Err(format!(
+                "proof {i} is a null proof (modulus 0): the miner could not build it"
+            ));
+        }
+        proof_bytes += proof.to_bytes().len();
+        proofs.push(proof);
+    }
+    Ok(Checked {
+        prompt,
+        output,
+        proofs,
+        proof_bytes,
+        params: Params {
+            topk: p.toploc_k,
+            decode_batching_size: dbs,
+            skip_prefill: true,
+        },
+    })
+}
+
+fn verify(model: &Model, c: Checked, p: AuditParams) -> Result<AuditReport, ModelError> {
+    let n = c.output.len();
+    let mut input = c.prompt.clone();
+    input.extend(c.output.iter().take(n.saturating_sub(1)));
+    let hidden = model.hidden_states(&input)?;
+    let rows: Vec<Vec<u16>> = hidden
+        .iter()
+        .skip(c.prompt.len() - 1)
+        .take(n)
+        .map(|r| toploc::f32_to_bf16_bits_slice(r))
+        .collect();
+    let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+    let mut report = AuditReport {
+        verdict: Verdict::Pass,
+        score: None,
+        prompt_tokens: c.prompt.len(),
+        n_tokens: n,
+        proof_bytes: c.proof_bytes,
+        passing_batches: 0,
+        batches: Vec::new(),
+        params: p,
+    };
+    let results = match toploc::verify_proofs(&elements, Dtype::Bf16, &c.proofs, &c.params) {
+        Ok(r) => r,
+        Err(e) => {
+            report.verdict = Verdict::Unproven {
+                reason: format!("TOPLOC verification rejected the proofs: {e}"),
+            };
+            return Ok(report);
+        }
+    };
+    let dbs = c.params.decode_batching_size;
+    for (i, r) in results.iter().enumerate() {
+        let rows = n.saturating_sub(i * dbs).min(dbs);
+        let pass = r.exp_mismatches <= p.toploc_v;
+        report.passing_batches += usize::from(pass);
+        report.batches.push(BatchAudit {
+            rows,
+            exp_mismatches: r.exp_mismatches,
+            mant_err_mean: r.mant_err_mean,
+            mant_err_median: r.mant_err_median,
+            pass,
+        });
+    }
+    let nb = report.batches.len().max(1) as f64;
+    let topk = p.toploc_k.max(1) as f64;
+    report.score = Some(
+        report
+            .batches
+            .iter()
+            .map(|b| b.exp_mismatches as f64 / topk)
+            .sum::<f64>()
+            / nb,
+    );
+    let ratio = report.passing_batches as f64 / nb;
+    report.verdict = if ratio >= p.toploc_p {
+        Verdict::Pass
+    } else {
+        Verdict::Cheat
+    };
+    Ok(report)
+}
+
+/// A commitment made the way an honest miner makes it (PROTOCOL.md §3.4–§3.10) from one greedy
+/// generation on `model`: the decode rows (the last row of each step), bf16, TOPLOC proofs with
+/// `params`. For tests and the devnet's self-check; the miner builds its own from the serve's
+/// HTTP answer.
+///
+/// # Errors
+/// [`ModelError`] from decoding; [`ModelError::Config`] when the proofs cannot be built (for
+/// example `topk` larger than a batch).
+pub fn commit_greedy(
+    model: &Model,
+    model_root: &str,
+    prompt_ids: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    params: &Params,
+) -> Result<serde_json::Value, ModelError> {
+    let steps = model.generate(prompt_ids, max_new, stop)?;
+    let rows: Vec<Vec<u16>> = steps
+        .iter()
+        .filter_map(|s| s.hidden.last())
+        .map(|r| toploc::f32_to_bf16_bits_slice(r))
+        .collect();
+    let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+    let proofs = toploc::build_proofs_base64(&elements, Dtype::Bf16, params)
+        .map_err(|e| ModelError::Config(format!("building TOPLOC proofs: {e}")))?;
+    let output: Vec<u32> = steps.iter().map(|s| s.token_id).collect();
+    Ok(serde_json::json!({
+        "model_root": model_root,
+        "output_token_ids": output,
+        "toploc": {
+            "proofs": proofs,
+            "topk": params.topk,
+            "decode_batching_size": params.decode_batching_size,
+            "skip_prefill": params.skip_prefill,
+            "n_tokens": rows.len(),
+            "prompt_ids": prompt_ids,
+        }
+    }))
+}

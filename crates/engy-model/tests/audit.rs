@@ -1,0 +1,198 @@
+//! The auditor end to end on a generated checkpoint: honest proofs pass, int4 proofs are caught
+//! with a clearly separated score, malformed commitments are `unproven`.
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use engy_core::toploc::Params;
+use engy_model::audit::{audit, commit_greedy, AuditParams, Verdict};
+use engy_model::{corpus, gen_model, Checkpoint, GenConfig, Precision};
+
+fn checkpoint_dir() -> &'static Path {
+    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    let (_, p) = DIR.get_or_init(|| {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("m");
+        gen_model(&p, 7, &GenConfig::default()).unwrap();
+        (t, p)
+    });
+    p
+}
+
+fn prompt(ck: &Checkpoint, user: &str) -> Vec<u32> {
+    let text = format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n");
+    ck.tokenizer
+        .encode(text.as_str(), false)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
+fn quantiles(mut v: Vec<f64>) -> String {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let q = |f: f64| v[((v.len() - 1) as f64 * f).round() as usize];
+    format!(
+        "min {:.3} p50 {:.3} p99 {:.3} max {:.3}",
+        q(0.0),
+        q(0.5),
+        q(0.99),
+        q(1.0)
+    )
+}
+
+#[test]
+fn honest_passes_and_int4_is_caught_with_separated_scores() {
+    let dir = checkpoint_dir();
+    let auditor = Checkpoint::open(dir, Precision::Bf16).unwrap();
+    let cheat = Checkpoint::open(dir, Precision::Int4 { group_size: 32 }).unwrap();
+    let stop = auditor.stop_ids();
+    let params = AuditParams::default();
+    let (mut honest_scores, mut cheat_scores) = (vec![], vec![]);
+    for (i, user) in corpus::sample_prompts(11, 10).iter().enumerate() {
+        let ids = prompt(&auditor, user);
+        let max_new = 40 + 17 * i; // 1 to 6 decode batches, last one ragged
+        for (serve, scores, want) in [
+            (&auditor, &mut honest_scores, Verdict::Pass),
+            (&cheat, &mut cheat_scores, Verdict::Cheat),
+        ] {
+            let c = commit_greedy(
+                &serve.model,
+                &serve.model_root,
+                &ids,
+                max_new,
+                &stop,
+                &Params::ENGY,
+            )
+            .unwrap();
+            let r = audit(&auditor.model, &auditor.model_root, &c, &params).unwrap();
+            assert_eq!(r.verdict, want, "prompt {i} ({user:?}): {r:?}");
+            // Verdicts are stable: auditing again gives the same report.
+            assert_eq!(
+                r,
+                audit(&auditor.model, &auditor.model_root, &c, &params).unwrap()
+            );
+            scores.push(r.score.unwrap());
+        }
+    }
+    eprintln!("honest scores: {}", quantiles(honest_scores.clone()));
+    eprintln!("int4 scores:   {}", quantiles(cheat_scores.clone()));
+    let honest_max = honest_scores.iter().cloned().fold(0.0, f64::max);
+    let cheat_min = cheat_scores.iter().cloned().fold(1.0, f64::min);
+    assert!(
+        cheat_min > honest_max + 0.2,
+        "scores not separated: honest max {honest_max}, int4 min {cheat_min}"
+    );
+}
+
+#[test]
+fn malformed_commitments_are_unproven() {
+    let dir = checkpoint_dir();
+    let ck = Checkpoint::open(dir, Precision::Bf16).unwrap();
+    let params = AuditParams::default();
+    let ids = prompt(&ck, "What is a decode batch?");
+    let good = commit_greedy(&ck.model, &ck.model_root, &ids, 40, &[], &Params::ENGY).unwrap();
+    assert_eq!(
+        audit(&ck.model, &ck.model_root, &good, &params)
+            .unwrap()
+            .verdict,
+        Verdict::Pass
+    );
+    // A gateway response frame holding the commitment is accepted too.
+    let frame = serde_json::json!({"type": "response", "commitment": good.clone()});
+    assert_eq!(
+        audit(&ck.model, &ck.model_root, &frame, &params)
+            .unwrap()
+            .verdict,
+        Verdict::Pass
+    );
+    let vocab = ck.model.config().vocab_size;
+    type Mutation = Box<dyn Fn(&mut serde_json::Value)>;
+    let mutations: Vec<(&str, Mutation)> = vec![
+        (
+            "model_root",
+            Box::new(|c| c["model_root"] = "00".repeat(32).into()),
+        ),
+        (
+            "n_tokens",
+            Box::new(|c| c["toploc"]["n_tokens"] = 39.into()),
+        ),
+        (
+            "output length",
+            Box::new(|c| {
+                c["output_token_ids"].as_array_mut().unwrap().pop();
+            }),
+        ),
+        (
+            "bad base64",
+            Box::new(|c| c["toploc"]["proofs"][0] = "!!not base64!!".into()),
+        ),
+        (
+            "odd proof bytes",
+            Box::new(|c| c["toploc"]["proofs"][0] = "AAA=".into()),
+        ),
+        (
+            "null proof",
+            Box::new(|c| c["toploc"]["proofs"][0] = base64_zeros(2 + 2 * 128).into()),
+        ),
+        (
+            "proof count",
+            Box::new(|c| {
+                c["toploc"]["proofs"].as_array_mut().unwrap().pop();
+            }),
+        ),
+        (
+            "prompt out of vocab",
+            Box::new(move |c| c["toploc"]["prompt_ids"][0] = vocab.into()),
+        ),
+        (
+            "output out of vocab",
+            Box::new(|c| c["output_token_ids"][0] = u64::MAX.into()),
+        ),
+        (
+            "empty prompt",
+            Box::new(|c| c["toploc"]["prompt_ids"] = serde_json::json!([])),
+        ),
+        (
+            "skip_prefill",
+            Box::new(|c| c["toploc"]["skip_prefill"] = false.into()),
+        ),
+        ("topk", Box::new(|c| c["toploc"]["topk"] = 64.into())),
+        (
+            "dbs zero",
+            Box::new(|c| c["toploc"]["decode_batching_size"] = 0.into()),
+        ),
+        (
+            "missing toploc",
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("toploc");
+            }),
+        ),
+        (
+            "wrong type",
+            Box::new(|c| c["toploc"]["n_tokens"] = "forty".into()),
+        ),
+        ("null", Box::new(|c| *c = serde_json::Value::Null)),
+        (
+            "too long",
+            Box::new(|c| c["toploc"]["prompt_ids"] = serde_json::json!(vec![1; 9000])),
+        ),
+    ];
+    for (what, mutate) in mutations {
+        let mut c = good.clone();
+        mutate(&mut c);
+        let r = audit(&ck.model, &ck.model_root, &c, &params).unwrap();
+        match &r.verdict {
+            Verdict::Unproven { reason } => eprintln!("{what}: {reason}"),
+            v => panic!("{what}: expected unproven, got {v:?}"),
+        }
+    }
+}
+
+fn base64_zeros(n: usize) -> String {
+    // n zero bytes in standard base64 (n divisible by 3 gives no padding; handle the rest).
+    let full = "AAAA".repeat(n / 3);
+    match n % 3 {
+        1 => full + "AA==",
+        2 => full + "AAA=",
+        _ => full,
+    }
+}
