@@ -201,7 +201,7 @@ async fn sigterm_exits_zero() {
     let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
     let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
     env.set("ENGY_SN53_POLL_S", "300");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_engy-validator"));
+    let mut cmd = tokio::process::Command::new(bin());
     cmd.arg("run")
         .env_clear()
         .stdout(std::process::Stdio::piped())

@@ -54,6 +54,15 @@ pub fn seed(seed_hex: &str) -> [u8; 32] {
     hex::decode(seed_hex).unwrap().try_into().unwrap()
 }
 
+/// The binary under test: `ENGY_VALIDATOR_BIN` when set (a copy that a shared target
+/// directory cannot swap mid-run), else the one cargo built for this test.
+pub fn bin() -> String {
+    std::env::var("ENGY_VALIDATOR_BIN")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_engy-validator").to_owned())
+}
+
 /// One validator environment: a temp HOME with a wallet, and the settings passed by env.
 pub struct Env {
     pub home: tempfile::TempDir,
@@ -102,7 +111,7 @@ impl Env {
     /// Runs the real binary with `args`, in this environment only (the parent's ENGY_*
     /// variables are not inherited).
     pub async fn run(&self, args: &[&str]) -> Output {
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_engy-validator"));
+        let mut cmd = tokio::process::Command::new(bin());
         cmd.args(args).env_clear();
         if let Some(path) = std::env::var_os("PATH") {
             cmd.env("PATH", path);
