@@ -134,6 +134,14 @@ fn build_reverse() -> Value {
             "non-ascii-version",
             build_body("engy-lv é✓😀", Some(u64::MAX), Some("abab")),
         ),
+        (
+            "control-and-escape-chars",
+            build_body(
+                "engy-lv \u{0}\u{8}\u{c}\n\r\t\u{1f}\u{7f}\"\\/\u{2028}\u{feff}\u{10ffff}",
+                Some(0),
+                Some("d\"q"),
+            ),
+        ),
     ];
     for (n, (id, body)) in bodies.iter().enumerate() {
         let ts = 1_784_506_210 + n as u64;
