@@ -151,3 +151,82 @@ fn payload_vectors_match_strict_expectations() {
     );
     assert!(failures.is_empty(), "mismatches:\n{}", failures.join("\n"));
 }
+
+/// Differential check of the body reader against Python's `json.loads` (the reference's
+/// reader): on thousands of deterministically mutated JSON fragments placed in an ignored
+/// field, `verify` reports a parse error exactly when Python's reader raises. (Leniencies
+/// Python accepts — NaN, duplicate keys — are `malformed` rejections here, not parse errors.)
+/// Needs `python3` on PATH; prints a visible SKIP otherwise.
+#[test]
+fn body_reader_agrees_with_python_json_loads() {
+    const SCRIPT: &str = r#"
+import json, random, sys
+random.seed(int(sys.argv[1]))
+seeds = ['{"a":[1,2.5,-0,1e5,-1E-2,true,false,null,"s\\u00e9\\ud83d\\ude00\\n"],"b":{}}',
+         '[]', '"x"', '0', '-0.0e+1', '{"k":"\\ud800"}', 'NaN', '[Infinity,-Infinity]',
+         '{"a":1,"a":2}', '[1e400, 123456789012345678901234567890]']
+alphabet = list('{}[]",:.-+eE0123456789 \t\n\rtruefalsnulNaIfiy\\u/abx') + ['\x00', '\x1f', '\x7f', 'é', '\u2028', '\ufeff']
+out = []
+for _ in range(int(sys.argv[2])):
+    s = random.choice(seeds)
+    for _ in range(random.randint(1, 3)):
+        op, pos = random.random(), random.randint(0, len(s))
+        if op < 0.4:
+            s = s[:pos] + random.choice(alphabet) + s[pos:]
+        elif op < 0.7:
+            s = s[:pos] + s[pos + 1:]
+        else:
+            s = s[:pos] + random.choice(alphabet) + s[pos + 1:]
+    try:
+        json.loads(s)
+        ok = True
+    except ValueError:
+        ok = False
+    out.append([s, ok])
+print(json.dumps(out))
+"#;
+    let out = match std::process::Command::new("python3")
+        .args(["-c", SCRIPT, "53", "20000"])
+        .output()
+    {
+        Ok(o) if o.status.success() => o,
+        _ => {
+            println!("SKIP body_reader_agrees_with_python_json_loads: python3 not available");
+            return;
+        }
+    };
+    let frags: Vec<(String, bool)> = serde_json::from_slice(&out.stdout).unwrap();
+    let (mut accepted, mut diffs) = (0, Vec::new());
+    for (frag, py_ok) in &frags {
+        let body = format!("{{\"v\":1,\"display\":{frag}}}");
+        let r = verify(
+            body.as_bytes(),
+            "5F7ConTMzXkLvP1fcV5CybakMmGa6967sohaqGdg9DxQkTzU",
+            53,
+        );
+        let ours_ok = !matches!(r, Err(PayloadError::Parse(_)));
+        accepted += usize::from(*py_ok);
+        if ours_ok != *py_ok {
+            diffs.push(format!("python ok={py_ok}, ours {r:?}: {frag:?}"));
+        }
+    }
+    println!(
+        "body reader vs python json.loads: {} fragments ({accepted} valid for Python), {} disagreement(s)",
+        frags.len(),
+        diffs.len()
+    );
+    assert!(
+        accepted > 100 && accepted < frags.len(),
+        "fragment mix is degenerate"
+    );
+    assert!(
+        diffs.is_empty(),
+        "{}",
+        diffs
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
