@@ -541,13 +541,8 @@ impl Model {
     ///
     /// # Errors
     /// [`ModelError::EmptyInput`], [`ModelError::TokenOutOfVocab`], [`ModelError::TooLong`].
-    pub fn decoder(&self, prompt_ids: &[u32]) -> Result<Decoder<'_>, ModelError> {
-        self.check_ids(prompt_ids, 0)?;
-        Ok(Decoder {
-            model: self,
-            cache: self.new_cache(),
-            pending: prompt_ids.to_vec(),
-        })
+    pub fn decoder(&self, prompt_ids: &[u32]) -> Result<Decoder<&Model>, ModelError> {
+        Decoder::new(self, prompt_ids)
     }
 
     /// Greedy decoding of up to `max_new` tokens, stopping after a token in `stop` (which is
@@ -589,13 +584,30 @@ pub struct Step {
 
 /// Step-by-step greedy decoding with a KV cache: each step feeds the tokens not yet seen (the
 /// prompt at first, then the last sampled token) and samples the argmax of the last row.
-pub struct Decoder<'m> {
-    model: &'m Model,
+///
+/// `M` is how the decoder holds the model: `&Model` ([`Model::decoder`]) or an owning pointer
+/// such as `Arc<Model>` for a session that outlives the caller's borrow.
+pub struct Decoder<M: std::ops::Deref<Target = Model>> {
+    model: M,
     cache: KvCache,
     pending: Vec<u32>,
 }
 
-impl Decoder<'_> {
+impl<M: std::ops::Deref<Target = Model>> Decoder<M> {
+    /// Starts greedy decoding of `prompt_ids` on `model`.
+    ///
+    /// # Errors
+    /// [`ModelError::EmptyInput`], [`ModelError::TokenOutOfVocab`], [`ModelError::TooLong`].
+    pub fn new(model: M, prompt_ids: &[u32]) -> Result<Self, ModelError> {
+        model.check_ids(prompt_ids, 0)?;
+        let cache = model.new_cache();
+        Ok(Self {
+            model,
+            cache,
+            pending: prompt_ids.to_vec(),
+        })
+    }
+
     /// Whether the sequence reached `max_position_embeddings` (no further step is possible).
     pub fn is_full(&self) -> bool {
         self.cache.len + self.pending.len() > self.model.cfg.max_position_embeddings
