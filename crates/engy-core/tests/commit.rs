@@ -37,6 +37,8 @@ struct Model {
     d_ff: usize,
     vocab: usize,
     shards: usize,
+    /// Routed experts stacked in `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (bf16).
+    fused: bool,
 }
 
 impl Model {
@@ -51,6 +53,7 @@ impl Model {
             d_ff: 4,
             vocab: 16,
             shards: 3,
+            fused: false,
         }
     }
 
@@ -173,6 +176,20 @@ impl Model {
             linear(&mut out, format!("{shared}.gate_proj"), f, h);
             linear(&mut out, format!("{shared}.up_proj"), f, h);
             linear(&mut out, format!("{shared}.down_proj"), h, f);
+            if self.fused {
+                let n = self.n_experts;
+                out.push((
+                    format!("{p}.mlp.experts.gate_up_proj"),
+                    Dtype::BF16,
+                    vec![n, 2 * f, h],
+                ));
+                out.push((
+                    format!("{p}.mlp.experts.down_proj"),
+                    Dtype::BF16,
+                    vec![n, h, f],
+                ));
+                continue;
+            }
             for e in 0..self.n_experts {
                 linear(&mut out, format!("{p}.mlp.experts.{e}.gate_proj"), f, h);
                 linear(&mut out, format!("{p}.mlp.experts.{e}.up_proj"), f, h);
@@ -937,13 +954,18 @@ fn scheme_md_worked_example_and_python_reference_agree() {
         return;
     };
     let mut dirs = vec![(dir.clone(), c)];
-    for (naming, quant) in [
-        (Naming::Glm, Quant::Fp8),
-        (Naming::QwenMoe, Quant::Nvfp4),
-        (Naming::QwenDense, Quant::Bf16),
+    for (naming, quant, fused) in [
+        (Naming::Glm, Quant::Fp8, false),
+        (Naming::QwenMoe, Quant::Nvfp4, false),
+        (Naming::QwenMoe, Quant::Bf16, true),
+        (Naming::QwenDense, Quant::Bf16, false),
     ] {
         let d = t.path().join(format!("g{}", dirs.len()));
-        Model::new(naming, quant).write(&d);
+        Model {
+            fused,
+            ..Model::new(naming, quant)
+        }
+        .write(&d);
         let c = build(&d).unwrap();
         dirs.push((d, c));
     }
@@ -985,4 +1007,89 @@ fn committed_devnet_spec_is_a_consistent_engy_commit_v1_file() {
             s.model_root
         );
     }
+}
+
+#[test]
+fn fused_expert_tensors_are_committed_per_expert() {
+    let m = Model {
+        fused: true,
+        ..Model::new(Naming::QwenMoe, Quant::Bf16)
+    };
+    let (_t, dir) = gen(&m);
+    let c = build(&dir).unwrap();
+    let u = c
+        .unit(UnitId::Layer {
+            layer: 2,
+            part: LayerPart::Expert(2),
+        })
+        .unwrap();
+    let names: Vec<(&str, &[u64])> = u
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.shape.as_slice()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("model.layers.2.mlp.experts.down_proj[2]", &[8u64, 4][..]),
+            ("model.layers.2.mlp.experts.gate_up_proj[2]", &[8, 8][..]),
+        ]
+    );
+    // Opening proof + the auditor's slice of the fused tensor.
+    let p = c
+        .open(UnitId::Layer {
+            layer: 2,
+            part: LayerPart::Expert(2),
+        })
+        .unwrap();
+    p.verify(&c.model_root).unwrap();
+    let name = "model.layers.2.mlp.experts.gate_up_proj";
+    let bytes = checkpoint::list_shards(&dir)
+        .unwrap()
+        .iter()
+        .find_map(|s| {
+            let b = std::fs::read(s).unwrap();
+            let st = SafeTensors::deserialize(&b).unwrap();
+            st.tensor(name).ok().map(|v| v.data().to_vec())
+        })
+        .unwrap();
+    let per = bytes.len() / m.n_experts;
+    p.check_tensor(
+        &format!("{name}[2]"),
+        "BF16",
+        &[8, 8],
+        &bytes[2 * per..3 * per],
+    )
+    .unwrap();
+    assert!(p
+        .check_tensor(&format!("{name}[2]"), "BF16", &[8, 8], &bytes[per..2 * per])
+        .is_err());
+    // A byte of expert 2's slice changes exactly expert 2.
+    let before = SpecFile::from_commitment(&c, 0.0);
+    flip_byte(&dir, name, 2 * per + 3);
+    let after = SpecFile::from_commitment(&build(&dir).unwrap(), 0.0);
+    let mut d: Vec<String> = after
+        .diff(&before)
+        .iter()
+        .map(|l| l.split(':').next().unwrap().to_string())
+        .collect();
+    d.sort();
+    assert_eq!(d, ["layer 2", "layer 2 expert 2", "model_root"]);
+    // First dimension other than n_experts is refused.
+    let bad = Model {
+        n_experts: 4,
+        ..m.clone()
+    };
+    let t2 = tempfile::tempdir().unwrap();
+    bad.write(t2.path());
+    let cfg = t2.path().join("config.json");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("\"num_experts\":4", "\"num_experts\":3");
+    std::fs::write(&cfg, text).unwrap();
+    let e = err(t2.path());
+    assert!(
+        matches!(e, CommitError::UnknownTensor { ref reason, .. } if reason.contains("n_experts = 3")),
+        "{e}"
+    );
 }

@@ -229,6 +229,67 @@ fn check_scales(tensors: &[TensorRef<'_>], quant: &str) -> Result<(), CommitErro
     Ok(())
 }
 
+/// Splits fused expert tensors (dim 0 = `n_experts`) into one virtual tensor per expert:
+/// name `{name}[{e}]`, shape `shape[1..]`, data the `e`-th of `n_experts` equal byte slices
+/// (specs/SCHEME.md "Fused experts"). Other tensors pass through.
+///
+/// Errors: [`CommitError::UnknownTensor`] when a fused tensor's first dimension is not
+/// `n_experts` or its bytes do not split evenly; [`CommitError::DuplicateTensor`] when a
+/// slice name is also a real tensor name.
+fn expand_fused<'a>(
+    tensors: Vec<TensorRef<'a>>,
+    config: &ModelConfig,
+    paths: &[PathBuf],
+) -> Result<Vec<TensorRef<'a>>, CommitError> {
+    let n_layers = u32::try_from(config.n_layers).unwrap_or(u32::MAX);
+    let n_experts = config.n_experts;
+    let mut out = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        if !layout::fused_expert_tensor(&t.name, n_layers) {
+            out.push(t);
+            continue;
+        }
+        let bad = |reason: String| CommitError::UnknownTensor {
+            name: t.name.clone(),
+            reason,
+        };
+        if t.shape.first() != Some(&n_experts) || n_experts == 0 {
+            return Err(bad(format!(
+                "fused expert tensor of shape {:?}: dim 0 must be n_experts = {n_experts}",
+                t.shape
+            )));
+        }
+        let len = t.data.len() as u64;
+        if !len.is_multiple_of(n_experts) {
+            return Err(bad(format!(
+                "{len} bytes do not split into {n_experts} experts"
+            )));
+        }
+        let per = (len / n_experts) as usize;
+        let shape = t.shape.get(1..).unwrap_or_default().to_vec();
+        for e in 0..n_experts as usize {
+            out.push(TensorRef {
+                name: format!("{}[{e}]", t.name),
+                dtype: t.dtype,
+                shape: shape.clone(),
+                data: t.data.get(e * per..(e + 1) * per).unwrap_or_default(),
+                shard: t.shard,
+            });
+        }
+    }
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for t in &out {
+        if let Some(first) = seen.insert(t.name.as_str(), t.shard) {
+            return Err(CommitError::DuplicateTensor {
+                name: t.name.clone(),
+                first: paths.get(first).cloned().unwrap_or_default(),
+                second: paths.get(t.shard).cloned().unwrap_or_default(),
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Checks `model.safetensors.index.json` (when present) against the shards: every mapped
 /// tensor must be in the named file.
 fn check_index(dir: &Path, tensors: &[(String, PathBuf)]) -> Result<(), CommitError> {
@@ -312,6 +373,7 @@ pub fn commit_checkpoint(
         })
         .collect();
     check_index(dir, &owners)?;
+    let tensors = expand_fused(tensors, &config, &shards.paths)?;
     let n_layers = u32::try_from(config.n_layers).unwrap_or(u32::MAX);
     progress
         .tensors_total
@@ -367,6 +429,7 @@ pub fn hash_unit(
     let shards = Shards::open(dir)?;
     let tensors = shards.tensors()?;
     check_scales(&tensors, &config.quant)?;
+    let tensors = expand_fused(tensors, config, &shards.paths)?;
     let n_layers = u32::try_from(config.n_layers).unwrap_or(u32::MAX);
     let mut picked = Vec::new();
     for t in &tensors {

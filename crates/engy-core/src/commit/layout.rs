@@ -108,11 +108,14 @@ pub fn classify(name: &str, n_layers: u32) -> Result<UnitId, CommitError> {
                 "gate_proj" | "up_proj" | "down_proj" => LayerPart::Mlp,
                 "experts" => {
                     let (e, after) = tail.split_once('.').unwrap_or((tail, ""));
-                    match parse_index(e) {
-                        Some(e) if !after.is_empty() => LayerPart::Expert(e),
-                        _ => return Err(unknown(
-                            "fused or unindexed expert tensor (scheme v1 needs mlp.experts.{e}.*)",
-                        )),
+                    match (parse_index(e), slice_of_fused(tail)) {
+                        (Some(e), _) if !after.is_empty() => LayerPart::Expert(e),
+                        (None, Some(e)) => LayerPart::Expert(e),
+                        _ => {
+                            return Err(unknown(
+                                "unindexed expert tensor (want mlp.experts.{e}.* or a fused mlp.experts.* of first dim n_experts)",
+                            ))
+                        }
                     }
                 }
                 _ => return Err(unknown("MLP tensor of no known kind")),
@@ -120,6 +123,40 @@ pub fn classify(name: &str, n_layers: u32) -> Result<UnitId, CommitError> {
         }
     };
     Ok(UnitId::Layer { layer, part })
+}
+
+/// `Some(e)` for the name of expert `e`'s slice of a fused expert tensor: `{rest}[{e}]`
+/// with `rest` not starting with a decimal segment (see [`fused_expert_tensor`]).
+fn slice_of_fused(tail: &str) -> Option<u32> {
+    let inner = tail.strip_suffix(']')?;
+    let (rest, idx) = inner.rsplit_once('[')?;
+    let first = rest.split('.').next().unwrap_or("");
+    if rest.is_empty() || parse_index(first).is_some() {
+        return None;
+    }
+    parse_index(idx)
+}
+
+/// Whether `name` is a fused expert tensor (all routed experts of a layer stacked along
+/// dim 0, e.g. Qwen3.5's `model.language_model.layers.{i}.mlp.experts.gate_up_proj`):
+/// a layer tensor `mlp.experts.{rest}` whose `rest` does not start with a decimal segment
+/// and is not already a slice name. Such tensors are committed as one virtual tensor per
+/// expert (specs/SCHEME.md "Fused experts").
+pub fn fused_expert_tensor(name: &str, n_layers: u32) -> bool {
+    let Some(rest) = LAYER_PREFIXES.iter().find_map(|p| name.strip_prefix(p)) else {
+        return false;
+    };
+    let Some((idx, rest)) = rest.split_once('.') else {
+        return false;
+    };
+    if parse_index(idx).is_none_or(|l| l >= n_layers) {
+        return false;
+    }
+    let Some(tail) = rest.strip_prefix("mlp.experts.") else {
+        return false;
+    };
+    let first = tail.split('.').next().unwrap_or("");
+    !first.is_empty() && parse_index(first).is_none() && !tail.ends_with(']')
 }
 
 /// The canonical model config bound into `model_root` (specs/SCHEME.md "Config leaf").
@@ -326,6 +363,31 @@ mod tests {
             assert_eq!(classify(name, 4).unwrap(), want, "{name}");
         }
         assert!(classify("model.layers.1.mlp.experts.gate_up_proj", 4).is_err());
+        assert_eq!(
+            classify("model.layers.1.mlp.experts.gate_up_proj[7]", 4).unwrap(),
+            l(1, LayerPart::Expert(7))
+        );
+        assert!(classify("model.layers.1.mlp.experts.3[7]", 4).is_err());
+        assert!(fused_expert_tensor(
+            "model.language_model.layers.1.mlp.experts.down_proj",
+            4
+        ));
+        assert!(fused_expert_tensor(
+            "model.layers.1.mlp.experts.gate_up_proj_scale_inv",
+            4
+        ));
+        assert!(!fused_expert_tensor(
+            "model.layers.1.mlp.experts.3.down_proj.weight",
+            4
+        ));
+        assert!(!fused_expert_tensor(
+            "model.layers.9.mlp.experts.down_proj",
+            4
+        ));
+        assert!(!fused_expert_tensor(
+            "model.layers.1.mlp.experts.down_proj[2]",
+            4
+        ));
         assert!(classify("model.layers.1.mlp.weird.weight", 4).is_err());
     }
 }
