@@ -472,14 +472,29 @@ fn opening_proof_verifies_and_tampering_fails_for_the_right_reason() {
         Err(ProofError::TensorMismatch { .. })
     ));
 
-    // Tampered tensor digest → unit root mismatch.
+    // Tampered tensor leaf or data digest → that tensor's leaf fails.
     let mut t = p.clone();
     t.tensors[0].leaf[0] ^= 1;
+    let e = t.verify(&root);
     assert!(
-        matches!(t.verify(&root), Err(ProofError::UnitRootMismatch { .. })),
-        "{:?}",
-        t.verify(&root)
+        matches!(e, Err(ProofError::TensorLeafMismatch { .. })),
+        "{e:?}"
     );
+    let mut t = p.clone();
+    t.tensors[2].sha256[0] ^= 1;
+    let e = t.verify(&root);
+    assert!(
+        matches!(e, Err(ProofError::TensorLeafMismatch { ref name, .. }) if *name == p.tensors[2].name),
+        "{e:?}"
+    );
+    // Leaf and digest both replaced consistently → unit root mismatch.
+    let mut t = p.clone();
+    t.tensors[2].sha256[0] ^= 1;
+    t.tensors[2].leaf = t.tensors[2].expected_leaf();
+    assert!(matches!(
+        t.verify(&root),
+        Err(ProofError::UnitRootMismatch { .. })
+    ));
     // Tampered layer sibling → layer root mismatch.
     let mut t = p.clone();
     t.layer.as_mut().unwrap().level.path[0].0[0] ^= 1;
@@ -918,6 +933,7 @@ fn scheme_md_worked_example_and_python_reference_agree() {
             expect_in_md(&format!("layer {i} unit"), &u.root);
             for t in &u.tensors {
                 expect_in_md(&t.name, &t.leaf);
+                expect_in_md(&t.name, &t.sha256);
             }
         }
     }
@@ -1092,4 +1108,59 @@ fn fused_expert_tensors_are_committed_per_expert() {
         matches!(e, CommitError::UnknownTensor { ref reason, .. } if reason.contains("n_experts = 3")),
         "{e}"
     );
+}
+
+#[test]
+fn flipping_any_digest_or_position_in_a_proof_is_rejected() {
+    let m = Model::new(Naming::Glm, Quant::Bf16);
+    let (_t, dir) = gen(&m);
+    let c = build(&dir).unwrap();
+    let p = c
+        .open(UnitId::Layer {
+            layer: 1,
+            part: LayerPart::Expert(1),
+        })
+        .unwrap();
+    p.verify(&c.model_root).unwrap();
+    let n_tensors = p.tensors.len();
+    let n_layer_path = p.layer.as_ref().unwrap().level.path.len();
+    let n_body_path = p.body.path.len();
+    type Mutation = Box<dyn Fn(&mut OpeningProof)>;
+    let mut mutations: Vec<Mutation> = vec![
+        Box::new(|p| p.unit_root.0[7] ^= 0x10),
+        Box::new(|p| p.layer.as_mut().unwrap().level.root.0[0] ^= 1),
+        Box::new(|p| p.body.root.0[31] ^= 1),
+        Box::new(|p| p.model_root.0[5] ^= 1),
+        Box::new(|p| p.body.index += 1),
+        Box::new(|p| p.body.size += 1),
+        Box::new(|p| p.layer.as_mut().unwrap().level.size -= 1),
+        Box::new(|p| p.layer.as_mut().unwrap().kind = engy_core::commit::proof::LayerKind::Dense),
+        Box::new(|p| p.unit.layer = Some(2)),
+        Box::new(|p| p.config.n_experts += 1),
+        Box::new(|p| p.config.quant = "fp8".into()),
+        Box::new(|p| p.tensors.swap(0, 1)),
+        Box::new(|p| p.tensors[0].shape.push(1)),
+        Box::new(|p| p.tensors[1].sha256[0] ^= 1),
+        Box::new(|p| p.tensors[1].nbytes += 1),
+        Box::new(|p| p.tensors[0].dtype = "F16".into()),
+    ];
+    for i in 0..n_tensors {
+        mutations.push(Box::new(move |p| p.tensors[i].leaf[i % 32] ^= 1));
+    }
+    for i in 0..n_layer_path {
+        mutations.push(Box::new(move |p| {
+            p.layer.as_mut().unwrap().level.path[i].0[3] ^= 1
+        }));
+    }
+    for i in 0..n_body_path {
+        mutations.push(Box::new(move |p| p.body.path[i].0[9] ^= 1));
+    }
+    for (k, mutate) in mutations.iter().enumerate() {
+        let mut t = p.clone();
+        mutate(&mut t);
+        assert!(
+            t.verify(&c.model_root).is_err(),
+            "mutation {k} was accepted"
+        );
+    }
 }

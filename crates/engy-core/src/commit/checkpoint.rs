@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
 use super::layout::{self, LayerPart, ModelConfig, UnitId};
-use super::{tensor_leaf_progress, CommitError, Commitment, TensorDigest};
+use super::{CommitError, Commitment, TensorDigest};
 
 /// Live counters a caller may poll while [`commit_checkpoint`] runs (e.g. to print
 /// tensors, GB and GB/s).
@@ -388,18 +388,17 @@ pub fn commit_checkpoint(
     let digests: Vec<TensorDigest> = order
         .par_iter()
         .map(|t| {
-            let dtype = t.dtype.to_string();
-            let leaf = tensor_leaf_progress(&t.name, &dtype, &t.shape, t.data, &mut |n| {
-                progress.bytes_done.fetch_add(n, Ordering::Relaxed);
-            });
+            let d = TensorDigest::of_progress(
+                &t.name,
+                &t.dtype.to_string(),
+                &t.shape,
+                t.data,
+                &mut |n| {
+                    progress.bytes_done.fetch_add(n, Ordering::Relaxed);
+                },
+            );
             progress.tensors_done.fetch_add(1, Ordering::Relaxed);
-            TensorDigest {
-                name: t.name.clone(),
-                dtype,
-                shape: t.shape.clone(),
-                nbytes: t.data.len() as u64,
-                leaf,
-            }
+            d
         })
         .collect();
     let mut biases = BTreeMap::new();
@@ -439,16 +438,7 @@ pub fn hash_unit(
     }
     let mut out: Vec<TensorDigest> = picked
         .par_iter()
-        .map(|t| {
-            let dtype = t.dtype.to_string();
-            TensorDigest {
-                leaf: super::tensor_leaf(&t.name, &dtype, &t.shape, t.data),
-                name: t.name.clone(),
-                dtype,
-                shape: t.shape.clone(),
-                nbytes: t.data.len() as u64,
-            }
-        })
+        .map(|t| TensorDigest::of(&t.name, &t.dtype.to_string(), &t.shape, t.data))
         .collect();
     out.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
     Ok(out)

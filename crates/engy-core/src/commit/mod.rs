@@ -119,10 +119,11 @@ pub enum CommitError {
     NoSuchUnit(String),
 }
 
-/// The committed description of one tensor: enough to recompute its leaf from its bytes.
+/// The committed description of one tensor: its metadata, the SHA-256 of its bytes and
+/// its leaf. Everything but the bytes, so an opening proof authenticates the metadata too.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorDigest {
-    /// Full tensor name as in the checkpoint.
+    /// Full tensor name as in the checkpoint (or `{name}[{e}]` for a fused-expert slice).
     pub name: String,
     /// safetensors dtype string (`BF16`, `F8_E4M3`, `U8`, …).
     pub dtype: String,
@@ -130,13 +131,67 @@ pub struct TensorDigest {
     pub shape: Vec<u64>,
     /// Byte length of the raw data.
     pub nbytes: u64,
-    /// The tensor leaf (hex in JSON).
+    /// `SHA-256(data)` (hex in JSON): what `sha256sum` of the raw bytes prints.
+    #[serde(with = "hex32")]
+    pub sha256: Digest,
+    /// The tensor leaf (hex in JSON), see [`tensor_leaf_from_digest`].
     #[serde(with = "hex32")]
     pub leaf: Digest,
 }
 
-/// The header part of a tensor leaf: everything before the raw bytes.
-fn tensor_leaf_header(name: &str, dtype: &str, shape: &[u64], nbytes: u64) -> Sha256 {
+impl TensorDigest {
+    /// Hashes `data` and computes the leaf.
+    pub fn of(name: &str, dtype: &str, shape: &[u64], data: &[u8]) -> Self {
+        Self::of_progress(name, dtype, shape, data, &mut |_| {})
+    }
+
+    /// Like [`Self::of`], reporting each hashed chunk's byte count (16 MiB chunks).
+    pub(crate) fn of_progress(
+        name: &str,
+        dtype: &str,
+        shape: &[u64],
+        data: &[u8],
+        on_chunk: &mut dyn FnMut(u64),
+    ) -> Self {
+        let mut h = Sha256::new();
+        for chunk in data.chunks(16 << 20) {
+            h.update(chunk);
+            on_chunk(chunk.len() as u64);
+        }
+        let sha256: Digest = h.finalize().into();
+        let nbytes = data.len() as u64;
+        Self {
+            leaf: tensor_leaf_from_digest(name, dtype, shape, nbytes, &sha256),
+            name: name.to_string(),
+            dtype: dtype.to_string(),
+            shape: shape.to_vec(),
+            nbytes,
+            sha256,
+        }
+    }
+
+    /// The leaf this entry's metadata and data digest hash to (equals `leaf` when honest).
+    pub fn expected_leaf(&self) -> Digest {
+        tensor_leaf_from_digest(
+            &self.name,
+            &self.dtype,
+            &self.shape,
+            self.nbytes,
+            &self.sha256,
+        )
+    }
+}
+
+/// The tensor leaf (specs/SCHEME.md "Tensor leaf"):
+/// `SHA-256(0x00 || lp(TENSOR_TAG) || lp(name) || lp(dtype) || u64le(rank) || u64le(dim)… ||
+/// u64le(nbytes) || SHA-256(data))` with `lp(x) = u64le(len(x)) || x`.
+pub fn tensor_leaf_from_digest(
+    name: &str,
+    dtype: &str,
+    shape: &[u64],
+    nbytes: u64,
+    data_sha256: &Digest,
+) -> Digest {
     let mut h = Sha256::new();
     h.update([tree::LEAF_PREFIX]);
     tree::update_lp(&mut h, TENSOR_TAG.as_bytes());
@@ -147,30 +202,13 @@ fn tensor_leaf_header(name: &str, dtype: &str, shape: &[u64], nbytes: u64) -> Sh
         h.update(d.to_le_bytes());
     }
     h.update(nbytes.to_le_bytes());
-    h
-}
-
-/// The tensor leaf (specs/SCHEME.md "Tensor leaf"):
-/// `SHA-256(0x00 || lp(TENSOR_TAG) || lp(name) || lp(dtype) || u64le(rank) || u64le(dim)… ||
-/// u64le(nbytes) || data)` with `lp(x) = u64le(len(x)) || x`.
-pub fn tensor_leaf(name: &str, dtype: &str, shape: &[u64], data: &[u8]) -> Digest {
-    tensor_leaf_progress(name, dtype, shape, data, &mut |_| {})
-}
-
-/// Like [`tensor_leaf`], reporting each hashed chunk's byte count (16 MiB chunks).
-pub(crate) fn tensor_leaf_progress(
-    name: &str,
-    dtype: &str,
-    shape: &[u64],
-    data: &[u8],
-    on_chunk: &mut dyn FnMut(u64),
-) -> Digest {
-    let mut h = tensor_leaf_header(name, dtype, shape, data.len() as u64);
-    for chunk in data.chunks(16 << 20) {
-        h.update(chunk);
-        on_chunk(chunk.len() as u64);
-    }
+    h.update(data_sha256);
     h.finalize().into()
+}
+
+/// The tensor leaf of raw bytes: [`tensor_leaf_from_digest`] with `SHA-256(data)`.
+pub fn tensor_leaf(name: &str, dtype: &str, shape: &[u64], data: &[u8]) -> Digest {
+    TensorDigest::of(name, dtype, shape, data).leaf
 }
 
 /// The config leaf: `SHA-256(0x00 || lp(CONFIG_TAG) || lp(canonical_json))`.

@@ -6,8 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::layout::{self, LayerPart, ModelConfig, UnitId};
 use super::spec::{Hex, SpecFile};
 use super::{
-    body_index_of_layer, config_leaf, tensor_leaf, tree, CommitError, Commitment, Digest,
-    TensorDigest, SCHEME,
+    body_index_of_layer, config_leaf, tree, CommitError, Commitment, Digest, TensorDigest, SCHEME,
 };
 
 /// `kind` field of an opening proof.
@@ -20,6 +19,16 @@ pub enum ProofError {
     /// config, a path of the wrong length, unsorted tensors, a tensor of another unit).
     #[error("malformed opening proof: {0}")]
     Malformed(String),
+    /// A tensor entry's leaf is not the hash of its name, dtype, shape, length and data digest.
+    #[error("tensor {name:?}: metadata and sha256 hash to leaf {computed}, proof has {claimed}")]
+    TensorLeafMismatch {
+        /// Tensor name.
+        name: String,
+        /// Leaf in the proof.
+        claimed: Hex,
+        /// Leaf of the entry's metadata and data digest.
+        computed: Hex,
+    },
     /// The tensor digests do not hash to the claimed unit root.
     #[error("unit root mismatch: tensors hash to {computed}, proof claims {claimed}")]
     UnitRootMismatch {
@@ -60,15 +69,13 @@ pub enum ProofError {
         /// The root the proof leads to.
         computed: Hex,
     },
-    /// Tensor bytes presented for checking do not match the proof's digest.
-    #[error("tensor {name:?}: bytes hash to leaf {computed}, proof has {claimed}")]
+    /// Tensor bytes presented for checking do not match the proof's entry.
+    #[error("tensor {name:?}: {what}")]
     TensorMismatch {
         /// Tensor name.
         name: String,
-        /// Leaf in the proof.
-        claimed: Hex,
-        /// Leaf of the presented bytes.
-        computed: Hex,
+        /// What differs.
+        what: String,
     },
 }
 
@@ -408,6 +415,17 @@ impl OpeningProof {
                 Err(e) => return bad(e.to_string()),
             }
         }
+        // Each leaf must hash its entry's metadata and data digest.
+        for t in &self.tensors {
+            let want = t.expected_leaf();
+            if want != t.leaf {
+                return Err(ProofError::TensorLeafMismatch {
+                    name: t.name.clone(),
+                    claimed: Hex(t.leaf),
+                    computed: Hex(want),
+                });
+            }
+        }
         let leaves: Vec<Digest> = self.tensors.iter().map(|t| t.leaf).collect();
         let unit_root = tree::mth(&leaves);
         if unit_root != self.unit_root.0 {
@@ -496,10 +514,11 @@ impl OpeningProof {
     }
 
     /// Checks one tensor's bytes (e.g. an auditor's copy of this expert) against the
-    /// proof's digest. Call after [`Self::verify`].
+    /// proof's entry: same dtype and shape, and `SHA-256(data)` equal to its `sha256`.
+    /// Call after [`Self::verify`], which authenticates the entries.
     ///
     /// Errors: [`ProofError::Malformed`] when the proof has no tensor of that name,
-    /// [`ProofError::TensorMismatch`] when the bytes/dtype/shape differ.
+    /// [`ProofError::TensorMismatch`] when the dtype, shape or bytes differ.
     pub fn check_tensor(
         &self,
         name: &str,
@@ -512,12 +531,23 @@ impl OpeningProof {
             .iter()
             .find(|t| t.name == name)
             .ok_or_else(|| ProofError::Malformed(format!("no tensor {name:?} in the proof")))?;
-        let leaf = tensor_leaf(name, dtype, shape, data);
-        if leaf != t.leaf {
+        let got = TensorDigest::of(name, dtype, shape, data);
+        if got.leaf != t.leaf {
+            let what = if dtype != t.dtype || shape != t.shape.as_slice() {
+                format!(
+                    "dtype/shape {dtype} {shape:?}, proof has {} {:?}",
+                    t.dtype, t.shape
+                )
+            } else {
+                format!(
+                    "bytes hash to sha256 {}, proof has {}",
+                    Hex(got.sha256),
+                    Hex(t.sha256)
+                )
+            };
             return Err(ProofError::TensorMismatch {
                 name: name.to_string(),
-                claimed: Hex(t.leaf),
-                computed: Hex(leaf),
+                what,
             });
         }
         Ok(())

@@ -12,9 +12,15 @@ use serde::{Deserialize, Serialize};
 
 use super::{tree, CommitError, Commitment, Digest, LayerBody, ModelConfig, SCHEME};
 
-/// A digest that (de)serialises as 64 lowercase hex characters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A digest that (de)serialises (and prints, also in `Debug`) as 64 lowercase hex characters.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Hex(pub Digest);
+
+impl std::fmt::Debug for Hex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hex({})", hex::encode(self.0))
+    }
+}
 
 impl std::fmt::Display for Hex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
