@@ -179,17 +179,17 @@ impl ProofPoly {
     }
 }
 
+// Field arithmetic in u32: for a, b < 65497 and c <= 65535, a·b + c <= 65496² + 65535
+// = 4_289_791_551 < 2^32, so every product-plus-addend below fits without widening.
+
 /// Horner in GF(65497) at a point already reduced into 0..65497.
 #[inline]
 pub(crate) fn evaluate_coeffs(coeffs: &[u16], x: u32) -> u32 {
-    let x = u64::from(x);
-    let p = u64::from(PRIME);
-    let mut acc: u64 = 0;
+    let mut acc: u32 = 0;
     for &c in coeffs.iter().rev() {
-        // acc < p and x < p, so acc·x + c < 2^32 + 2^16.
-        acc = (acc * x + u64::from(c)) % p;
+        acc = (acc * x + u32::from(c)) % PRIME;
     }
-    acc as u32
+    acc
 }
 
 /// Points evaluated side by side in [`evaluate_many`] (independent Horner chains keep the
@@ -199,21 +199,18 @@ const LANES: usize = 8;
 /// Evaluates the polynomial at every point of `xs` (each already in 0..65497), appending
 /// the values to `out` in order; same results as [`evaluate_coeffs`] per point.
 pub(crate) fn evaluate_many(coeffs: &[u16], xs: &[u32], out: &mut Vec<u32>) {
-    let p = u64::from(PRIME);
     let mut chunks = xs.chunks_exact(LANES);
     for chunk in &mut chunks {
-        let mut x = [0u64; LANES];
-        for (xi, &c) in x.iter_mut().zip(chunk) {
-            *xi = u64::from(c);
-        }
-        let mut acc = [0u64; LANES];
+        let mut x = [0u32; LANES];
+        x.copy_from_slice(chunk);
+        let mut acc = [0u32; LANES];
         for &c in coeffs.iter().rev() {
-            let c = u64::from(c);
+            let c = u32::from(c);
             for (a, xi) in acc.iter_mut().zip(&x) {
-                *a = (*a * xi + c) % p;
+                *a = (*a * xi + c) % PRIME;
             }
         }
-        out.extend(acc.iter().map(|&a| a as u32));
+        out.extend_from_slice(&acc);
     }
     out.extend(
         chunks
@@ -268,17 +265,17 @@ pub(crate) fn newton_coefficients(x: &[i64], y: &[u32]) -> Result<Vec<u16>, Topl
     if n == 0 || y.len() != n {
         return Err(ToplocError::NoPoints);
     }
-    let p = u64::from(PRIME);
+    let p = PRIME;
     let inv = inverse_table();
     let xs: Vec<u32> = x.iter().map(|&v| field(v)).collect();
 
     // In-place divided differences: dd[i] = (dd[i] - dd[i-1]) / (x[i] - x[i-k]).
-    let mut dd: Vec<u64> = y.iter().map(|&v| u64::from(v)).collect();
+    let mut dd: Vec<u32> = y.to_vec();
     for k in 1..n {
         for i in (k..n).rev() {
             let num = (dd[i] + p - dd[i - 1]) % p;
-            let den = (xs[i] + PRIME - xs[i - k]) % PRIME;
-            let inv_den = u64::from(inv.get(den as usize).copied().unwrap_or(0));
+            let den = (xs[i] + p - xs[i - k]) % p;
+            let inv_den = u32::from(inv.get(den as usize).copied().unwrap_or(0));
             if inv_den == 0 {
                 return Err(ToplocError::NoModularInverse);
             }
@@ -287,8 +284,8 @@ pub(crate) fn newton_coefficients(x: &[i64], y: &[u32]) -> Result<Vec<u16>, Topl
     }
 
     // coeffs += dd[i] · Π_{j<i} (x - x_j), with the product kept as `factor`.
-    let mut coeffs = vec![0u64; n];
-    let mut factor = vec![0u64; n];
+    let mut coeffs = vec![0u32; n];
+    let mut factor = vec![0u32; n];
     factor[0] = 1;
     for i in 0..n {
         let d = dd[i];
@@ -296,7 +293,7 @@ pub(crate) fn newton_coefficients(x: &[i64], y: &[u32]) -> Result<Vec<u16>, Topl
             *c = (*c + d * f) % p;
         }
         if i + 1 < n {
-            let minus_xi = (p - u64::from(xs[i])) % p;
+            let minus_xi = (p - xs[i]) % p;
             let mut prev = factor[0];
             factor[0] = prev * minus_xi % p;
             for f in factor.iter_mut().take(i + 2).skip(1) {
