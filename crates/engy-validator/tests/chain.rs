@@ -309,6 +309,60 @@ async fn validator_on_real_subtensor() {
     assert_weights(&chain, uid, &v2).await;
     provider.set_fault(Fault::None);
 
+    // -- standby: nothing of the new epoch is registered → the cached vector is submitted,
+    //    the anchors advance and the cache is kept
+    let ghosts: Vec<(String, u16)> = vec![
+        (stranger("ghost-a").ss58(), 9),
+        (stranger("ghost-b").ss58(), 1),
+    ];
+    provider.publish(epoch + 2, &ghosts);
+    make_due(&url, &chain, &env, uid).await;
+    let before = env.state();
+    let (ok, out) = env.tick().await;
+    assert!(ok);
+    assert!(
+        out.contains("standby: submitting the cache vector"),
+        "{out}"
+    );
+    assert!(
+        out.contains("dropped 2 unregistered hotkey(s) holding 100.0% of the weight"),
+        "{out}"
+    );
+    assert!(out.contains("from cache landed in block #"), "{out}");
+    let after = env.state();
+    assert_eq!(after.last_applied, Some(epoch + 2));
+    assert!(after.last_submit_block > before.last_submit_block);
+    assert_eq!(
+        (after.cached_weights, after.cached_digest),
+        (before.cached_weights, before.cached_digest)
+    );
+    assert_weights(&chain, uid, &v2).await;
+
+    // -- standby without a cache: burn 65535 to the subnet owner hotkey (the master, //Bob)
+    let fresh = Env::new(CHARLIE_SEED, &provider.url(), &bob.ss58(), &url);
+    make_due(&url, &chain, &env, uid).await;
+    let (ok, out) = fresh.tick().await;
+    assert!(ok);
+    assert!(
+        out.contains("standby: submitting the burn vector") && out.contains("landed"),
+        "{out}"
+    );
+    let owner_uid = chain
+        .neuron(NETUID, bob.public_key())
+        .await
+        .unwrap()
+        .unwrap()
+        .uid;
+    assert_eq!(
+        chain.weights(NETUID, uid).await.unwrap(),
+        vec![(owner_uid, 65535)]
+    );
+    assert_eq!(fresh.state().cached_weights, None);
+    provider.publish(epoch + 3, &v2);
+    make_due(&url, &chain, &env, uid).await;
+    let (ok, out) = env.tick().await;
+    assert!(ok && out.contains("landed"), "{out}");
+
     // -- a version-key mismatch is refused by name
     sudo(
         &chain,
