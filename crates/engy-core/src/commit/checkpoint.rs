@@ -253,7 +253,7 @@ fn expand_fused<'a>(
             name: t.name.clone(),
             reason,
         };
-        if t.shape.first() != Some(&n_experts) || n_experts == 0 {
+        if t.shape.first() != Some(&n_experts) || n_experts == 0 || n_experts > super::MAX_EXPERTS {
             return Err(bad(format!(
                 "fused expert tensor of shape {:?}: dim 0 must be n_experts = {n_experts}",
                 t.shape

@@ -39,6 +39,11 @@ pub const TENSOR_TAG: &str = "engy-commit/v1/tensor";
 /// Domain tag of the config leaf.
 pub const CONFIG_TAG: &str = "engy-commit/v1/config";
 
+/// Largest `n_layers` accepted (guards allocations sized by `config.json`).
+pub const MAX_LAYERS: u32 = 1 << 16;
+/// Largest `n_experts` accepted (guards allocations sized by `config.json`).
+pub const MAX_EXPERTS: u64 = 1 << 20;
+
 /// Errors building or checking a commitment. Every variant names the offending file,
 /// tensor or layer.
 #[derive(Debug, thiserror::Error)]
@@ -352,10 +357,14 @@ impl Commitment {
         mut router_biases: std::collections::BTreeMap<u32, Vec<u8>>,
     ) -> Result<Self, CommitError> {
         let n_layers = u32::try_from(config.n_layers)
-            .map_err(|_| CommitError::Config(format!("n_layers {} too large", config.n_layers)))?;
+            .ok()
+            .filter(|n| *n <= MAX_LAYERS)
+            .ok_or_else(|| {
+                CommitError::Config(format!("n_layers {} too large", config.n_layers))
+            })?;
         let n_experts = usize::try_from(config.n_experts)
             .ok()
-            .filter(|n| *n <= 1 << 20)
+            .filter(|n| *n as u64 <= MAX_EXPERTS)
             .ok_or_else(|| {
                 CommitError::Config(format!("n_experts {} too large", config.n_experts))
             })?;
