@@ -91,15 +91,25 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// The watchdog's verdict (pure): like [`judge`], but a heartbeat older than the process
+/// (`started_at`, left by a previous run) counts from the start instead, so a restart after
+/// a long stop is not mistaken for a stall.
+pub fn watchdog_judge(ts: Option<u64>, started_at: u64, now: u64, poll_s: u64) -> Health {
+    judge(ts.map(|t| t.max(started_at)), now, poll_s)
+}
+
 /// Starts the watchdog thread: every [`WATCHDOG_EVERY`] it exits the process with code 1
-/// when the heartbeat is stale. A missing heartbeat (start-up) is not a stall. It runs on
-/// its own OS thread so a wedged async runtime cannot stop it.
+/// when the heartbeat is stale. A missing heartbeat (start-up) is not a stall, and neither
+/// is one left by a previous run ([`watchdog_judge`]). It runs on its own OS thread so a
+/// wedged async runtime cannot stop it.
 pub fn spawn_watchdog(path: std::path::PathBuf, poll_s: u64) -> std::io::Result<()> {
+    let started_at = unix_now();
     std::thread::Builder::new()
         .name("watchdog".into())
         .spawn(move || loop {
             std::thread::sleep(WATCHDOG_EVERY);
-            if let Health::Stale { age, limit } = judge(read_ts(&path), unix_now(), poll_s) {
+            let verdict = watchdog_judge(read_ts(&path), started_at, unix_now(), poll_s);
+            if let Health::Stale { age, limit } = verdict {
                 tracing::error!(
                     "watchdog: no completed tick in {age} s (limit {limit} s); exiting 1 so the restart policy recovers the validator"
                 );
@@ -133,6 +143,28 @@ mod tests {
             }
         );
         assert_eq!(judge(Some(2000), 1000, 300), Health::Fresh { age: 0 });
+    }
+
+    #[test]
+    fn watchdog_ignores_a_previous_runs_heartbeat() {
+        // heartbeat from a run that stopped long ago; this process started at 10_000
+        assert_eq!(
+            watchdog_judge(Some(5), 10_000, 10_100, 300),
+            Health::Fresh { age: 100 }
+        );
+        assert_eq!(
+            watchdog_judge(Some(5), 10_000, 10_901, 300),
+            Health::Stale {
+                age: 901,
+                limit: 900
+            }
+        );
+        assert_eq!(watchdog_judge(None, 10_000, 99_999, 300), Health::Missing);
+        // a heartbeat of this process counts as is
+        assert_eq!(
+            watchdog_judge(Some(10_500), 10_000, 11_000, 300),
+            Health::Fresh { age: 500 }
+        );
     }
 
     #[test]

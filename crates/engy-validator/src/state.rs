@@ -182,6 +182,41 @@ mod tests {
     }
 
     #[test]
+    fn readers_never_see_a_torn_file() {
+        // A writer alternates two states while a reader reads as fast as it can: every read
+        // is exactly one of them (rename is atomic), never a mix or empty.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let a = full();
+        let mut b = full();
+        b.last_applied = Some(99);
+        b.cached_weights = Some(
+            (0..500)
+                .map(|i| (format!("5Hotkey{i}"), i as u16))
+                .collect(),
+        );
+        write(&path, &a).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (path, a, b, stop) = (path.clone(), a.clone(), b.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for i in 0..200 {
+                    write(&path, if i % 2 == 0 { &b } else { &a }).unwrap();
+                }
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            })
+        };
+        let mut reads = 0;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let s = read(&path);
+            assert!(s == a || s == b, "torn read: {s:?}");
+            reads += 1;
+        }
+        writer.join().unwrap();
+        assert!(reads > 0);
+    }
+
+    #[test]
     fn missing_truncated_or_non_object_reads_empty() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state.json");
