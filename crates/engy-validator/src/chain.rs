@@ -135,6 +135,10 @@ fn is_compact_int(type_id: u32, types: &scale_info::PortableRegistry, depth: u8)
             [only] => is_compact_int(only.ty.id, types, depth + 1),
             _ => false,
         },
+        Some(TypeDef::Tuple(t)) => match t.fields.as_slice() {
+            [only] => is_compact_int(only.id, types, depth + 1),
+            _ => false,
+        },
         _ => false,
     }
 }
@@ -757,6 +761,65 @@ pub fn dispatch_hint(name: &str) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// subtensor's `ChargeTransactionPaymentWrapper` shape: a composite around a compact tip.
+    struct WrapperLike;
+    impl scale_info::TypeInfo for WrapperLike {
+        type Identity = Self;
+        fn type_info() -> scale_info::Type {
+            scale_info::Type::builder()
+                .path(scale_info::Path::new(
+                    "ChargeTransactionPaymentWrapper",
+                    "t",
+                ))
+                .composite(scale_info::build::Fields::unnamed().field(|f| f.compact::<u128>()))
+        }
+    }
+
+    fn registry_with<T: scale_info::TypeInfo + 'static>() -> (scale_info::PortableRegistry, u32) {
+        let mut reg = scale_info::Registry::new();
+        let id = reg.register_type(&scale_info::meta_type::<T>()).id;
+        (reg.into(), id)
+    }
+
+    #[test]
+    fn extension_type_shapes() {
+        let (types, id) = registry_with::<WrapperLike>();
+        assert!(is_compact_int(id, &types, 0));
+        assert!(!is_empty_type(id, &types));
+        assert!(ChargeTransactionPaymentWrapper::matches(
+            "ChargeTransactionPaymentWrapper",
+            id,
+            &types
+        ));
+        assert!(!ChargeTransactionPaymentWrapper::matches(
+            "ChargeTransactionPayment",
+            id,
+            &types
+        ));
+        let (types, id) = registry_with::<()>();
+        assert!(is_empty_type(id, &types));
+        assert!(!ChargeTransactionPaymentWrapper::matches(
+            "ChargeTransactionPaymentWrapper",
+            id,
+            &types
+        ));
+        let (types, id) = registry_with::<std::marker::PhantomData<u64>>();
+        assert!(
+            is_empty_type(id, &types),
+            "data-less extensions (DrandPriority, …) encode to nothing"
+        );
+        let (types, id) = registry_with::<(u32, ())>();
+        assert!(!is_empty_type(id, &types) && !is_compact_int(id, &types, 0));
+        let (types, id) = registry_with::<[u8; 0]>();
+        assert!(is_empty_type(id, &types));
+        // the wrapper's explicit data is the compact tip (0 → one zero byte), no implicit data
+        let w = ChargeTransactionPaymentWrapper { tip: Compact(0) };
+        let (mut explicit, mut implicit) = (Vec::new(), Vec::new());
+        w.encode_value_to(&mut explicit);
+        w.encode_implicit_to(&mut implicit);
+        assert_eq!((explicit, implicit), (vec![0u8], vec![]));
+    }
 
     #[test]
     fn pool_rejections_parse_on_both_node_flavours() {
