@@ -1,0 +1,317 @@
+//! Fault injection with real processes on 127.0.0.1 (issue 8), bounded in time:
+//!
+//! * the provider answering 500, garbage, random bytes: every tick ends with one line, the
+//!   process exits 0 after its ticks, the heartbeat is stamped, the state is untouched;
+//! * the provider hanging or sending a slowloris body: SIGTERM during the stuck fetch still
+//!   ends the process at once with exit 0 (the tick is abandoned, no state written);
+//! * an unwritable state directory: ticks go on, the failed heartbeat write is one warning;
+//! * SIGKILL at random points of the real validator (cached state, pre-gate path) and of a
+//!   process doing the real atomic state writes in a loop, then restart: the state file
+//!   always parses and its epoch never goes back.
+//!
+//! Without a chain the validator never writes its state (only after an included
+//! extrinsic), so the atomic writer is killed in a child process running the real
+//! `state::write`; tests/chain.rs covers the submit path on the real runtime.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use engy_devnet::provider::{Fault, ProviderDouble};
+use engy_validator::state::{self, State};
+use rand::Rng;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const DEAD_CHAIN: &str = "ws://127.0.0.1:9";
+
+fn weights() -> Vec<(String, u16)> {
+    vec![
+        (key(DAVE_SEED).ss58(), 40000),
+        (key(EVE_SEED).ss58(), 25535),
+    ]
+}
+
+fn spawn(env: &Env, args: &[&str]) -> tokio::process::Child {
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.args(args)
+        .env_clear()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    for (k, v) in &env.vars {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
+fn signal(child: &tokio::process::Child, sig: &str) {
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .unwrap()
+        .success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_errors_and_garbage_never_stop_the_loop() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    let mut rng = rand::thread_rng();
+    let random: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
+    let cases = [
+        (Fault::Status500, "fetch failed: HTTP 500"),
+        (Fault::Malformed, "payload rejected: parse_error"),
+        (Fault::Raw(random), "payload rejected: parse_error"),
+        (Fault::Raw(b"[]".to_vec()), "payload rejected: malformed"),
+        (
+            Fault::Raw(vec![b'['; 100_000]),
+            "payload rejected: parse_error",
+        ),
+        (
+            Fault::Raw(b"{\"v\":1,\"netuid\":53,\"result_json\":\"\\ud800\"}".to_vec()),
+            "payload rejected: malformed",
+        ),
+    ];
+    for (fault, want) in cases {
+        p.set_fault(fault);
+        let before = p.fetches();
+        let out = env.run(&["run", "--ticks", "2"]).await;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}");
+        assert_eq!(text.matches(want).count(), 2, "{want}: {text}");
+        assert_eq!(p.fetches() - before, 2);
+        assert!(!env.state_file().exists());
+        assert!(engy_validator::liveness::read_ts(&env.heartbeat_file()).is_some());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_stuck_fetch_exits_at_once() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    for fault in [
+        Fault::Hang,
+        Fault::Slowloris {
+            interval: Duration::from_millis(100),
+        },
+    ] {
+        p.set_fault(fault.clone());
+        let before = p.fetches();
+        let mut child = spawn(&env, &["run"]);
+        // the fetch is in progress once the provider has seen it
+        let start = Instant::now();
+        while p.fetches() == before {
+            assert!(start.elapsed() < Duration::from_secs(20), "no fetch");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        signal(&child, "-TERM");
+        let status = tokio::time::timeout(Duration::from_secs(5), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{fault:?}: SIGTERM did not end a stuck tick"))
+            .unwrap();
+        assert_eq!(status.code(), Some(0), "{fault:?}");
+        let mut out = String::new();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            out.push_str(&l);
+            out.push('\n');
+        }
+        assert!(out.contains("signal during a tick: abandoned it"), "{out}");
+        assert!(!env.state_file().exists());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unwritable_state_directory_is_contained() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    p.set_fault(Fault::Status500);
+    let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    // A directory that cannot be written: mode 0555 for a normal user; under root (which
+    // ignores modes) a path whose "directory" is a regular file (ENOTDIR for everyone).
+    let root = unsafe_is_root();
+    let dir = env.home.path().join("ro");
+    let state_file = if root {
+        std::fs::write(&dir, b"not a directory").unwrap();
+        dir.join("state.json")
+    } else {
+        std::fs::create_dir_all(&dir).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+        dir.join("state.json")
+    };
+    env.set("ENGY_SN53_STATE_FILE", state_file.to_str().unwrap());
+    let out = env.run(&["run", "--ticks", "2"]).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
+    assert_eq!(text.matches("fetch failed: HTTP 500").count(), 2, "{text}");
+    assert_eq!(text.matches("not written").count(), 2, "{text}");
+    // the writer itself refuses cleanly and nothing appears
+    let e = state::write(
+        &state_file,
+        &State {
+            last_applied: Some(1),
+            ..State::default()
+        },
+    );
+    assert!(e.is_err());
+    assert!(!state_file.exists());
+    // health says unhealthy (no heartbeat could be written), exit 1, no panic
+    let h = env.run(&["health"]).await;
+    assert_eq!(h.status.code(), Some(1));
+}
+
+/// Whether the test runs as root (file modes do not stop root).
+fn unsafe_is_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_the_validator_never_touches_a_cached_state() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    let now = engy_validator::liveness::unix_now();
+    let cached = State {
+        last_applied: Some(40),
+        last_submit_block: Some(900),
+        last_submit_ts: Some(now),
+        cached_weights: Some(weights()),
+        cached_digest: Some("ef".repeat(32)),
+    };
+    state::write(&env.state_file(), &cached).unwrap();
+    let bytes = std::fs::read(env.state_file()).unwrap();
+    let faults = [
+        Fault::None,
+        Fault::Status500,
+        Fault::Malformed,
+        Fault::Slowloris {
+            interval: Duration::from_millis(5),
+        },
+    ];
+    p.publish(40, &weights());
+    let mut rng = rand::thread_rng();
+    for round in 0..16 {
+        p.set_fault(faults[round % faults.len()].clone());
+        if round % 5 == 4 {
+            p.publish(41 + round as u64, &weights()); // a new epoch: the tick would go to the chain
+        }
+        let mut child = spawn(&env, &["run"]);
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..400))).await;
+        signal(&child, "-KILL");
+        let _ = child.wait().await;
+        // the file is byte-identical (no tick without a landed extrinsic writes it)
+        assert_eq!(
+            std::fs::read(env.state_file()).unwrap(),
+            bytes,
+            "round {round}"
+        );
+        assert_eq!(env.state(), cached);
+        // the heartbeat file, when present, always parses
+        if env.heartbeat_file().exists() {
+            let raw = std::fs::read(env.heartbeat_file()).unwrap();
+            assert!(
+                engy_validator::liveness::read_ts(&env.heartbeat_file()).is_some(),
+                "torn heartbeat file: {:?}",
+                String::from_utf8_lossy(&raw)
+            );
+        }
+    }
+}
+
+/// The child side of [`sigkill_during_state_writes_never_tears_or_regresses`]: when
+/// `ENGY_HARDEN_WRITER` names a state file, restart from it (as the validator does) and
+/// write epoch after epoch with the real atomic writer until killed.
+#[test]
+fn state_writer_child() {
+    let Some(path) = std::env::var_os("ENGY_HARDEN_WRITER") else {
+        return;
+    };
+    let path = std::path::PathBuf::from(path);
+    let mut st = state::read(&path);
+    let mut epoch = st.last_applied.unwrap_or(0);
+    loop {
+        epoch += 1;
+        st.last_applied = Some(epoch);
+        st.last_submit_block = Some(epoch * 10);
+        st.last_submit_ts = Some(1_700_000_000 + epoch);
+        st.cached_weights = Some(weights());
+        st.cached_digest = Some(format!("{:064x}", epoch));
+        state::write(&path, &st).unwrap();
+    }
+}
+
+#[test]
+fn sigkill_during_state_writes_never_tears_or_regresses() {
+    if std::env::var_os("ENGY_HARDEN_WRITER").is_some() {
+        return; // this process is a child
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    let exe = std::env::current_exe().unwrap();
+    let mut rng = rand::thread_rng();
+    let mut last = 0u64;
+    let mut advanced = 0;
+    let kills = 200;
+    for i in 0..kills {
+        let mut child = std::process::Command::new(&exe)
+            .args([
+                "state_writer_child",
+                "--exact",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env("ENGY_HARDEN_WRITER", &path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_micros(rng.gen_range(0..30_000)));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        if !path.exists() {
+            assert_eq!(last, 0, "kill {i}: the state file disappeared");
+            continue;
+        }
+        let raw = std::fs::read(&path).unwrap();
+        let st = State::from_bytes(&raw);
+        let epoch = st.last_applied.unwrap_or_else(|| {
+            panic!(
+                "kill {i}: torn state file: {:?}",
+                String::from_utf8_lossy(&raw)
+            )
+        });
+        assert!(
+            epoch >= last,
+            "kill {i}: epoch went back from {last} to {epoch}"
+        );
+        assert_eq!(
+            st.last_submit_block,
+            Some(epoch * 10),
+            "kill {i}: fields from different writes"
+        );
+        assert_eq!(st.cached_digest, Some(format!("{:064x}", epoch)));
+        if epoch > last {
+            advanced += 1;
+        }
+        last = epoch;
+    }
+    assert!(
+        advanced > kills / 4,
+        "the writer rarely got to write ({advanced} of {kills})"
+    );
+    // temp files a SIGKILL left behind (never read: they are not the state file)
+    let litter = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name() != "state.json")
+        .count();
+    eprintln!("{kills} SIGKILLs: state advanced {advanced} times to epoch {last}; {litter} temp file(s) left behind");
+}
