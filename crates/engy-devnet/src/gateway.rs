@@ -1,1 +1,478 @@
-//! TODO
+//! The gateway double: engy's miner gateway as PROTOCOL.md §2 describes it.
+//!
+//! * `GET /meta` answers `{"workers": N}` (or 404 when `meta` is off, so a miner falls back
+//!   to N = 1).
+//! * Websocket legs: `/` when N = 1, else `/<i>` for `i < N` (JSON text frames, each with a
+//!   `"type"`).
+//! * Every frame in either direction is recorded ([`Frame`]), with the connection and
+//!   worker index, so tests can wait on what a miner sent ([`GatewayDouble::wait_for`]).
+//! * On command it sends `serve`, `cancel`, `ping`, `reconnect`, `admit`, `deny`, or drops a
+//!   connection without a close frame ([`GatewayDouble::drop_conn`]).
+//! * [`GatewayDouble::submit`] routes a chat request like the gateway does: to the live,
+//!   HELLO'd leg with the most free capacity (`capacity.max_inflight` minus outstanding).
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+/// Direction of a recorded frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    /// Sent by the miner.
+    FromMiner,
+    /// Sent by the gateway double.
+    ToMiner,
+}
+
+/// One recorded frame (or connection event).
+#[derive(Debug, Clone)]
+pub struct Frame {
+    /// Connection id (1, 2, … in accept order).
+    pub conn: u64,
+    /// Worker index the leg dialed (`0` for the single-worker path `/`).
+    pub worker: usize,
+    /// Direction.
+    pub dir: Dir,
+    /// The frame. Non-JSON text is recorded as `{"type":"<non-json>","raw":…}`; connection
+    /// end as `{"type":"<closed>"}` (direction `FromMiner`).
+    pub value: Value,
+    /// When it was recorded.
+    pub at: Instant,
+}
+
+impl Frame {
+    /// The frame's `"type"`, or `""`.
+    pub fn kind(&self) -> &str {
+        self.value.get("type").and_then(Value::as_str).unwrap_or("")
+    }
+    /// The frame's `"corr_id"`, or `""`.
+    pub fn corr_id(&self) -> &str {
+        self.value
+            .get("corr_id")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+    }
+}
+
+/// A connection as the double sees it.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    /// Connection id.
+    pub id: u64,
+    /// Worker index.
+    pub worker: usize,
+    /// Still open.
+    pub alive: bool,
+    /// The HELLO frame, once received.
+    pub hello: Option<Value>,
+}
+
+impl ConnInfo {
+    /// `hello.capacity.max_inflight`, or 0.
+    pub fn max_inflight(&self) -> u64 {
+        self.hello
+            .as_ref()
+            .and_then(|h| h.pointer("/capacity/max_inflight"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    }
+}
+
+/// Configuration of the double.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Number of gateway workers (`/meta` answer and leg paths).
+    pub workers: usize,
+    /// Serve `/meta` (off = 404, the miner then assumes one worker).
+    pub meta: bool,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            meta: true,
+        }
+    }
+}
+
+enum Cmd {
+    Send(Value),
+    Drop,
+}
+
+struct Conn {
+    worker: usize,
+    tx: mpsc::UnboundedSender<Cmd>,
+    alive: bool,
+    hello: Option<Value>,
+}
+
+struct Inner {
+    cfg: GatewayConfig,
+    frames: Mutex<Vec<Frame>>,
+    conns: Mutex<HashMap<u64, Conn>>,
+    next_id: Mutex<u64>,
+    /// corr_id → conn for requests without a terminal response yet.
+    outstanding: Mutex<HashMap<String, u64>>,
+    changed: watch::Sender<u64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Inner {
+    fn record(&self, conn: u64, worker: usize, dir: Dir, value: Value) {
+        if dir == Dir::FromMiner {
+            match value.get("type").and_then(Value::as_str) {
+                Some("hello") => {
+                    if let Some(c) = lock(&self.conns).get_mut(&conn) {
+                        c.hello = Some(value.clone());
+                    }
+                }
+                Some("response") => {
+                    if let Some(id) = value.get("corr_id").and_then(Value::as_str) {
+                        lock(&self.outstanding).remove(id);
+                    }
+                }
+                _ => {}
+            }
+        }
+        lock(&self.frames).push(Frame {
+            conn,
+            worker,
+            dir,
+            value,
+            at: Instant::now(),
+        });
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
+/// A running gateway double on 127.0.0.1. Dropping it stops the server (open legs end).
+pub struct GatewayDouble {
+    addr: SocketAddr,
+    inner: Arc<Inner>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for GatewayDouble {
+    fn drop(&mut self) {
+        for c in lock(&self.inner.conns).values() {
+            let _ = c.tx.send(Cmd::Drop);
+        }
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+impl GatewayDouble {
+    /// Start on an ephemeral port of 127.0.0.1.
+    ///
+    /// # Errors
+    /// The bind error.
+    pub async fn start(cfg: GatewayConfig) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(listener, cfg)
+    }
+
+    /// Start on an already bound listener.
+    ///
+    /// # Errors
+    /// The listener's `local_addr` error.
+    pub fn start_on(listener: TcpListener, cfg: GatewayConfig) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
+        let (changed, _) = watch::channel(0);
+        let inner = Arc::new(Inner {
+            cfg,
+            frames: Mutex::new(Vec::new()),
+            conns: Mutex::new(HashMap::new()),
+            next_id: Mutex::new(0),
+            outstanding: Mutex::new(HashMap::new()),
+            changed,
+        });
+        let app = Router::new()
+            .route("/meta", get(meta))
+            .route("/", get(ws_root))
+            .route("/{worker}", get(ws_worker))
+            .with_state(Arc::clone(&inner));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        Ok(Self {
+            addr,
+            inner,
+            shutdown: Some(tx),
+        })
+    }
+
+    /// The miner's `GW`: `ws://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("ws://{}", self.addr)
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Every frame so far.
+    pub fn frames(&self) -> Vec<Frame> {
+        lock(&self.inner.frames).clone()
+    }
+
+    /// Every connection so far.
+    pub fn conns(&self) -> Vec<ConnInfo> {
+        let mut v: Vec<ConnInfo> = lock(&self.inner.conns)
+            .iter()
+            .map(|(id, c)| ConnInfo {
+                id: *id,
+                worker: c.worker,
+                alive: c.alive,
+                hello: c.hello.clone(),
+            })
+            .collect();
+        v.sort_by_key(|c| c.id);
+        v
+    }
+
+    /// Live connections that have sent HELLO.
+    pub fn live_legs(&self) -> Vec<ConnInfo> {
+        self.conns()
+            .into_iter()
+            .filter(|c| c.alive && c.hello.is_some())
+            .collect()
+    }
+
+    /// Wait until `pred` over (frames, connections) returns `Some`, re-checking on every
+    /// recorded change; `None` after `timeout`.
+    pub async fn wait_for<T>(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&[Frame], &[ConnInfo]) -> Option<T>,
+    ) -> Option<T> {
+        let mut rx = self.inner.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let conns = self.conns();
+            {
+                let frames = lock(&self.inner.frames);
+                if let Some(v) = pred(&frames, &conns) {
+                    return Some(v);
+                }
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return None,
+            }
+        }
+    }
+
+    /// Wait for `n` live HELLO'd legs.
+    pub async fn wait_legs(&self, n: usize, timeout: Duration) -> Option<Vec<ConnInfo>> {
+        self.wait_for(timeout, |_, conns| {
+            let live: Vec<ConnInfo> = conns
+                .iter()
+                .filter(|c| c.alive && c.hello.is_some())
+                .cloned()
+                .collect();
+            (live.len() >= n).then_some(live)
+        })
+        .await
+    }
+
+    /// Wait for the terminal `response` frame of `corr_id`.
+    pub async fn wait_response(&self, corr_id: &str, timeout: Duration) -> Option<Value> {
+        self.wait_for(timeout, |frames, _| {
+            frames
+                .iter()
+                .find(|f| {
+                    f.dir == Dir::FromMiner && f.kind() == "response" && f.corr_id() == corr_id
+                })
+                .map(|f| f.value.clone())
+        })
+        .await
+    }
+
+    /// Every `chunk` frame of `corr_id`, in order.
+    pub fn chunks(&self, corr_id: &str) -> Vec<Value> {
+        lock(&self.inner.frames)
+            .iter()
+            .filter(|f| f.dir == Dir::FromMiner && f.kind() == "chunk" && f.corr_id() == corr_id)
+            .map(|f| f.value.clone())
+            .collect()
+    }
+
+    /// Every frame the miner sent about `corr_id`.
+    pub fn frames_for(&self, corr_id: &str) -> Vec<Frame> {
+        lock(&self.inner.frames)
+            .iter()
+            .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr_id)
+            .cloned()
+            .collect()
+    }
+
+    /// Send a raw frame on `conn`; false if the connection is gone.
+    pub fn send(&self, conn: u64, frame: Value) -> bool {
+        let conns = lock(&self.inner.conns);
+        match conns.get(&conn) {
+            Some(c) if c.alive => c.tx.send(Cmd::Send(frame)).is_ok(),
+            _ => false,
+        }
+    }
+
+    /// `serve {corr_id, request, stream}` on `conn`.
+    pub fn serve(&self, conn: u64, corr_id: &str, request: Value, stream: bool) -> bool {
+        lock(&self.inner.outstanding).insert(corr_id.to_string(), conn);
+        self.send(
+            conn,
+            json!({"type":"serve","corr_id":corr_id,"request":request,"stream":stream}),
+        )
+    }
+
+    /// `cancel {corr_id}` on `conn` (the gateway stops waiting for it).
+    pub fn cancel(&self, conn: u64, corr_id: &str) -> bool {
+        lock(&self.inner.outstanding).remove(corr_id);
+        self.send(conn, json!({"type":"cancel","corr_id":corr_id}))
+    }
+
+    /// `ping` on `conn`.
+    pub fn ping(&self, conn: u64) -> bool {
+        self.send(conn, json!({"type":"ping"}))
+    }
+
+    /// `reconnect` on `conn` (gateway draining).
+    pub fn reconnect(&self, conn: u64) -> bool {
+        self.send(conn, json!({"type":"reconnect"}))
+    }
+
+    /// `admit` on `conn`.
+    pub fn admit(&self, conn: u64) -> bool {
+        self.send(conn, json!({"type":"admit"}))
+    }
+
+    /// `deny {reason}` on `conn`.
+    pub fn deny(&self, conn: u64, reason: &str) -> bool {
+        self.send(conn, json!({"type":"deny","reason":reason}))
+    }
+
+    /// Drop `conn` abruptly: the socket closes without a close frame.
+    pub fn drop_conn(&self, conn: u64) -> bool {
+        lock(&self.inner.conns)
+            .get(&conn)
+            .map(|c| c.tx.send(Cmd::Drop).is_ok())
+            .unwrap_or(false)
+    }
+
+    /// Route a chat request as the gateway does: to the live HELLO'd leg with the most free
+    /// capacity (`max_inflight` − outstanding). Returns `(conn, corr_id)`, or `None` when
+    /// no leg has room.
+    pub fn submit(&self, request: Value, stream: bool) -> Option<(u64, String)> {
+        let outstanding: HashMap<u64, u64> = {
+            let mut m = HashMap::new();
+            for c in lock(&self.inner.outstanding).values() {
+                *m.entry(*c).or_insert(0) += 1;
+            }
+            m
+        };
+        let best = self
+            .live_legs()
+            .into_iter()
+            .map(|c| {
+                let used = outstanding.get(&c.id).copied().unwrap_or(0);
+                (c.max_inflight().saturating_sub(used), c.id)
+            })
+            .filter(|(free, _)| *free > 0)
+            .max_by_key(|(free, id)| (*free, std::cmp::Reverse(*id)))?;
+        let corr = uuid::Uuid::new_v4().simple().to_string();
+        self.serve(best.1, &corr, request, stream)
+            .then_some((best.1, corr))
+    }
+}
+
+async fn meta(State(st): State<Arc<Inner>>) -> Response {
+    if st.cfg.meta {
+        axum::Json(json!({"workers": st.cfg.workers})).into_response()
+    } else {
+        StatusCode::NOT_FOUND.into_response()
+    }
+}
+
+async fn ws_root(State(st): State<Arc<Inner>>, ws: WebSocketUpgrade) -> Response {
+    ws.on_upgrade(move |s| conn_task(st, 0, s))
+}
+
+async fn ws_worker(
+    State(st): State<Arc<Inner>>,
+    Path(worker): Path<String>,
+    ws: WebSocketUpgrade,
+) -> Response {
+    match worker.parse::<usize>() {
+        Ok(i) if i < st.cfg.workers => ws.on_upgrade(move |s| conn_task(st, i, s)),
+        _ => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+async fn conn_task(st: Arc<Inner>, worker: usize, socket: WebSocket) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Cmd>();
+    let id = {
+        let mut n = lock(&st.next_id);
+        *n += 1;
+        *n
+    };
+    lock(&st.conns).insert(
+        id,
+        Conn {
+            worker,
+            tx,
+            alive: true,
+            hello: None,
+        },
+    );
+    st.changed.send_modify(|v| *v = v.wrapping_add(1));
+    let (mut sink, mut stream) = socket.split();
+    loop {
+        tokio::select! {
+            cmd = rx.recv() => match cmd {
+                Some(Cmd::Send(v)) => {
+                    st.record(id, worker, Dir::ToMiner, v.clone());
+                    if sink.send(Message::Text(v.to_string().into())).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Cmd::Drop) | None => break,
+            },
+            msg = stream.next() => match msg {
+                Some(Ok(Message::Text(t))) => {
+                    let v = serde_json::from_str::<Value>(t.as_str())
+                        .unwrap_or_else(|_| json!({"type":"<non-json>","raw":t.as_str()}));
+                    st.record(id, worker, Dir::FromMiner, v);
+                }
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+    if let Some(c) = lock(&st.conns).get_mut(&id) {
+        c.alive = false;
+    }
+    st.record(id, worker, Dir::FromMiner, json!({"type":"<closed>"}));
+}
