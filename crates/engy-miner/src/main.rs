@@ -1,12 +1,227 @@
-//! engy-miner: bridges the engy gateway (websocket) to a local sglang serve and proves every completion.
+//! engy-miner: bridges the engy gateway (websocket) to local sglang serves and proves every
+//! completion with TOPLOC (PROTOCOL.md §2–§5). See docs/MINER.md.
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use anyhow::Context;
 use clap::Parser;
+use tokio_util::sync::CancellationToken;
 
-/// engy SN53 miner (skeleton; see issue "engy-miner").
-#[derive(Parser, Debug)]
-#[command(version, about)]
-struct Cli {}
+use engy_miner::config::{self, secs, Cli, Cmd, Opts};
+use engy_miner::{chat, check, engine, hidden_size, hw, legs, worker_name};
 
-fn main() -> anyhow::Result<()> {
-    let _cli = Cli::parse();
+/// Exit code for a bad configuration.
+const EXIT_CONFIG: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("engy-miner: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match cli.cmd {
+        Some(Cmd::Check) => rt.block_on(check::run(&cli.opts)),
+        Some(Cmd::Run) | None => rt.block_on(run(cli.opts)),
+    }
+}
+
+fn config_error(msg: impl std::fmt::Display) -> ExitCode {
+    tracing::error!("{msg}");
+    eprintln!("engy-miner: {msg}");
+    ExitCode::from(EXIT_CONFIG)
+}
+
+async fn run(opts: Opts) -> ExitCode {
+    let Some(gw) = opts.gw.clone().filter(|g| !g.is_empty()) else {
+        return config_error(
+            "GW is not set: export GW=wss://<gateway-host>/gw (the gateway websocket URL)",
+        );
+    };
+    if !(gw.starts_with("ws://") || gw.starts_with("wss://")) {
+        return config_error(format!("GW must be a ws:// or wss:// URL, got {gw:?}"));
+    }
+    let Some(miner_key) = opts.miner_key.clone().filter(|k| !k.expose().is_empty()) else {
+        return config_error(
+            "MINER_KEY is not set: export MINER_KEY=<your miner key> (it is never logged)",
+        );
+    };
+    let Some(checkpoint) = opts.checkpoint.clone() else {
+        return config_error("--checkpoint / CHECKPOINT is not set: the model folder with tokenizer.json and config.json");
+    };
+    if opts.serve_urls().is_empty() {
+        return config_error("--serve-url / SERVE_URL is empty");
+    }
+    if opts.toploc_topk == 0 || opts.toploc_dbs == 0 || opts.gen_chunk == 0 {
+        return config_error("TOPLOC_TOPK, TOPLOC_DBS and TOPLOC_GEN_CHUNK must be at least 1");
+    }
+    // One miner per node (§2.3): a second instance says so and exits 0.
+    let lock_file = match std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&opts.lock_file)
+    {
+        Ok(f) => f,
+        Err(e) => {
+            return config_error(format!(
+                "cannot open the lock file {}: {e}",
+                opts.lock_file.display()
+            ))
+        }
+    };
+    let mut lock = fd_lock::RwLock::new(lock_file);
+    let _guard = match lock.try_write() {
+        Ok(g) => g,
+        Err(_) => {
+            tracing::info!(lock = %opts.lock_file.display(), "another engy-miner instance is running on this node; exiting");
+            return ExitCode::SUCCESS;
+        }
+    };
+    match serve(opts, gw, miner_key, &checkpoint).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(
+    opts: Opts,
+    gw: String,
+    miner_key: config::Secret,
+    checkpoint: &Path,
+) -> anyhow::Result<()> {
+    tracing::info!(checkpoint = %checkpoint.display(), "loading tokenizer and chat template");
+    let prompter = Arc::new(
+        chat::Prompter::load(checkpoint).context("loading the checkpoint's tokenizer/template")?,
+    );
+    let model_root = engy_core::identity::model_root(checkpoint).context("computing model_root")?;
+    let hidden = hidden_size(checkpoint);
+    let reply_cap = opts.reply_cap(hidden.unwrap_or(8192));
+    let engine = Arc::new(engine::Engine::new(
+        engine::EngineConfig {
+            model_root: model_root.clone(),
+            topk: opts.toploc_topk,
+            dbs: opts.toploc_dbs,
+            max_tokens: opts.max_tokens,
+            max_output_tokens: opts.max_output_tokens,
+            gen_chunk: opts.gen_chunk,
+            serve_timeout: opts.serve_timeout(),
+            hidden_size: hidden,
+            reply_cap,
+        },
+        prompter,
+        &opts.serve_urls(),
+    )?);
+    let hw = hw::detect().await;
+    let worker_name = worker_name(&opts);
+    let identity = legs::Identity {
+        gw: gw.clone(),
+        miner_key,
+        model: opts.model.clone(),
+        model_root: model_root.clone(),
+        hw: hw.clone(),
+        versions: serde_json::json!({"engy-miner": env!("CARGO_PKG_VERSION")}),
+        worker_name: worker_name.clone(),
+        worker_id: uuid::Uuid::new_v4().simple().to_string(),
+        max_inflight_total: opts.max_inflight.max(1),
+        max_input_tokens: opts.max_input_tokens,
+        max_output_tokens: opts.max_output_tokens,
+        max_request_s: opts.max_request_s,
+        heartbeat: secs(opts.heartbeat_s).max(std::time::Duration::from_millis(100)),
+        flush: secs(opts.stream_flush_s),
+    };
+    let n = legs::worker_count(&gw, opts.gw_workers).await;
+    let (workers, per_leg) = legs::leg_plan(n, opts.max_inflight);
+    tracing::info!(
+        gw = %gw, model = %opts.model, root = %model_root.get(..12).unwrap_or(&model_root),
+        serves = ?opts.serve_urls(), workers = n, legs = ?workers, leg_inflight = per_leg,
+        total_inflight = per_leg * workers.len() as u64, worker_name = %worker_name,
+        hidden_size = ?hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
+    );
+    tracing::info!(hw = %hw, "hardware");
+    let hub = legs::Hub::new(identity, engine);
+    let shutdown = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for w in workers {
+        tasks.push(tokio::spawn(legs::run_leg(
+            Arc::clone(&hub),
+            w,
+            n,
+            per_leg,
+            shutdown.clone(),
+        )));
+    }
+    wait_for_signal().await;
+    // Graceful stop: refuse new work, let in-flight requests finish (bounded), then abort
+    // the rest on the serves and close every leg.
+    hub.draining.store(true, Ordering::SeqCst);
+    let drain = secs(opts.drain_s);
+    let n_inflight = hub.inflight.load(Ordering::SeqCst);
+    tracing::info!(
+        inflight = n_inflight,
+        drain_s = drain.as_secs_f64(),
+        "signal received; draining in-flight requests, then closing the legs"
+    );
+    let deadline = tokio::time::Instant::now() + drain;
+    while hub.inflight.load(Ordering::SeqCst) > 0 {
+        let wait = hub.idle.notified();
+        if hub.inflight.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        if tokio::time::timeout_at(deadline, wait).await.is_err() {
+            tracing::warn!(
+                inflight = hub.inflight.load(Ordering::SeqCst),
+                "drain timed out; aborting the remaining requests"
+            );
+            hub.cancel_all("shutdown");
+            break;
+        }
+    }
+    shutdown.cancel();
+    for t in tasks {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), t).await;
+    }
+    // Give abort requests a moment to leave.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    tracing::info!("stopped");
     Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

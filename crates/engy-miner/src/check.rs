@@ -1,0 +1,257 @@
+//! `engy-miner check`: the operator's preflight. Prints one `ok`/`FAIL` line per check, each
+//! FAIL with its fix; exits 1 if anything failed.
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use engy_core::toploc::{build_proofs_base64, verify_proofs_base64, Dtype, Params};
+use serde_json::{json, Value};
+
+use crate::config::Opts;
+use crate::scan::{scan_reply, HiddenMode};
+
+struct Report {
+    failed: usize,
+}
+
+impl Report {
+    fn ok(&mut self, what: &str, detail: impl std::fmt::Display) {
+        println!("ok   {what}: {detail}");
+    }
+    fn fail(&mut self, what: &str, detail: impl std::fmt::Display, fix: &str) {
+        self.failed += 1;
+        println!("FAIL {what}: {detail}\n     fix: {fix}");
+    }
+}
+
+/// Run every check; the exit code is 1 when any failed.
+pub async fn run(opts: &Opts) -> ExitCode {
+    let mut r = Report { failed: 0 };
+    let mut hidden = None;
+    match &opts.checkpoint {
+        None => r.fail(
+            "checkpoint",
+            "not set",
+            "pass --checkpoint DIR or set CHECKPOINT",
+        ),
+        Some(dir) => {
+            match crate::chat::Prompter::load(dir) {
+                Ok(p) => {
+                    let msgs = json!([{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Hello!"}]);
+                    match p.prompt_ids(&msgs) {
+                        Ok(ids) => r.ok("tokenizer + chat template", format!("a 2-message chat renders to {} tokens", ids.len())),
+                        Err(e) => r.fail("chat template", e, "the checkpoint's chat_template must render system/user messages"),
+                    }
+                }
+                Err(e) => r.fail(
+                    "tokenizer + chat template",
+                    e,
+                    "the checkpoint folder needs tokenizer.json and tokenizer_config.json (chat_template) or chat_template.jinja",
+                ),
+            }
+            match engy_core::identity::model_root(dir) {
+                Ok(root) => r.ok("model_root", root),
+                Err(e) => r.fail(
+                    "model_root",
+                    e,
+                    "point --checkpoint at the model folder (config.json, *.safetensors)",
+                ),
+            }
+            hidden = crate::hidden_size(dir);
+            match hidden {
+                Some(h) => r.ok("config.json hidden_size", h),
+                None => r.fail(
+                    "config.json hidden_size",
+                    "missing",
+                    "the checkpoint's config.json must carry hidden_size",
+                ),
+            }
+        }
+    }
+    let client = match reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            r.fail("http client", e, "report this");
+            return ExitCode::FAILURE;
+        }
+    };
+    for serve in opts.serve_urls() {
+        check_serve(&mut r, &client, &serve, hidden, opts).await;
+    }
+    match opts.gw.as_deref().filter(|g| !g.is_empty()) {
+        None => r.fail("gateway", "GW not set", "export GW=wss://<gateway-host>/gw"),
+        Some(gw) => {
+            let url = format!("{}/meta", crate::legs::http_base(gw));
+            match client
+                .get(&url)
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+            {
+                Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
+                    Ok(v) => r.ok(
+                        "gateway /meta",
+                        format!(
+                            "{url} → workers {}",
+                            v.get("workers").cloned().unwrap_or(Value::Null)
+                        ),
+                    ),
+                    Err(e) => r.fail(
+                        "gateway /meta",
+                        format!("{url}: not JSON ({e})"),
+                        "check GW",
+                    ),
+                },
+                Ok(resp) => r.fail(
+                    "gateway /meta",
+                    format!("{url} → HTTP {}", resp.status()),
+                    "check GW; set ENGY_GW_WORKERS if /meta is not served",
+                ),
+                Err(e) => r.fail(
+                    "gateway /meta",
+                    format!("{url}: {e}"),
+                    "check GW and outbound network access",
+                ),
+            }
+        }
+    }
+    if r.failed == 0 {
+        println!("all checks passed");
+        ExitCode::SUCCESS
+    } else {
+        println!("{} check(s) failed", r.failed);
+        ExitCode::FAILURE
+    }
+}
+
+async fn check_serve(
+    r: &mut Report,
+    client: &reqwest::Client,
+    serve: &str,
+    hidden: Option<usize>,
+    opts: &Opts,
+) {
+    let what = format!("serve {serve} /get_model_info");
+    match client
+        .get(format!("{serve}/get_model_info"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+    {
+        Ok(resp) if resp.status().is_success() => {
+            let v: Value = resp.json().await.unwrap_or(Value::Null);
+            r.ok(
+                &what,
+                format!(
+                    "model_path {}",
+                    v.get("model_path").cloned().unwrap_or(Value::Null)
+                ),
+            );
+        }
+        Ok(resp) => {
+            r.fail(
+                &what,
+                format!("HTTP {}", resp.status()),
+                "is sglang up on that port?",
+            );
+            return;
+        }
+        Err(e) => {
+            r.fail(&what, e, "start the sglang serve, or fix --serve-url");
+            return;
+        }
+    }
+    let what = format!("serve {serve} /generate with hidden states");
+    let body = json!({"input_ids":[1,2,3],"sampling_params":{"temperature":0.0,"max_new_tokens":4,"ignore_eos":true},
+                      "rid":format!("engy-check-{}", uuid::Uuid::new_v4().simple()),
+                      "return_hidden_states":true,"return_logprob":true});
+    let bytes = match client
+        .post(format!("{serve}/generate"))
+        .json(&body)
+        .send()
+        .await
+    {
+        Ok(resp) => {
+            let status = resp.status();
+            match resp.bytes().await {
+                Ok(b) if status.is_success() => b,
+                Ok(b) => {
+                    let msg = scan_reply(&b, HiddenMode::Skip, false)
+                        .ok()
+                        .and_then(|x| x.error)
+                        .unwrap_or_default();
+                    r.fail(
+                        &what,
+                        format!("HTTP {status}: {msg}"),
+                        "start sglang with --enable-return-hidden-states",
+                    );
+                    return;
+                }
+                Err(e) => {
+                    r.fail(&what, e, "the serve broke the connection");
+                    return;
+                }
+            }
+        }
+        Err(e) => {
+            r.fail(&what, e, "the serve did not answer");
+            return;
+        }
+    };
+    let reply = match scan_reply(&bytes, HiddenMode::Always, false) {
+        Ok(x) => x,
+        Err(e) => {
+            r.fail(&what, e, "the serve's reply is not sglang's /generate JSON");
+            return;
+        }
+    };
+    let rows = match reply.rows {
+        Some(rows) if rows.n_rows > 0 => rows,
+        _ => {
+            r.fail(
+                &what,
+                "no hidden states in the reply",
+                "start sglang with --enable-return-hidden-states; remove any hook trimming them",
+            );
+            return;
+        }
+    };
+    if rows.n_rows != 4 || rows.ragged.is_some() || hidden.map(|h| h != rows.width).unwrap_or(false)
+    {
+        r.fail(
+            &what,
+            format!(
+                "{} rows of {} (expected 4 of {:?}), ragged {:?}",
+                rows.n_rows, rows.width, hidden, rows.ragged
+            ),
+            "the serve must run the checkpoint given by --checkpoint, without speculative decoding",
+        );
+        return;
+    }
+    r.ok(&what, format!("4 rows of {}", rows.width));
+    let what = format!("serve {serve} TOPLOC proof");
+    let params = Params {
+        topk: opts.toploc_topk,
+        decode_batching_size: opts.toploc_dbs,
+        skip_prefill: true,
+    };
+    let bits = Arc::new(rows.bits);
+    let elements: Vec<&[u16]> = bits.chunks_exact(rows.width.max(1)).collect();
+    match build_proofs_base64(&elements, Dtype::Bf16, &params) {
+        Ok(proofs) => match verify_proofs_base64(&elements, Dtype::Bf16, &proofs, &params) {
+            Ok(res) if res.iter().all(|v| v.exp_mismatches == 0) => {
+                r.ok(&what, format!("{} proof(s) build and verify", proofs.len()))
+            }
+            Ok(res) => r.fail(
+                &what,
+                format!("verification mismatches: {res:?}"),
+                "report this (the proof library disagrees with itself)",
+            ),
+            Err(e) => r.fail(&what, e, "report this"),
+        },
+        Err(e) => r.fail(&what, e, "hidden_size × rows must be at least TOPLOC_TOPK"),
+    }
+}

@@ -1,0 +1,201 @@
+//! Command line and environment (PROTOCOL.md §3 "Environment of the reference miner", §2.3).
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// A secret that never prints (`Debug`/`Display` show `<redacted>`).
+#[derive(Clone, Default)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret value, for the HELLO frame only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_string()))
+    }
+}
+
+/// engy SN53 miner: dials the engy gateway, serves routed chat requests on local sglang
+/// serves (started with `--enable-return-hidden-states`) and attaches a TOPLOC proof to
+/// every completion.
+///
+/// Exit codes: 0 = stopped cleanly (SIGTERM/SIGINT) or another instance already runs on this
+/// node; 1 = runtime failure (or a FAIL in `check`); 2 = bad configuration.
+#[derive(Parser, Debug)]
+#[command(name = "engy-miner", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do (default: run the miner).
+    #[command(subcommand)]
+    pub cmd: Option<Cmd>,
+    /// Miner settings.
+    #[command(flatten)]
+    pub opts: Opts,
+}
+
+/// Subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Run the miner (the default).
+    Run,
+    /// Preflight before going live: checkpoint tokenizer/template, model_root, every serve
+    /// (`/get_model_info`, a 4-token `/generate` with hidden states, a proof that builds and
+    /// verifies), gateway `/meta`. Prints ok/FAIL lines with the fix; exits 1 on any FAIL.
+    Check,
+}
+
+/// Settings shared by `run` and `check`.
+#[derive(Args, Debug, Clone)]
+pub struct Opts {
+    /// Gateway websocket URL, e.g. `wss://<gateway-host>/gw` (required to run).
+    #[arg(long = "gw", env = "GW", global = true)]
+    pub gw: Option<String>,
+    /// Miner key sent in HELLO (required to run; never logged).
+    #[arg(
+        long = "miner-key",
+        env = "MINER_KEY",
+        hide_env_values = true,
+        global = true
+    )]
+    pub miner_key: Option<Secret>,
+    /// Gateway model id announced in HELLO.
+    #[arg(long, env = "MODEL", default_value = "qwen3.6-35b-a3b", global = true)]
+    pub model: String,
+    /// Checkpoint folder: tokenizer.json, tokenizer_config.json / chat_template.jinja,
+    /// config.json and *.safetensors (for model_root).
+    #[arg(long, env = "CHECKPOINT", global = true)]
+    pub checkpoint: Option<PathBuf>,
+    /// sglang serve URL(s), comma-separated; requests go to the least-in-flight one.
+    #[arg(
+        long = "serve-url",
+        env = "SERVE_URL",
+        default_value = "http://127.0.0.1:8000",
+        global = true
+    )]
+    pub serve_url: String,
+    /// This machine's worker name under MINER_KEY (also ENGY_INSTANCE_ID); default
+    /// `ins-` + 12 hex of sha256(hostname|MODEL|serve URLs).
+    #[arg(
+        long = "worker-name",
+        alias = "instance-id",
+        env = "ENGY_WORKER_NAME",
+        global = true
+    )]
+    pub worker_name: Option<String>,
+    /// Total concurrency of this miner, split across the gateway legs.
+    #[arg(
+        long = "max-inflight",
+        env = "MAX_INFLIGHT",
+        default_value_t = 64,
+        global = true
+    )]
+    pub max_inflight: u64,
+    /// TOPLOC top-k per proof batch.
+    #[arg(long, env = "TOPLOC_TOPK", default_value_t = 128, global = true)]
+    pub toploc_topk: usize,
+    /// TOPLOC decode batching size (rows per proof).
+    #[arg(long, env = "TOPLOC_DBS", default_value_t = 32, global = true)]
+    pub toploc_dbs: usize,
+    /// Default max_tokens when the request has none.
+    #[arg(long, env = "MAX_TOKENS", default_value_t = 512, global = true)]
+    pub max_tokens: u64,
+    /// Output-token cap advertised and applied.
+    #[arg(
+        long,
+        env = "MAX_OUTPUT_TOKENS",
+        default_value_t = 32768,
+        global = true
+    )]
+    pub max_output_tokens: u64,
+    /// Input-token cap advertised to the gateway.
+    #[arg(
+        long,
+        env = "MAX_INPUT_TOKENS",
+        default_value_t = 229_376,
+        global = true
+    )]
+    pub max_input_tokens: u64,
+    /// Seconds the gateway waits for one request (advertised).
+    #[arg(long, env = "MAX_REQUEST_S", default_value_t = 1800.0, global = true)]
+    pub max_request_s: f64,
+    /// HTTP timeout of one serve call in seconds (default: MAX_REQUEST_S).
+    #[arg(long, env = "SERVE_HTTP_S", global = true)]
+    pub serve_http_s: Option<f64>,
+    /// Output tokens per /generate call (the serve buffers every hidden state of a call).
+    #[arg(long, env = "TOPLOC_GEN_CHUNK", default_value_t = 4096, global = true)]
+    pub gen_chunk: usize,
+    /// Coalescing window of streamed deltas, seconds.
+    #[arg(long, env = "STREAM_FLUSH_S", default_value_t = 0.05, global = true)]
+    pub stream_flush_s: f64,
+    /// Override the gateway worker count (skips `/meta`).
+    #[arg(long, env = "ENGY_GW_WORKERS", global = true)]
+    pub gw_workers: Option<usize>,
+    /// Heartbeat period in seconds (must stay under the gateway's 90 s staleness).
+    #[arg(long, env = "ENGY_HEARTBEAT_S", default_value_t = 30.0, global = true)]
+    pub heartbeat_s: f64,
+    /// Largest serve reply (non-stream body or one SSE line) in MiB before the request is
+    /// failed. Default: sized from TOPLOC_GEN_CHUNK × hidden_size (config.json), see
+    /// docs/MINER.md.
+    #[arg(long, env = "ENGY_MAX_RESPONSE_MB", global = true)]
+    pub max_response_mb: Option<u64>,
+    /// Seconds to let in-flight requests finish after SIGTERM before aborting them.
+    #[arg(long, env = "ENGY_DRAIN_S", default_value_t = 30.0, global = true)]
+    pub drain_s: f64,
+    /// Single-instance lock file (one miner per node).
+    #[arg(
+        long = "lock-file",
+        env = "ENGY_MINER_LOCK",
+        default_value = "/tmp/engy_miner.singleton",
+        global = true
+    )]
+    pub lock_file: PathBuf,
+}
+
+impl Opts {
+    /// The serve URLs, trimmed, without trailing slashes.
+    pub fn serve_urls(&self) -> Vec<String> {
+        self.serve_url
+            .split(',')
+            .map(|s| s.trim().trim_end_matches('/').to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+
+    /// HTTP timeout of one serve call.
+    pub fn serve_timeout(&self) -> Duration {
+        secs(self.serve_http_s.unwrap_or(self.max_request_s))
+    }
+
+    /// The reply cap in bytes for rows of `hidden` floats: (GEN_CHUNK + 8192 prefill rows,
+    /// sglang's default chunked-prefill size) × hidden × 24 bytes per float, + 64 MiB.
+    pub fn reply_cap(&self, hidden: usize) -> usize {
+        if let Some(mb) = self.max_response_mb {
+            return (mb as usize).saturating_mul(1 << 20);
+        }
+        (self.gen_chunk + 8192)
+            .saturating_mul(hidden.max(1))
+            .saturating_mul(24)
+            .saturating_add(64 << 20)
+    }
+}
+
+/// A non-negative, finite seconds value as a Duration (bad values → 0).
+pub fn secs(s: f64) -> Duration {
+    if s.is_finite() && s > 0.0 {
+        Duration::from_secs_f64(s.min(1e9))
+    } else {
+        Duration::ZERO
+    }
+}

@@ -1,0 +1,549 @@
+//! Gateway legs (PROTOCOL.md §2): `/meta` discovery, the leg plan, HELLO, heartbeats,
+//! serve/cancel/ping/reconnect/admit/deny, reconnect with backoff and jitter.
+//!
+//! Each leg owns its socket writes: one writer task drains an unbounded channel of frames,
+//! so a request task never touches the socket and can never block the leg's reads or its
+//! heartbeats. A request's frames pass [`Job::if_live`], atomically with `cancel`, so nothing
+//! reaches the channel for a corr_id after its cancel was handled.
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use rand::Rng;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{short, Engine, Job, JobError, StreamSink};
+
+/// Static identity and capacity sent in HELLO.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// Gateway URL (`GW`).
+    pub gw: String,
+    /// MINER_KEY (only ever placed in HELLO).
+    pub miner_key: crate::config::Secret,
+    /// Gateway model id.
+    pub model: String,
+    /// model_root (§4).
+    pub model_root: String,
+    /// `hw` object (§2.1).
+    pub hw: Value,
+    /// `versions` object.
+    pub versions: Value,
+    /// worker_name (§2.3).
+    pub worker_name: String,
+    /// Fresh per process.
+    pub worker_id: String,
+    /// Capacity fields except the per-leg `max_inflight`.
+    pub max_inflight_total: u64,
+    /// MAX_INPUT_TOKENS.
+    pub max_input_tokens: u64,
+    /// MAX_OUTPUT_TOKENS.
+    pub max_output_tokens: u64,
+    /// MAX_REQUEST_S.
+    pub max_request_s: f64,
+    /// Heartbeat period.
+    pub heartbeat: Duration,
+    /// Streaming coalescing window.
+    pub flush: Duration,
+}
+
+impl Identity {
+    fn capacity(&self, per_leg: u64) -> Value {
+        json!({
+            "max_inflight": per_leg,
+            "max_inflight_total": self.max_inflight_total,
+            "max_input_tokens": self.max_input_tokens,
+            "max_output_tokens": self.max_output_tokens,
+            "max_request_s": self.max_request_s,
+        })
+    }
+}
+
+/// `GW` as the https (or http) base for `/meta`.
+pub fn http_base(gw: &str) -> String {
+    let gw = gw.trim_end_matches('/');
+    if let Some(r) = gw.strip_prefix("wss://") {
+        format!("https://{r}")
+    } else if let Some(r) = gw.strip_prefix("ws://") {
+        format!("http://{r}")
+    } else {
+        gw.to_string()
+    }
+}
+
+/// Number of gateway workers: `ENGY_GW_WORKERS`, else `/meta` `workers`, else 1.
+pub async fn worker_count(gw: &str, forced: Option<usize>) -> usize {
+    if let Some(n) = forced {
+        return n.max(1);
+    }
+    let url = format!("{}/meta", http_base(gw));
+    let client = match reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+    {
+        Ok(c) => c,
+        Err(_) => return 1,
+    };
+    match client.get(&url).send().await {
+        Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+            Ok(v) => v
+                .get("workers")
+                .and_then(Value::as_u64)
+                .map(|n| n.max(1) as usize)
+                .unwrap_or(1),
+            Err(_) => 1,
+        },
+        Ok(r) => {
+            tracing::info!(%url, status = %r.status(), "gateway /meta unavailable; assuming 1 worker");
+            1
+        }
+        Err(e) => {
+            tracing::info!(%url, error = %e, "gateway /meta unreachable; assuming 1 worker");
+            1
+        }
+    }
+}
+
+/// The leg plan (§2): `(worker indices to dial, max_inflight per leg)`.
+pub fn leg_plan(n_workers: usize, max_inflight: u64) -> (Vec<usize>, u64) {
+    let n = n_workers.max(1);
+    let total = max_inflight.max(1);
+    if (total as usize) < n {
+        let mut all: Vec<usize> = (0..n).collect();
+        let mut rng = rand::thread_rng();
+        // Partial Fisher–Yates: a random subset of `total` workers.
+        for i in 0..total as usize {
+            let j = rng.gen_range(i..n);
+            all.swap(i, j);
+        }
+        let mut pick: Vec<usize> = all.into_iter().take(total as usize).collect();
+        pick.sort_unstable();
+        (pick, 1)
+    } else {
+        ((0..n).collect(), total / n as u64)
+    }
+}
+
+/// Leg URL: `<GW>/<i>` when N > 1, else `<GW>`.
+pub fn leg_url(gw: &str, i: usize, n: usize) -> String {
+    if n > 1 {
+        format!("{}/{i}", gw.trim_end_matches('/'))
+    } else {
+        gw.to_string()
+    }
+}
+
+/// Shared state of all legs.
+pub struct Hub {
+    /// Identity and capacity.
+    pub id: Identity,
+    /// The request path.
+    pub engine: Arc<Engine>,
+    /// corr_id → job, for cancel.
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+    /// corr_ids cancelled before their serve arrived (bounded).
+    early_cancels: Mutex<VecDeque<String>>,
+    /// Requests being served, all legs.
+    pub inflight: AtomicUsize,
+    /// Set on SIGTERM: new serves are refused.
+    pub draining: AtomicBool,
+    /// Wakes the drain wait.
+    pub idle: tokio::sync::Notify,
+}
+
+impl Hub {
+    /// New hub.
+    pub fn new(id: Identity, engine: Arc<Engine>) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            engine,
+            jobs: Mutex::new(HashMap::new()),
+            early_cancels: Mutex::new(VecDeque::new()),
+            inflight: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            idle: tokio::sync::Notify::new(),
+        })
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Job>>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Cancel one job: mark it, then abort its live serve calls on the dedicated client.
+    pub fn cancel(&self, corr_id: &str, why: &str) {
+        let job = self.jobs().get(corr_id).cloned();
+        match job {
+            Some(job) => {
+                let rids = job.cancel();
+                tracing::info!(corr_id, aborting = rids.len(), why, "cancelled");
+                self.engine.abort_rids(rids);
+            }
+            None => {
+                let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
+                q.push_back(corr_id.to_string());
+                while q.len() > 1024 {
+                    q.pop_front();
+                }
+                tracing::info!(corr_id, why, "cancel for an unknown or finished request");
+            }
+        }
+    }
+
+    /// Cancel every job (shutdown).
+    pub fn cancel_all(&self, why: &str) {
+        let ids: Vec<String> = self.jobs().keys().cloned().collect();
+        for id in ids {
+            self.cancel(&id, why);
+        }
+    }
+
+    fn take_early_cancel(&self, corr_id: &str) -> bool {
+        let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
+        match q.iter().position(|c| c == corr_id) {
+            Some(i) => {
+                q.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Run one leg forever (until `shutdown`): dial, serve the session, re-dial with backoff.
+pub async fn run_leg(
+    hub: Arc<Hub>,
+    worker: usize,
+    n_workers: usize,
+    per_leg: u64,
+    shutdown: CancellationToken,
+) {
+    let url = leg_url(&hub.id.gw, worker, n_workers);
+    let tag = format!("gw{worker}");
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        if shutdown.is_cancelled() {
+            return;
+        }
+        let t0 = Instant::now();
+        let connect = tokio::select! {
+            r = tokio::time::timeout(Duration::from_secs(30), tokio_tungstenite::connect_async(url.as_str())) => r,
+            _ = shutdown.cancelled() => return,
+        };
+        match connect {
+            Ok(Ok((ws, _))) => {
+                let why = session(&hub, ws, &tag, per_leg, &shutdown).await;
+                if shutdown.is_cancelled() {
+                    tracing::info!(leg = %tag, "leg closed for shutdown");
+                    return;
+                }
+                if t0.elapsed() > Duration::from_secs(10) {
+                    backoff = Duration::from_millis(500);
+                }
+                tracing::warn!(leg = %tag, reason = %why, "session ended; re-dialing");
+            }
+            Ok(Err(e)) => tracing::warn!(leg = %tag, %url, error = %e, "dial failed"),
+            Err(_) => tracing::warn!(leg = %tag, %url, "dial timed out after 30 s"),
+        }
+        // Jitter ±25 % so a fleet does not re-dial in lockstep.
+        let jitter = rand::thread_rng().gen_range(0.75..1.25);
+        let pause = backoff.mul_f64(jitter);
+        tracing::info!(leg = %tag, pause_ms = pause.as_millis() as u64, "re-dialing after pause");
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+}
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Per-leg counters for heartbeats.
+struct LegState {
+    inflight: AtomicUsize,
+    last_busy: Mutex<Instant>,
+    corr_ids: Mutex<HashSet<String>>,
+}
+
+impl LegState {
+    fn idle_seconds(&self) -> f64 {
+        if self.inflight.load(Ordering::SeqCst) > 0 {
+            0.0
+        } else {
+            self.last_busy
+                .lock()
+                .map(|t| t.elapsed().as_secs_f64())
+                .unwrap_or(0.0)
+        }
+    }
+}
+
+/// One websocket session; returns why it ended.
+async fn session(
+    hub: &Arc<Hub>,
+    ws: Ws,
+    tag: &str,
+    per_leg: u64,
+    shutdown: &CancellationToken,
+) -> String {
+    let (mut sink, mut stream) = ws.split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Message>();
+    let writer = tokio::spawn(async move {
+        while let Some(m) = rx.recv().await {
+            let close = matches!(m, Message::Close(_));
+            if sink.send(m).await.is_err() {
+                return;
+            }
+            if close {
+                return;
+            }
+        }
+    });
+    let cap = hub.id.capacity(per_leg);
+    let leg = Arc::new(LegState {
+        inflight: AtomicUsize::new(0),
+        last_busy: Mutex::new(Instant::now()),
+        corr_ids: Mutex::new(HashSet::new()),
+    });
+    let hello = json!({
+        "type": "hello",
+        "miner_key": hub.id.miner_key.expose(),
+        "model": hub.id.model,
+        "model_root": hub.id.model_root,
+        "hw": hub.id.hw,
+        "versions": hub.id.versions,
+        "capacity": cap,
+        "worker_name": hub.id.worker_name,
+        "instance_id": hub.id.worker_name,
+        "worker_id": hub.id.worker_id,
+    });
+    let _ = tx.send(Message::Text(hello.to_string().into()));
+    tracing::info!(leg = %tag, max_inflight = per_leg, "HELLO sent; awaiting work");
+    let heartbeat = |leg: &LegState| {
+        json!({"type": "heartbeat", "inflight": leg.inflight.load(Ordering::SeqCst),
+               "idle_seconds": leg.idle_seconds(), "capacity": cap})
+        .to_string()
+    };
+    let mut hb = tokio::time::interval_at(
+        tokio::time::Instant::now() + hub.id.heartbeat,
+        hub.id.heartbeat.max(Duration::from_millis(100)),
+    );
+    let mut ka = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(15),
+        Duration::from_secs(15),
+    );
+    let mut last_rx = Instant::now();
+    let why = loop {
+        tokio::select! {
+            msg = stream.next() => {
+                last_rx = Instant::now();
+                match msg {
+                    Some(Ok(Message::Text(t))) => {
+                        let frame: Value = match serde_json::from_str(t.as_str()) {
+                            Ok(v) => v,
+                            Err(e) => {
+                                tracing::warn!(leg = %tag, error = %e, "ignoring a non-JSON frame");
+                                continue;
+                            }
+                        };
+                        match frame.get("type").and_then(Value::as_str).unwrap_or("") {
+                            "serve" => on_serve(hub, &leg, &tx, frame, tag),
+                            "cancel" => {
+                                let corr = frame.get("corr_id").and_then(Value::as_str).unwrap_or("");
+                                hub.cancel(corr, "gateway cancel");
+                            }
+                            "ping" => {
+                                let _ = tx.send(Message::Text(heartbeat(&leg).into()));
+                            }
+                            "reconnect" => {
+                                let _ = tx.send(Message::Close(None));
+                                break "gateway asked to reconnect (draining)".to_string();
+                            }
+                            "admit" => tracing::info!(leg = %tag, "ADMITTED by the gateway"),
+                            "deny" => {
+                                let reason = frame.get("reason").cloned().unwrap_or(Value::Null);
+                                tracing::warn!(leg = %tag, %reason, "DENIED by the gateway");
+                            }
+                            other => tracing::debug!(leg = %tag, kind = other, "ignoring frame"),
+                        }
+                    }
+                    Some(Ok(Message::Close(c))) => break format!("gateway closed the leg ({c:?})"),
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => break format!("websocket error: {e}"),
+                    None => break "websocket ended".to_string(),
+                }
+            }
+            _ = hb.tick() => {
+                let _ = tx.send(Message::Text(heartbeat(&leg).into()));
+            }
+            _ = ka.tick() => {
+                if last_rx.elapsed() > Duration::from_secs(60) {
+                    break "no frame or pong from the gateway for 60 s".to_string();
+                }
+                let _ = tx.send(Message::Ping(Vec::new().into()));
+            }
+            _ = shutdown.cancelled() => {
+                let _ = tx.send(Message::Close(None));
+                break "shutdown".to_string();
+            }
+        }
+        if writer.is_finished() {
+            break "websocket writer failed".to_string();
+        }
+    };
+    // Requests of this leg can no longer be answered: stop them (and their serve calls).
+    let orphans: Vec<String> = leg
+        .corr_ids
+        .lock()
+        .map(|s| s.iter().cloned().collect())
+        .unwrap_or_default();
+    for c in orphans {
+        hub.cancel(&c, "leg ended");
+    }
+    drop(tx);
+    let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
+    why
+}
+
+/// Coalesces streamed deltas into at most one `chunk` frame per flush window (§2).
+struct Coalescer {
+    job: Arc<Job>,
+    tx: mpsc::UnboundedSender<Message>,
+    corr_id: String,
+    pending: String,
+    last_flush: Option<Instant>,
+    window: Duration,
+}
+
+impl Coalescer {
+    fn push(&mut self, delta: &str) {
+        self.pending.push_str(delta);
+        let due = self
+            .last_flush
+            .map(|t| t.elapsed() >= self.window)
+            .unwrap_or(true);
+        if due {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let frame =
+            json!({"type": "chunk", "corr_id": self.corr_id, "delta": {"content": self.pending}})
+                .to_string();
+        self.pending.clear();
+        self.last_flush = Some(Instant::now());
+        let tx = &self.tx;
+        self.job.if_live(|| tx.send(Message::Text(frame.into())));
+    }
+}
+
+fn on_serve(
+    hub: &Arc<Hub>,
+    leg: &Arc<LegState>,
+    tx: &mpsc::UnboundedSender<Message>,
+    frame: Value,
+    tag: &str,
+) {
+    let corr_id = frame
+        .get("corr_id")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let request = frame.get("request").cloned().unwrap_or(Value::Null);
+    let stream = frame
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let request_id = request
+        .get("engy_request_id")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    if corr_id.is_empty() {
+        tracing::warn!(leg = %tag, "serve frame without corr_id ignored");
+        return;
+    }
+    if hub.take_early_cancel(&corr_id) {
+        tracing::info!(leg = %tag, %corr_id, "serve for an already cancelled request ignored");
+        return;
+    }
+    let job = Job::new();
+    if hub.draining.load(Ordering::SeqCst) {
+        let f = json!({"type":"response","corr_id":corr_id,"request_id":request_id,"commitment":null,"output":{},"error":"miner is shutting down"});
+        let _ = tx.send(Message::Text(f.to_string().into()));
+        return;
+    }
+    // Registered BEFORE the task runs: a cancel may arrive before it starts.
+    hub.jobs().insert(corr_id.clone(), Arc::clone(&job));
+    hub.inflight.fetch_add(1, Ordering::SeqCst);
+    leg.inflight.fetch_add(1, Ordering::SeqCst);
+    if let Ok(mut s) = leg.corr_ids.lock() {
+        s.insert(corr_id.clone());
+    }
+    let hub = Arc::clone(hub);
+    let leg = Arc::clone(leg);
+    let tx = tx.clone();
+    let tag = tag.to_string();
+    tracing::info!(leg = %tag, %corr_id, stream, "serve");
+    tokio::spawn(async move {
+        let mut co = Coalescer {
+            job: Arc::clone(&job),
+            tx: tx.clone(),
+            corr_id: corr_id.clone(),
+            pending: String::new(),
+            last_flush: None,
+            window: hub.id.flush,
+        };
+        let result = {
+            let mut emit = |d: &str| co.push(d);
+            let sink = if stream {
+                Some(StreamSink::new(&mut emit))
+            } else {
+                None
+            };
+            hub.engine.process(&request, &job, sink).await
+        };
+        co.flush();
+        let frame = match result {
+            Ok((commitment, output)) => Some(
+                json!({"type":"response","corr_id":corr_id,"request_id":request_id,
+                                                    "commitment":commitment,"output":output}),
+            ),
+            Err(JobError::Cancelled) => {
+                tracing::info!(leg = %tag, %corr_id, "request cancelled; nothing more is sent for it");
+                None
+            }
+            Err(JobError::Failed(e)) => {
+                tracing::warn!(leg = %tag, %corr_id, error = %e, "request failed; sending an error response");
+                Some(
+                    json!({"type":"response","corr_id":corr_id,"request_id":request_id,
+                            "commitment":null,"output":{},"error":short(&e)}),
+                )
+            }
+        };
+        if let Some(f) = frame {
+            job.if_live(|| tx.send(Message::Text(f.to_string().into())));
+        }
+        hub.jobs().remove(&corr_id);
+        if let Ok(mut s) = leg.corr_ids.lock() {
+            s.remove(&corr_id);
+        }
+        if let Ok(mut t) = leg.last_busy.lock() {
+            *t = Instant::now();
+        }
+        leg.inflight.fetch_sub(1, Ordering::SeqCst);
+        if hub.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            hub.idle.notify_waiters();
+        }
+    });
+}

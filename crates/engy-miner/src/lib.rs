@@ -1,0 +1,54 @@
+//! engy-miner as a library: the pieces of the miner binary, public for its integration
+//! tests and benchmarks. The binary (`src/main.rs`) is the product; see docs/MINER.md.
+//!
+//! * [`config`]: CLI and environment (PROTOCOL.md §3).
+//! * [`chat`]: chat template + tokenizer → `prompt_ids` (§3.1).
+//! * [`scan`]: the single-pass `/generate` reply scanner (hidden states → bf16 rows).
+//! * [`engine`]: one request on the serves: chunking, rows, alignment checks, proof (§3).
+//! * [`legs`]: gateway legs, HELLO, heartbeats, cancel (§2).
+//! * [`hw`]: best-effort hardware facts (§2.1).
+//! * [`check`]: the `engy-miner check` preflight.
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+pub mod chat;
+pub mod check;
+pub mod config;
+pub mod engine;
+pub mod hw;
+pub mod legs;
+pub mod scan;
+
+use config::Opts;
+
+/// `worker_name` (§2.3): flag/ENGY_WORKER_NAME, legacy ENGY_INSTANCE_ID, else derived.
+pub fn worker_name(opts: &Opts) -> String {
+    if let Some(w) = opts.worker_name.as_ref().filter(|w| !w.is_empty()) {
+        return w.clone();
+    }
+    if let Ok(w) = std::env::var("ENGY_INSTANCE_ID") {
+        if !w.is_empty() {
+            return w;
+        }
+    }
+    let seed = format!(
+        "{}|{}|{}",
+        hw::hostname(),
+        opts.model,
+        opts.serve_urls().join(",")
+    );
+    let digest = hex::encode(Sha256::digest(seed.as_bytes()));
+    format!("ins-{}", digest.get(..12).unwrap_or(&digest))
+}
+
+/// `hidden_size` of `<checkpoint>/config.json` (top level or `text_config`), if any.
+pub fn hidden_size(checkpoint: &Path) -> Option<usize> {
+    let raw = std::fs::read(checkpoint.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&raw).ok()?;
+    v.get("hidden_size")
+        .or_else(|| v.pointer("/text_config/hidden_size"))
+        .and_then(serde_json::Value::as_u64)
+        .filter(|h| *h > 0)
+        .map(|h| h as usize)
+}
