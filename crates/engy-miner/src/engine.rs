@@ -776,11 +776,7 @@ struct Generated {
 
 impl Generated {
     fn n_rows(&self) -> usize {
-        if self.width == 0 {
-            0
-        } else {
-            self.bits.len() / self.width
-        }
+        self.bits.len().checked_div(self.width).unwrap_or(0)
     }
 
     /// Append rows `start .. start + n` of `rows`, checking the count and width.

@@ -671,7 +671,7 @@ mod tests {
             (2, 4, 0, 3)
         );
         let mut want = bits(&[-0.1640625, 3.25, -2.5, 0.8125]);
-        want.extend(bits(&[0.30078125, -0.0439453125, 1.0, -0.5]));
+        want.extend(bits(&[0.30078125, -0.043_945_312, 1.0, -0.5]));
         assert_eq!(rows.bits, want);
     }
 
