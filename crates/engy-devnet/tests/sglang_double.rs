@@ -242,3 +242,75 @@ async fn refusals_follow_sglang() {
         .unwrap();
     assert_eq!(info["is_generation"], true);
 }
+
+#[tokio::test]
+async fn eos_finishes_with_stop_and_duplicate_rids_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(
+        dir.path(),
+        &CheckpointSpec {
+            hidden_size: 16,
+            vocab_size: 400,
+        },
+    )
+    .unwrap();
+    let cfg = SyntheticConfig {
+        eos_per_mille: 1000,
+        ..Default::default()
+    };
+    let b = SyntheticBackend::from_checkpoint(dir.path(), cfg).unwrap();
+    let eos = engy_devnet::sglang::Backend::facts(&b).eos_token_ids[0];
+    let d = SglangDouble::start(Arc::new(b), SglangConfig::default())
+        .await
+        .unwrap();
+    let c = reqwest::Client::new();
+    let r = post(&c, &d.url(), &body(&[1, 2, 3], 8, "e", false)).await;
+    assert_eq!(
+        r["meta_info"]["finish_reason"],
+        json!({"type":"stop","matched":eos})
+    );
+    assert_eq!(
+        r["output_ids"],
+        json!([eos]),
+        "the stop token is in output_ids"
+    );
+    assert_eq!(r["text"], "", "special tokens are skipped in text");
+    assert_eq!(r["meta_info"]["hidden_states"].as_array().unwrap().len(), 1);
+
+    // A rid already in flight is refused (400 non-stream, an error event in a stream).
+    d.push_fault(Fault::Hang);
+    let url = d.url();
+    let h = tokio::spawn({
+        let c = c.clone();
+        async move { post(&c, &url, &body(&[1], 4, "dup", false)).await }
+    });
+    d.wait_until(Duration::from_secs(10), |_, _, live| {
+        (live == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    let r = c
+        .post(format!("{}/generate", d.url()))
+        .json(&body(&[1], 4, "dup", false))
+        .send()
+        .await;
+    let r = r.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["message"], "Duplicate request ID detected: dup");
+    let r = c
+        .post(format!("{}/generate", d.url()))
+        .json(&body(&[1], 4, "dup", true))
+        .send()
+        .await;
+    let text = r.unwrap().text().await.unwrap();
+    assert!(text
+        .starts_with("data: {\"error\":{\"message\":\"Duplicate request ID detected: dup\"}}\n\n"));
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    c.post(format!("{}/abort_request", d.url()))
+        .json(&json!({"rid":"dup"}))
+        .send()
+        .await
+        .unwrap();
+    h.await.unwrap();
+}

@@ -670,6 +670,9 @@ fn err_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// How often a quiet stream lets the delta sink flush pending text.
+const FLUSH_TICK: Duration = Duration::from_millis(25);
+
 /// Read an SSE `/generate` stream (§2.7) line by line in linear time with a per-line cap;
 /// send text deltas; return the final event (parsed with its hidden states).
 async fn read_sse(
@@ -686,10 +689,17 @@ async fn read_sse(
     let mut sent = 0usize;
     let mut done = false;
     while !done {
-        let chunk = match resp.chunk().await {
-            Ok(Some(c)) => c,
-            Ok(None) => break,
-            Err(e) => {
+        // Wake at least every FLUSH_TICK so coalesced text is not held while the serve is
+        // quiet (an empty delta lets the sink flush what is due). `chunk()` only polls the
+        // body, so dropping it on the tick loses nothing.
+        let chunk = match tokio::time::timeout(FLUSH_TICK, resp.chunk()).await {
+            Err(_) => {
+                (sink.emit)("");
+                continue;
+            }
+            Ok(Ok(Some(c))) => c,
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => {
                 return Err(fail(format!(
                     "serve {serve} stream broke off: {}",
                     err_chain(&e)

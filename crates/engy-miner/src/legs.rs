@@ -422,6 +422,7 @@ struct Coalescer {
 }
 
 impl Coalescer {
+    /// Add a delta (an empty one is a timer tick); flush when the window has passed.
     fn push(&mut self, delta: &str) {
         self.pending.push_str(delta);
         let due = self
