@@ -633,3 +633,53 @@ async fn check_preflight_passes_and_fails_with_the_fix() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_replies_fail_that_request_not_the_process() {
+    let fx = Fixture::new(256, 1, SglangConfig::default()).await;
+    let _m = fx.miner(&[("ENGY_MAX_RESPONSE_MB", "1")]);
+    let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    // ~400 rows × 256 floats × ≥ 10 bytes: over 1 MiB in one body / one SSE line.
+    for (corr, stream) in [("big-body", false), ("big-line", true)] {
+        assert!(fx
+            .gw
+            .serve(leg, corr, chat("Long answer please.", 400), stream));
+        let resp = fx.gw.wait_response(corr, T).await.unwrap();
+        let err = resp["error"].as_str().unwrap_or_else(|| panic!("{resp}"));
+        assert!(err.contains("cap"), "{err}");
+    }
+    assert!(fx.gw.serve(leg, "small", chat("Short.", 8), true));
+    assert_ok(&fx.gw.wait_response("small", T).await.unwrap());
+    wait_idle(&fx.gw, leg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_in_flight_requests_finish_then_exits_zero() {
+    let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
+    let mut m = fx.miner(&[("ENGY_DRAIN_S", "30")]);
+    let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    fx.sglang
+        .set_fault(Some(Fault::Slow(Duration::from_millis(10))));
+    assert!(fx.gw.serve(leg, "inflight", chat("Finish me.", 60), true));
+    fx.sglang
+        .wait_until(T, |recs, _, live| {
+            (!recs.is_empty() && live == 1).then_some(())
+        })
+        .await
+        .unwrap();
+    let code = tokio::task::spawn_blocking(move || {
+        let c = m.terminate().and_then(|s| s.code());
+        (c, m.log_text())
+    })
+    .await
+    .unwrap();
+    assert_eq!(code.0, Some(0), "{}", code.1);
+    let resp = fx
+        .gw
+        .wait_response("inflight", T)
+        .await
+        .expect("drained request answered");
+    let (commitment, _) = assert_ok(&resp);
+    assert_eq!(commitment["toploc"]["n_tokens"], 60);
+    assert!(code.1.contains("draining"), "{}", code.1);
+}
