@@ -115,6 +115,7 @@ fn main() {
     let t0 = thread_cpu_s();
     let reply = scan_reply(line, HiddenMode::Always, false).expect("scan");
     let rows = reply.rows.expect("rows");
+    let t_scan = thread_cpu_s() - t0;
     let elements: Vec<&[u16]> = rows.bits.chunks_exact(rows.width).collect();
     let params = Params {
         topk: 128,
@@ -126,7 +127,7 @@ fn main() {
     assert_eq!(rows.n_rows, tokens);
     assert_eq!(proofs.len(), tokens.div_ceil(32));
     println!(
-        "{{\"tokens\":{tokens},\"hidden\":{hidden},\"bytes\":{},\"cpu_s\":{cpu:.4},\"tokens_per_cpu_s\":{:.0},\"peak_rss_mb\":{:.1}}}",
+        "{{\"tokens\":{tokens},\"hidden\":{hidden},\"bytes\":{},\"scan_cpu_s\":{t_scan:.4},\"cpu_s\":{cpu:.4},\"tokens_per_cpu_s\":{:.0},\"peak_rss_mb\":{:.1}}}",
         line.len(),
         tokens as f64 / cpu,
         peak_rss_mb()
