@@ -5,12 +5,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engy_core::toploc::{build_proofs_base64, Dtype, Params};
+use engy_core::toploc::{build_proofs_base64, Dtype, Params, ToplocError};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::chat::Prompter;
-use crate::scan::{scan_reply, Finish, HiddenMode, Reply, Rows};
+use crate::scan::{
+    scan_reply, scan_reply_from, Finish, HiddenMode, Reply, ReplySource, RowSink, Rows, ScanError,
+    SseReader,
+};
 
 /// How a job ended without a reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -297,32 +300,34 @@ impl Engine {
             .ok_or_else(|| fail("no serve configured"))?;
         let serve = slot.slot.url.clone();
         let started = Instant::now();
+        let params = Params {
+            topk: self.cfg.topk,
+            decode_batching_size: self.cfg.dbs,
+            skip_prefill: true,
+        };
         let gen = self
-            .generate_chunked(&serve, &prompt_ids, max_new, &mut stream, job)
+            .generate_chunked(&serve, &prompt_ids, max_new, &mut stream, job, params)
             .await;
         drop(slot);
         let gen = gen?;
         if job.is_cancelled() {
             return Err(JobError::Cancelled);
         }
-        let n_rows = gen.n_rows();
+        let n_rows = gen.proofs.rows;
         let width = gen.width;
-        let params = Params {
-            topk: self.cfg.topk,
-            decode_batching_size: self.cfg.dbs,
-            skip_prefill: true,
-        };
+        if n_rows != gen.output_ids.len() {
+            return Err(fail(format!(
+                "misaligned hidden states: {n_rows} rows kept for {} output tokens; no proof built",
+                gen.output_ids.len()
+            )));
+        }
+        // Every full batch was proven as its rows arrived; only the last one is left.
+        let proofs = gen.proofs.finish();
         let prompter = Arc::clone(&self.prompter);
         let ids_for_text = gen.output_ids.clone();
-        let bits = gen.bits;
-        let (proofs, text) = tokio::task::spawn_blocking(move || {
-            let elements: Vec<&[u16]> = bits.chunks_exact(width.max(1)).collect();
-            let proofs = build_proofs_base64(&elements, Dtype::Bf16, &params);
-            let text = prompter.decode(&ids_for_text);
-            (proofs, text)
-        })
-        .await
-        .map_err(|e| fail(format!("proof task failed: {e}")))?;
+        let text = tokio::task::spawn_blocking(move || prompter.decode(&ids_for_text))
+            .await
+            .map_err(|e| fail(format!("detokenize task failed: {e}")))?;
         let proofs = proofs.map_err(|e| {
             fail(format!(
                 "TOPLOC proof could not be built over {n_rows} rows of {width}: {e}"
@@ -373,8 +378,12 @@ impl Engine {
         max_new: usize,
         stream: &mut Option<StreamSink<'_>>,
         job: &Arc<Job>,
+        params: Params,
     ) -> Result<Generated, JobError> {
-        let mut g = Generated::default();
+        let mut g = Generated {
+            proofs: ProofAcc::new(params),
+            ..Generated::default()
+        };
         let chunk = self.cfg.gen_chunk.max(1);
         while g.output_ids.len() < max_new {
             if job.is_cancelled() {
@@ -385,7 +394,15 @@ impl Engine {
             let finish;
             if g.output_ids.is_empty() {
                 let out = self
-                    .call(serve, prompt_ids, want, stream.as_mut(), false, job)
+                    .call(
+                        serve,
+                        prompt_ids,
+                        want,
+                        stream.as_mut(),
+                        false,
+                        job,
+                        &mut g.proofs,
+                    )
                     .await?;
                 g.calls += 1;
                 g.cached = out.cached;
@@ -395,7 +412,7 @@ impl Engine {
                     // Prompt already cached → those tokens have no row: fold them in.
                     g.prompt_extra = oids.drain(..offset.min(oids.len())).collect();
                 }
-                g.push_rows(&out.rows, 0, oids.len())?;
+                g.check_rows(&out.rows, 0, oids.len())?;
                 produced = oids.len();
                 g.output_ids.extend(oids);
                 finish = out.finish;
@@ -407,7 +424,15 @@ impl Engine {
                 input.extend_from_slice(&g.prompt_extra);
                 input.extend_from_slice(g.output_ids.get(..g.output_ids.len() - 1).unwrap_or(&[]));
                 let out = self
-                    .call(serve, &input, want + 1, stream.as_mut(), true, job)
+                    .call(
+                        serve,
+                        &input,
+                        want + 1,
+                        stream.as_mut(),
+                        true,
+                        job,
+                        &mut g.proofs,
+                    )
                     .await?;
                 g.calls += 1;
                 if out.rows.offset > 1 {
@@ -437,7 +462,7 @@ impl Engine {
                 // Row index where the new tokens begin: skip element 0's row unless it
                 // was empty (offset 1).
                 let start = 1 - out.rows.offset;
-                g.push_rows(&out.rows, start, oids.len())?;
+                g.check_rows(&out.rows, start, oids.len())?;
                 produced = oids.len();
                 g.output_ids.extend(oids);
                 finish = out.finish;
@@ -450,6 +475,9 @@ impl Engine {
     }
 
     /// One `/generate` call with hidden states (§3.4), streamed or not; validates the rows.
+    /// The kept rows go to `proofs` as they are parsed (element 0's row is the overlap
+    /// token's, already kept, when `skip_first`).
+    #[allow(clippy::too_many_arguments)]
     async fn call(
         self: &Arc<Self>,
         serve: &str,
@@ -458,6 +486,7 @@ impl Engine {
         stream: Option<&mut StreamSink<'_>>,
         skip_first: bool,
         job: &Arc<Job>,
+        proofs: &mut ProofAcc,
     ) -> Result<CallOut, JobError> {
         let rid = format!("engy-{}", uuid::Uuid::new_v4().simple());
         let body = json!({
@@ -469,8 +498,9 @@ impl Engine {
             "stream": stream.is_some(),
         });
         job.add_rid(serve, &rid)?;
+        let mut rows = CallRows { proofs, skip_first };
         let res = tokio::select! {
-            r = self.http_call(serve, &body, stream, skip_first) => r,
+            r = self.http_call(serve, &body, stream, skip_first, &mut rows) => r,
             _ = job.cancelled() => Err(JobError::Cancelled),
         };
         job.remove_rid(&rid);
@@ -494,6 +524,7 @@ impl Engine {
         body: &Value,
         stream: Option<&mut StreamSink<'_>>,
         skip_first: bool,
+        rows: &mut dyn RowSink,
     ) -> Result<Reply, JobError> {
         let url = format!("{serve}/generate");
         let resp = self
@@ -535,32 +566,12 @@ impl Engine {
                         return Err(fail(format!("serve reply of {len} bytes exceeds the {cap}-byte cap (ENGY_MAX_RESPONSE_MB)")));
                     }
                 }
-                let mut buf: Vec<u8> = Vec::new();
-                let mut resp = resp;
-                loop {
-                    match resp.chunk().await {
-                        Ok(Some(c)) => {
-                            if buf.len() + c.len() > cap {
-                                return Err(fail(format!(
-                                    "serve reply exceeds the {cap}-byte cap (ENGY_MAX_RESPONSE_MB)"
-                                )));
-                            }
-                            buf.extend_from_slice(&c);
-                        }
-                        Ok(None) => break,
-                        Err(e) => {
-                            return Err(fail(format!(
-                                "serve {serve} reply broke off: {}",
-                                err_chain(&e)
-                            )))
-                        }
-                    }
-                }
-                let reply = scan_big(&buf, HiddenMode::Always, false)
-                    .map_err(|e| fail(format!("serve {serve}: {e}")))?;
-                Ok(reply)
+                // Parsed as it arrives: the body is never held whole (issue 7).
+                scan_reply_from(BodySource { resp }, HiddenMode::Always, false, cap, rows)
+                    .await
+                    .map_err(|e| scan_fail(serve, e, false, cap))
             }
-            Some(sink) => read_sse(serve, resp, cap, sink, skip_first).await,
+            Some(sink) => read_sse(serve, resp, cap, sink, skip_first, rows).await,
         }
     }
 
@@ -647,16 +658,166 @@ impl Engine {
     }
 }
 
-/// Scan a possibly huge reply without stalling the async workers.
-fn scan_big(buf: &[u8], mode: HiddenMode, text: bool) -> Result<Reply, crate::scan::ScanError> {
-    if buf.len() > (1 << 20) {
-        if let Ok(h) = tokio::runtime::Handle::try_current() {
-            if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
-                return tokio::task::block_in_place(|| scan_reply(buf, mode, text));
+/// The engine's error for a reply that could not be scanned.
+fn scan_fail(serve: &str, e: ScanError, stream: bool, cap: usize) -> JobError {
+    let what = if stream { "stream" } else { "reply" };
+    match e {
+        ScanError::TooLarge { .. } if stream => fail(format!(
+            "serve stream line exceeds the {cap}-byte cap (ENGY_MAX_RESPONSE_MB)"
+        )),
+        ScanError::TooLarge { .. } => fail(format!(
+            "serve reply exceeds the {cap}-byte cap (ENGY_MAX_RESPONSE_MB)"
+        )),
+        ScanError::Source(s) => fail(format!("serve {serve} {what} broke off: {s}")),
+        e if stream => fail(format!("serve {serve} stream: {e}")),
+        e => fail(format!("serve {serve}: {e}")),
+    }
+}
+
+/// A non-stream `/generate` body as it arrives.
+struct BodySource {
+    resp: reqwest::Response,
+}
+
+impl ReplySource for BodySource {
+    async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
+        match self.resp.chunk().await {
+            Ok(Some(c)) => {
+                buf.extend_from_slice(&c);
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => Err(ScanError::Source(err_chain(&e))),
+        }
+    }
+}
+
+/// An SSE `/generate` stream as it arrives; while the serve is quiet it wakes every
+/// [`FLUSH_TICK`] so the delta sink can flush coalesced text.
+struct SseSource<'a, 'b> {
+    resp: reqwest::Response,
+    sink: &'a mut StreamSink<'b>,
+}
+
+impl ReplySource for SseSource<'_, '_> {
+    async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
+        loop {
+            // `chunk()` only polls the body, so dropping it on the tick loses nothing; an
+            // empty delta lets the sink flush what is due.
+            match tokio::time::timeout(FLUSH_TICK, self.resp.chunk()).await {
+                Err(_) => (self.sink.emit)(""),
+                Ok(Ok(Some(c))) => {
+                    buf.extend_from_slice(&c);
+                    return Ok(true);
+                }
+                Ok(Ok(None)) => return Ok(false),
+                Ok(Err(e)) => return Err(ScanError::Source(err_chain(&e))),
             }
         }
     }
-    scan_reply(buf, mode, text)
+}
+
+/// The rows of one serve call, on their way to the proof accumulator.
+struct CallRows<'a> {
+    proofs: &'a mut ProofAcc,
+    /// Continuation: element 0 is the overlap token's row, already kept (§3.5).
+    skip_first: bool,
+}
+
+impl RowSink for CallRows<'_> {
+    fn row(&mut self, element: usize, bits: &[u16]) {
+        if !(self.skip_first && element == 0) {
+            self.proofs.push(bits);
+        }
+    }
+}
+
+/// Builds the TOPLOC proofs of a request batch by batch as its rows arrive (PROTOCOL.md
+/// §3.8, skip_prefill: batches are groups of `decode_batching_size` rows from row 0), so a
+/// request holds at most one batch of rows, never all of them. Each batch's proof depends
+/// only on that batch's rows, so the proofs equal `build_proofs` over every row at once.
+#[derive(Default)]
+pub(crate) struct ProofAcc {
+    params: Option<Params>,
+    /// Rows of the batch being filled, concatenated.
+    pending: Vec<u16>,
+    /// End offset of each pending row in `pending`.
+    ends: Vec<usize>,
+    proofs: Vec<String>,
+    /// Rows received in total.
+    pub(crate) rows: usize,
+    err: Option<ToplocError>,
+}
+
+impl ProofAcc {
+    fn new(params: Params) -> Self {
+        Self {
+            params: Some(params),
+            ..Self::default()
+        }
+    }
+
+    /// Add the next row; proves the batch once it is full.
+    fn push(&mut self, bits: &[u16]) {
+        self.rows += 1;
+        if self.err.is_some() {
+            return;
+        }
+        self.pending.extend_from_slice(bits);
+        self.ends.push(self.pending.len());
+        let dbs = self.params.map_or(0, |p| p.decode_batching_size);
+        if self.ends.len() >= dbs {
+            self.prove_pending();
+        }
+    }
+
+    fn prove_pending(&mut self) {
+        if self.ends.is_empty() || self.err.is_some() {
+            return;
+        }
+        let Some(params) = self.params else {
+            self.err = Some(ToplocError::ZeroDecodeBatchingSize);
+            return;
+        };
+        let mut start = 0;
+        let elements: Vec<&[u16]> = self
+            .ends
+            .iter()
+            .map(|&end| {
+                let row = self.pending.get(start..end).unwrap_or(&[]);
+                start = end;
+                row
+            })
+            .collect();
+        let batch = self.proofs.len();
+        match build_proofs_base64(&elements, Dtype::Bf16, &params) {
+            Ok(p) => self.proofs.extend(p),
+            Err(mut e) => {
+                // Report the batch's index in the whole request, as one build would.
+                if let ToplocError::TopkExceedsBatch { batch: b, .. }
+                | ToplocError::BatchTooLarge { batch: b, .. } = &mut e
+                {
+                    *b = batch;
+                }
+                self.err = Some(e);
+            }
+        }
+        self.pending.clear();
+        self.ends.clear();
+    }
+
+    /// Prove the last (short) batch and return every proof, as base64 wire strings.
+    ///
+    /// # Errors
+    /// The first [`ToplocError`] of any batch (then no proof is returned, as the
+    /// reference nulls every proof when one batch fails).
+    fn finish(mut self) -> Result<Vec<String>, ToplocError> {
+        self.prove_pending();
+        match self.err {
+            Some(e) => Err(e),
+            None => Ok(self.proofs),
+        }
+    }
 }
 
 fn err_chain(e: &dyn std::error::Error) -> String {
@@ -673,125 +834,77 @@ fn err_chain(e: &dyn std::error::Error) -> String {
 /// How often a quiet stream lets the delta sink flush pending text.
 const FLUSH_TICK: Duration = Duration::from_millis(25);
 
-/// Read an SSE `/generate` stream (§2.7) line by line in linear time with a per-line cap;
-/// send text deltas; return the final event (parsed with its hidden states).
+/// Read an SSE `/generate` stream (§2.7) as it arrives, one event at a time with a
+/// per-event cap; send text deltas; return the final event (its hidden-state rows went to
+/// `rows` while it was parsed).
 async fn read_sse(
     serve: &str,
-    mut resp: reqwest::Response,
+    resp: reqwest::Response,
     cap: usize,
     sink: &mut StreamSink<'_>,
     skip_first: bool,
+    rows: &mut dyn RowSink,
 ) -> Result<Reply, JobError> {
-    let mut buf: Vec<u8> = Vec::new();
-    let mut scanned = 0usize;
+    let mut rd = SseReader::new(SseSource { resp, sink }, cap);
     let mut last: Option<Reply> = None;
     let mut base: Option<usize> = if skip_first { None } else { Some(0) };
     let mut sent = 0usize;
-    let mut done = false;
-    while !done {
-        // Wake at least every FLUSH_TICK so coalesced text is not held while the serve is
-        // quiet (an empty delta lets the sink flush what is due). `chunk()` only polls the
-        // body, so dropping it on the tick loses nothing.
-        let chunk = match tokio::time::timeout(FLUSH_TICK, resp.chunk()).await {
-            Err(_) => {
-                (sink.emit)("");
-                continue;
-            }
-            Ok(Ok(Some(c))) => c,
-            Ok(Ok(None)) => break,
-            Ok(Err(e)) => {
-                return Err(fail(format!(
-                    "serve {serve} stream broke off: {}",
-                    err_chain(&e)
-                )))
-            }
-        };
-        buf.extend_from_slice(&chunk);
-        let mut consumed = 0usize;
-        loop {
-            let Some(k) = buf
-                .get(scanned..)
-                .and_then(|rest| memchr::memchr(b'\n', rest))
-            else {
-                scanned = buf.len();
-                break;
-            };
-            let nl = scanned + k;
-            let line = buf.get(consumed..nl).unwrap_or(&[]);
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            scanned = nl + 1;
-            consumed = nl + 1;
-            let Some(data) = line.strip_prefix(b"data:") else {
-                continue;
-            };
-            let data = data.strip_prefix(b" ").unwrap_or(data);
-            if data == b"[DONE]" {
-                done = true;
-                break;
-            }
-            if data.is_empty() {
-                continue;
-            }
-            let ev = scan_big(data, HiddenMode::IfFinished, true)
-                .map_err(|e| fail(format!("serve {serve} stream: {e}")))?;
-            if ev.error.is_some() {
-                return Ok(ev);
-            }
-            if let Some(text) = ev.text.as_deref() {
-                match base {
-                    None => {
-                        // Continuation: everything up to the regenerated overlap token was
-                        // already delivered.
-                        if ev.n_output_ids >= 1 {
-                            base = Some(text.len());
-                        }
+    while let Some(ev) = rd
+        .next_event(HiddenMode::IfFinished, true, rows)
+        .await
+        .map_err(|e| scan_fail(serve, e, true, cap))?
+    {
+        if ev.error.is_some() {
+            return Ok(ev);
+        }
+        if let Some(text) = ev.text.as_deref() {
+            match base {
+                None => {
+                    // Continuation: everything up to the regenerated overlap token was
+                    // already delivered.
+                    if ev.n_output_ids >= 1 {
+                        base = Some(text.len());
                     }
-                    Some(b) => {
-                        if let Some(new) = text.get(b + sent..) {
-                            if !new.is_empty() {
-                                (sink.emit)(new);
-                                sent = text.len() - b;
-                            }
+                }
+                Some(b) => {
+                    if let Some(new) = text.get(b + sent..) {
+                        if !new.is_empty() {
+                            (rd.source_mut().sink.emit)(new);
+                            sent = text.len() - b;
                         }
                     }
                 }
             }
-            if ev.finish.is_some() {
-                last = Some(ev);
+        }
+        if ev.finish.is_some() {
+            if last.is_some() {
+                // Its rows were already taken once: a second final event would double them.
+                return Err(fail(format!(
+                    "serve {serve} stream sent a second final event"
+                )));
             }
-        }
-        if consumed > 0 {
-            buf.drain(..consumed);
-            scanned -= consumed;
-        }
-        if buf.len() > cap {
-            return Err(fail(format!(
-                "serve stream line exceeds the {cap}-byte cap (ENGY_MAX_RESPONSE_MB)"
-            )));
+            last = Some(ev);
         }
     }
     last.ok_or_else(|| fail(format!("serve {serve} stream ended before its final event")))
 }
 
-/// Rows and ids collected across calls.
+/// Ids collected across calls; the rows went to the proof accumulator.
 #[derive(Default)]
 struct Generated {
     output_ids: Vec<u32>,
     prompt_extra: Vec<u32>,
-    bits: Vec<u16>,
+    proofs: ProofAcc,
     width: usize,
     cached: u64,
     calls: usize,
 }
 
 impl Generated {
-    fn n_rows(&self) -> usize {
-        self.bits.len().checked_div(self.width).unwrap_or(0)
-    }
-
-    /// Append rows `start .. start + n` of `rows`, checking the count and width.
-    fn push_rows(&mut self, rows: &Rows, start: usize, n: usize) -> Result<(), JobError> {
-        if rows.n_rows < start + n {
+    /// Check that a call's rows `start .. start + n` are the rows its sink kept (count and
+    /// width).
+    fn check_rows(&mut self, rows: &Rows, start: usize, n: usize) -> Result<(), JobError> {
+        if rows.n_rows != start + n {
             return Err(fail(format!(
                 "misaligned hidden states: {} rows for {n} new tokens (from row {start}); no proof built",
                 rows.n_rows
@@ -805,12 +918,6 @@ impl Generated {
                 rows.width, self.width
             )));
         }
-        let w = rows.width;
-        let slice = rows
-            .bits
-            .get(start * w..(start + n) * w)
-            .ok_or_else(|| fail("misaligned hidden states: row buffer too short"))?;
-        self.bits.extend_from_slice(slice);
         Ok(())
     }
 }

@@ -2,16 +2,23 @@
 //! payload), sglang-native-api.md §2.2–§2.7.
 //!
 //! The reply can be hundreds of MB, almost all of it `meta_info.hidden_states`. The scanner
-//! walks the bytes once, never builds a generic JSON value, and converts each hidden float
-//! straight to a bfloat16 bit pattern (float32 first, then round-to-nearest-even, as numpy
-//! float32 → `torch.bfloat16` does; PROTOCOL.md §3.8) into one flat row buffer. Of each 2-D
-//! element (a prefill or re-prefill block) only the LAST row is kept: it is the hidden state
-//! that sampled that element's token (§2.6.1).
+//! walks the bytes once, as they arrive ([`ReplySource`]: it holds only a small window of
+//! the body, never the whole reply), never builds a generic JSON value, and converts each
+//! hidden float straight to a bfloat16 bit pattern (float32 first, then
+//! round-to-nearest-even, as numpy float32 → `torch.bfloat16` does; PROTOCOL.md §3.8),
+//! handing each kept row to a [`RowSink`] (the miner proves batches of rows as they
+//! complete). Of each 2-D element (a prefill or re-prefill block) only the LAST row is
+//! kept: it is the hidden state that sampled that element's token (§2.6.1).
+//!
+//! [`scan_reply`] reads bytes already in memory; [`scan_reply_from`] and [`SseReader`] read
+//! them from a [`ReplySource`] as they arrive.
 //!
 //! Everything else the miner needs is picked out on the way: `text`, the output ids
 //! (`output_token_logprobs[*][1]`, §2.5), `output_ids` length, `finish_reason`,
 //! `prompt_tokens`, `cached_tokens`, and sglang's error envelopes.
-use std::borrow::Cow;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
 
 use engy_core::toploc::f32_to_bf16_bits;
 
@@ -32,6 +39,87 @@ pub enum ScanError {
         /// Byte offset.
         at: usize,
     },
+    /// The reply (a body, or one SSE event) is longer than the cap.
+    #[error("reply exceeds the {cap}-byte cap")]
+    TooLarge {
+        /// The cap, bytes.
+        cap: usize,
+    },
+    /// The byte source failed (the body broke off); the text is its error chain.
+    #[error("reply broke off: {0}")]
+    Source(String),
+}
+
+/// Where the bytes of a reply come from, in order: an HTTP body, an SSE stream, a slice.
+pub trait ReplySource: Send {
+    /// Append the next bytes of the reply to `buf` (any amount, possibly none);
+    /// `Ok(false)` once the reply has ended (nothing was appended).
+    ///
+    /// # Errors
+    /// [`ScanError::Source`] when the body broke off.
+    fn read_into(
+        &mut self,
+        buf: &mut Vec<u8>,
+    ) -> impl Future<Output = Result<bool, ScanError>> + Send;
+}
+
+/// Receives the kept hidden-state rows as they are parsed, in element order.
+pub trait RowSink: Send {
+    /// One kept row: a 1-D element, or the last row of a 2-D element. `element` is its
+    /// index in `hidden_states`; `bits` are bf16 bit patterns.
+    fn row(&mut self, element: usize, bits: &[u16]);
+}
+
+/// A [`RowSink`] that drops every row (only the row counts in [`Rows`] are wanted).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DropRows;
+
+impl RowSink for DropRows {
+    fn row(&mut self, _element: usize, _bits: &[u16]) {}
+}
+
+/// A [`RowSink`] that appends every row to one flat buffer.
+#[derive(Debug, Default)]
+struct KeepRows(Vec<u16>);
+
+impl RowSink for KeepRows {
+    fn row(&mut self, _element: usize, bits: &[u16]) {
+        self.0.extend_from_slice(bits);
+    }
+}
+
+/// A [`ReplySource`] over bytes already in memory, read in 64 KiB pieces.
+#[derive(Debug, Clone)]
+pub struct SliceSource<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> SliceSource<'a> {
+    /// Read `bytes` from the start.
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Self { rest: bytes }
+    }
+}
+
+impl ReplySource for SliceSource<'_> {
+    async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
+        if self.rest.is_empty() {
+            return Ok(false);
+        }
+        let (a, b) = self.rest.split_at(self.rest.len().min(1 << 16));
+        buf.extend_from_slice(a);
+        self.rest = b;
+        Ok(true)
+    }
+}
+
+/// Run a future that never waits (its source is always ready) to completion.
+fn run_ready<T>(f: impl Future<Output = Result<T, ScanError>>) -> Result<T, ScanError> {
+    let mut f = pin!(f);
+    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => Err(ScanError::Source("in-memory source was not ready".into())),
+    }
 }
 
 /// `finish_reason` of a reply (§2.4).
@@ -48,7 +136,8 @@ pub struct Finish {
 /// The hidden-state rows of a reply, reduced to one row per element (§2.6.4).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Rows {
-    /// bf16 bit patterns, row-major, `n_rows × width`.
+    /// bf16 bit patterns, row-major, `n_rows × width` ([`scan_reply`] only; empty when the
+    /// rows went to a [`RowSink`]).
     pub bits: Vec<u16>,
     /// Width of the first row seen (0 when there is none).
     pub width: usize,
@@ -107,60 +196,159 @@ pub enum HiddenMode {
     Skip,
 }
 
-/// Scan a reply. `want_text` decodes `text`.
+/// Scan a reply held in memory. `want_text` decodes `text`. The kept rows are returned in
+/// [`Rows::bits`].
 ///
 /// # Errors
 /// [`ScanError`] on malformed JSON or non-numeric hidden values.
 pub fn scan_reply(b: &[u8], hidden: HiddenMode, want_text: bool) -> Result<Reply, ScanError> {
-    let mut c = Cur { b, i: 0 };
+    let mut keep = KeepRows::default();
+    let mut c = Cur::new(SliceSource::new(b), usize::MAX);
+    let mut r = run_ready(scan_one(&mut c, hidden, want_text, &mut keep))?;
+    if let Some(rows) = r.rows.as_mut() {
+        rows.bits = keep.0;
+    }
+    Ok(r)
+}
+
+/// Scan a non-stream reply as its bytes arrive from `src`, handing kept rows to `sink`
+/// ([`Rows::bits`] stays empty). At most `cap` bytes are read. Memory: a window of a few
+/// KiB plus the strings picked out (`text`, rid) and the output ids; never the body.
+///
+/// # Errors
+/// [`ScanError`] on malformed JSON, non-numeric hidden values, a reply over `cap`
+/// ([`ScanError::TooLarge`]) or a failing source.
+pub async fn scan_reply_from<S: ReplySource>(
+    src: S,
+    hidden: HiddenMode,
+    want_text: bool,
+    cap: usize,
+    sink: &mut dyn RowSink,
+) -> Result<Reply, ScanError> {
+    let mut c = Cur::new(src, cap);
+    scan_one(&mut c, hidden, want_text, sink).await
+}
+
+/// Reads an sglang SSE stream (§2.7: `data: <json>\n\n` events, then `data: [DONE]`) one
+/// event at a time as the bytes arrive, each event through the same single-pass scanner.
+pub struct SseReader<S> {
+    cur: Cur<S>,
+    cap: usize,
+}
+
+impl<S: ReplySource> SseReader<S> {
+    /// A reader over `src`; `cap` bounds each event's length in bytes.
+    pub fn new(src: S, cap: usize) -> Self {
+        let mut cur = Cur::new(src, cap);
+        cur.line_mode = true;
+        Self { cur, cap }
+    }
+
+    /// The source (e.g. to reach state it carries between events).
+    pub fn source_mut(&mut self) -> &mut S {
+        &mut self.cur.src
+    }
+
+    /// The next `data:` event; `Ok(None)` after `data: [DONE]` or at the end of the stream.
+    /// Lines other than `data:` lines are skipped.
+    ///
+    /// # Errors
+    /// [`ScanError`] as [`scan_reply_from`]; an event longer than the cap is
+    /// [`ScanError::TooLarge`].
+    pub async fn next_event(
+        &mut self,
+        hidden: HiddenMode,
+        want_text: bool,
+        sink: &mut dyn RowSink,
+    ) -> Result<Option<Reply>, ScanError> {
+        let c = &mut self.cur;
+        loop {
+            c.limit = (c.base + c.i).saturating_add(self.cap);
+            // Start of a line.
+            if c.avail() < 6 {
+                c.fill_to(6).await?;
+            }
+            if c.avail() == 0 {
+                return Ok(None);
+            }
+            if c.rest().starts_with(b"data:") {
+                c.i += 5;
+                if c.peek().await? == Some(b' ') {
+                    c.i += 1;
+                }
+                c.fill_to(7).await?;
+                if c.rest().starts_with(b"[DONE]") {
+                    return Ok(None);
+                }
+                match c.peek().await? {
+                    Some(b'{' | b'[') => {
+                        let r = scan_one(c, hidden, want_text, sink).await?;
+                        c.skip_line().await?;
+                        return Ok(Some(r));
+                    }
+                    _ => c.skip_line().await?,
+                }
+            } else {
+                c.skip_line().await?;
+            }
+        }
+    }
+}
+
+async fn scan_one<S: ReplySource>(
+    c: &mut Cur<S>,
+    hidden: HiddenMode,
+    want_text: bool,
+    sink: &mut dyn RowSink,
+) -> Result<Reply, ScanError> {
     let mut r = Reply::default();
     let mut object_error = false;
     let mut message: Option<String> = None;
-    c.ws();
+    c.ws().await?;
     // Batch replies are a one-element array (§2.8): unwrap it.
-    let batch = c.peek() == Some(b'[');
-    if batch {
+    // (A batch's further items are not read: the miner never sends batches.)
+    if c.peek().await? == Some(b'[') {
         c.i += 1;
-        c.ws();
+        c.ws().await?;
     }
-    c.expect(b'{', "an object")?;
-    c.ws();
-    if c.peek() == Some(b'}') {
+    c.expect(b'{', "an object").await?;
+    c.ws().await?;
+    if c.peek().await? == Some(b'}') {
         c.i += 1;
     } else {
         loop {
-            let key = c.key()?;
-            match key.as_ref() {
-                "text" if want_text => r.text = c.opt_string()?,
-                "output_ids" => r.n_output_ids = c.count_array()?,
-                "meta_info" => scan_meta(&mut c, &mut r, hidden)?,
+            let key = c.key().await?;
+            match key.as_str() {
+                "text" if want_text => r.text = c.opt_string().await?,
+                "output_ids" => r.n_output_ids = c.count_array().await?,
+                "meta_info" => scan_meta(c, &mut r, hidden, sink).await?,
                 "error" => {
-                    c.ws();
-                    match c.peek() {
-                        Some(b'"') => r.error = Some(c.string()?.into_owned()),
-                        Some(b'{') => r.error = Some(scan_error_obj(&mut c)?),
-                        _ => c.skip_value()?,
+                    c.ws().await?;
+                    match c.peek().await? {
+                        Some(b'"') => r.error = Some(c.string().await?),
+                        Some(b'{') => r.error = Some(scan_error_obj(c).await?),
+                        _ => c.skip_value().await?,
                     }
                 }
                 "object" => {
-                    c.ws();
-                    if c.peek() == Some(b'"') {
-                        object_error = c.string()? == "error";
+                    c.ws().await?;
+                    if c.peek().await? == Some(b'"') {
+                        object_error = c.string().await? == "error";
                     } else {
-                        c.skip_value()?;
+                        c.skip_value().await?;
                     }
                 }
                 "message" => {
-                    c.ws();
-                    if c.peek() == Some(b'"') {
-                        message = Some(c.string()?.into_owned());
+                    c.ws().await?;
+                    if c.peek().await? == Some(b'"') {
+                        message = Some(c.string().await?);
                     } else {
-                        c.skip_value()?;
+                        c.skip_value().await?;
                     }
                 }
-                _ => c.skip_value()?,
+                _ => c.skip_value().await?,
             }
-            if !c.comma_or(b'}')? {
+            if !c.comma_or(b'}').await? {
                 break;
             }
         }
@@ -168,64 +356,65 @@ pub fn scan_reply(b: &[u8], hidden: HiddenMode, want_text: bool) -> Result<Reply
     if object_error && r.error.is_none() {
         r.error = Some(message.unwrap_or_else(|| "error".into()));
     }
-    if batch {
-        // Ignore further items: the miner never sends batches.
-        c.ws();
-    }
     Ok(r)
 }
 
-fn scan_error_obj(c: &mut Cur<'_>) -> Result<String, ScanError> {
+async fn scan_error_obj<S: ReplySource>(c: &mut Cur<S>) -> Result<String, ScanError> {
     let mut msg = String::from("error");
-    c.expect(b'{', "an object")?;
-    c.ws();
-    if c.peek() == Some(b'}') {
+    c.expect(b'{', "an object").await?;
+    c.ws().await?;
+    if c.peek().await? == Some(b'}') {
         c.i += 1;
         return Ok(msg);
     }
     loop {
-        let k = c.key()?;
-        c.ws();
-        if k == "message" && c.peek() == Some(b'"') {
-            msg = c.string()?.into_owned();
+        let k = c.key().await?;
+        c.ws().await?;
+        if k == "message" && c.peek().await? == Some(b'"') {
+            msg = c.string().await?;
         } else {
-            c.skip_value()?;
+            c.skip_value().await?;
         }
-        if !c.comma_or(b'}')? {
+        if !c.comma_or(b'}').await? {
             return Ok(msg);
         }
     }
 }
 
-fn scan_meta(c: &mut Cur<'_>, r: &mut Reply, hidden: HiddenMode) -> Result<(), ScanError> {
-    c.ws();
-    if c.peek() == Some(b'n') {
-        return c.skip_value();
+async fn scan_meta<S: ReplySource>(
+    c: &mut Cur<S>,
+    r: &mut Reply,
+    hidden: HiddenMode,
+    sink: &mut dyn RowSink,
+) -> Result<(), ScanError> {
+    c.ws().await?;
+    if c.peek().await? == Some(b'n') {
+        return c.skip_value().await;
     }
-    c.expect(b'{', "meta_info object")?;
-    c.ws();
-    if c.peek() == Some(b'}') {
+    c.expect(b'{', "meta_info object").await?;
+    c.ws().await?;
+    if c.peek().await? == Some(b'}') {
         c.i += 1;
         return Ok(());
     }
     loop {
-        let key = c.key()?;
-        match key.as_ref() {
+        let key = c.key().await?;
+        match key.as_str() {
             "id" => {
-                c.ws();
-                r.rid = if c.peek() == Some(b'"') {
-                    Some(c.string()?.into_owned())
+                c.ws().await?;
+                r.rid = if c.peek().await? == Some(b'"') {
+                    Some(c.string().await?)
                 } else {
-                    c.skip_value()?;
+                    c.skip_value().await?;
                     None
                 };
             }
-            "finish_reason" => r.finish = scan_finish(c)?,
-            "prompt_tokens" => r.prompt_tokens = c.opt_u64()?,
-            "cached_tokens" => r.cached_tokens = c.opt_u64()?.unwrap_or(0),
+            "finish_reason" => r.finish = scan_finish(c).await?,
+            "prompt_tokens" => r.prompt_tokens = c.opt_u64().await?,
+            "cached_tokens" => r.cached_tokens = c.opt_u64().await?.unwrap_or(0),
             "output_token_logprobs" => {
                 r.has_logprobs = true;
-                scan_logprobs(c, &mut r.output_token_ids)?;
+                scan_logprobs(c, &mut r.output_token_ids).await?;
             }
             "hidden_states" => {
                 let parse = match hidden {
@@ -234,50 +423,50 @@ fn scan_meta(c: &mut Cur<'_>, r: &mut Reply, hidden: HiddenMode) -> Result<(), S
                     HiddenMode::Skip => false,
                 };
                 if parse {
-                    r.rows = Some(scan_hidden(c)?);
+                    r.rows = Some(scan_hidden(c, sink).await?);
                 } else {
-                    c.skip_value()?;
+                    c.skip_value().await?;
                 }
             }
-            _ => c.skip_value()?,
+            _ => c.skip_value().await?,
         }
-        if !c.comma_or(b'}')? {
+        if !c.comma_or(b'}').await? {
             return Ok(());
         }
     }
 }
 
-fn scan_finish(c: &mut Cur<'_>) -> Result<Option<Finish>, ScanError> {
-    c.ws();
-    match c.peek() {
+async fn scan_finish<S: ReplySource>(c: &mut Cur<S>) -> Result<Option<Finish>, ScanError> {
+    c.ws().await?;
+    match c.peek().await? {
         Some(b'n') => {
-            c.skip_value()?;
+            c.skip_value().await?;
             Ok(None)
         }
         Some(b'{') => {
             c.i += 1;
             let mut f = Finish::default();
-            c.ws();
-            if c.peek() == Some(b'}') {
+            c.ws().await?;
+            if c.peek().await? == Some(b'}') {
                 c.i += 1;
                 return Ok(Some(f));
             }
             loop {
-                let k = c.key()?;
-                c.ws();
-                match (k.as_ref(), c.peek()) {
-                    ("type", Some(b'"')) => f.kind = c.string()?.into_owned(),
-                    ("message", Some(b'"')) => f.message = Some(c.string()?.into_owned()),
-                    ("status_code", _) => f.status_code = c.opt_u64()?,
-                    _ => c.skip_value()?,
+                let k = c.key().await?;
+                c.ws().await?;
+                match (k.as_str(), c.peek().await?) {
+                    ("type", Some(b'"')) => f.kind = c.string().await?,
+                    ("message", Some(b'"')) => f.message = Some(c.string().await?),
+                    ("status_code", _) => f.status_code = c.opt_u64().await?,
+                    _ => c.skip_value().await?,
                 }
-                if !c.comma_or(b'}')? {
+                if !c.comma_or(b'}').await? {
                     return Ok(Some(f));
                 }
             }
         }
         _ => {
-            c.skip_value()?;
+            c.skip_value().await?;
             Ok(Some(Finish {
                 kind: "unknown".into(),
                 ..Finish::default()
@@ -286,63 +475,70 @@ fn scan_finish(c: &mut Cur<'_>) -> Result<Option<Finish>, ScanError> {
     }
 }
 
-fn scan_logprobs(c: &mut Cur<'_>, out: &mut Vec<u32>) -> Result<(), ScanError> {
+async fn scan_logprobs<S: ReplySource>(
+    c: &mut Cur<S>,
+    out: &mut Vec<u32>,
+) -> Result<(), ScanError> {
     out.clear();
-    c.ws();
-    if c.peek() == Some(b'n') {
-        return c.skip_value();
+    c.ws().await?;
+    if c.peek().await? == Some(b'n') {
+        return c.skip_value().await;
     }
-    c.expect(b'[', "output_token_logprobs list")?;
-    c.ws();
-    if c.peek() == Some(b']') {
+    c.expect(b'[', "output_token_logprobs list").await?;
+    c.ws().await?;
+    if c.peek().await? == Some(b']') {
         c.i += 1;
         return Ok(());
     }
     loop {
-        c.ws();
-        c.expect(b'[', "[logprob, token_id, text]")?;
-        c.skip_value()?; // logprob
-        c.ws();
-        c.expect(b',', "a token id")?;
-        let id = c.opt_u64()?.ok_or(ScanError::Malformed {
-            at: c.i,
+        c.ws().await?;
+        c.expect(b'[', "[logprob, token_id, text]").await?;
+        c.skip_value().await?; // logprob
+        c.ws().await?;
+        c.expect(b',', "a token id").await?;
+        let id = c.opt_u64().await?.ok_or(ScanError::Malformed {
+            at: c.pos(),
             what: "a token id",
         })?;
         out.push(u32::try_from(id).map_err(|_| ScanError::Malformed {
-            at: c.i,
+            at: c.pos(),
             what: "a 32-bit token id",
         })?);
-        while c.comma_or(b']')? {
-            c.skip_value()?;
+        while c.comma_or(b']').await? {
+            c.skip_value().await?;
         }
-        if !c.comma_or(b']')? {
+        if !c.comma_or(b']').await? {
             return Ok(());
         }
     }
 }
 
-/// Parse `hidden_states` (§2.6.4): `[ [[row]…] | [] | [v…] , … ]`.
-fn scan_hidden(c: &mut Cur<'_>) -> Result<Rows, ScanError> {
+/// Parse `hidden_states` (§2.6.4): `[ [[row]…] | [] | [v…] , … ]`, handing each kept row
+/// to `sink`. One reused row buffer; no allocation per row.
+async fn scan_hidden<S: ReplySource>(
+    c: &mut Cur<S>,
+    sink: &mut dyn RowSink,
+) -> Result<Rows, ScanError> {
     let mut rows = Rows::default();
     let mut scratch: Vec<u16> = Vec::new();
-    c.ws();
-    if c.peek() == Some(b'n') {
-        c.skip_value()?;
+    c.ws().await?;
+    if c.peek().await? == Some(b'n') {
+        c.skip_value().await?;
         return Ok(rows);
     }
-    c.expect(b'[', "hidden_states list")?;
-    c.ws();
-    if c.peek() == Some(b']') {
+    c.expect(b'[', "hidden_states list").await?;
+    c.ws().await?;
+    if c.peek().await? == Some(b']') {
         c.i += 1;
         return Ok(rows);
     }
     loop {
-        c.ws();
-        c.expect(b'[', "a hidden-state element")?;
+        c.ws().await?;
+        c.expect(b'[', "a hidden-state element").await?;
         let idx = rows.n_elements;
         rows.n_elements += 1;
-        c.ws();
-        match c.peek() {
+        c.ws().await?;
+        match c.peek().await? {
             Some(b']') => {
                 c.i += 1;
                 if rows.n_rows == 0 {
@@ -355,12 +551,12 @@ fn scan_hidden(c: &mut Cur<'_>) -> Result<Rows, ScanError> {
                 // 2-D block: keep only its last row.
                 let mut n_block = 0usize;
                 loop {
-                    c.ws();
-                    c.expect(b'[', "a hidden-state row")?;
+                    c.ws().await?;
+                    c.expect(b'[', "a hidden-state row").await?;
                     scratch.clear();
-                    c.floats_into(&mut scratch)?;
+                    c.floats_into(&mut scratch).await?;
                     n_block += 1;
-                    if !c.comma_or(b']')? {
+                    if !c.comma_or(b']').await? {
                         break;
                     }
                 }
@@ -369,59 +565,133 @@ fn scan_hidden(c: &mut Cur<'_>) -> Result<Rows, ScanError> {
                 } else {
                     rows.late_blocks += 1;
                 }
-                push_row(&mut rows, &scratch);
+                push_row(&mut rows, sink, idx, &scratch);
             }
             _ => {
-                let start = rows.bits.len();
-                c.floats_into(&mut rows.bits)?;
-                let w = rows.bits.len() - start;
-                note_width(&mut rows, w);
-                rows.n_rows += 1;
+                scratch.clear();
+                c.floats_into(&mut scratch).await?;
+                push_row(&mut rows, sink, idx, &scratch);
             }
         }
-        if !c.comma_or(b']')? {
+        if !c.comma_or(b']').await? {
             return Ok(rows);
         }
     }
 }
 
-fn note_width(rows: &mut Rows, w: usize) {
+fn push_row(rows: &mut Rows, sink: &mut dyn RowSink, element: usize, row: &[u16]) {
+    let w = row.len();
     if rows.n_rows == 0 && rows.width == 0 {
         rows.width = w;
     } else if w != rows.width && rows.ragged.is_none() {
         rows.ragged = Some((rows.n_rows, w));
     }
-}
-
-fn push_row(rows: &mut Rows, row: &[u16]) {
-    note_width(rows, row.len());
-    rows.bits.extend_from_slice(row);
+    sink.row(element, row);
     rows.n_rows += 1;
 }
 
-/// A cursor over JSON bytes.
-struct Cur<'a> {
-    b: &'a [u8],
+/// Longest number text accepted in `hidden_states` (orjson writes at most ~24 bytes).
+const MAX_NUMBER: usize = 64;
+
+/// A cursor over a window of the reply's bytes, refilled from the source as it is used up.
+/// `b[i..]` is unread; everything before `i` may be dropped on the next refill.
+struct Cur<S> {
+    src: S,
+    b: Vec<u8>,
     i: usize,
+    /// Absolute offset of `b[0]` in the reply.
+    base: usize,
+    eof: bool,
+    /// Absolute offset past which no more input is read ([`ScanError::TooLarge`]).
+    limit: usize,
+    cap: usize,
+    /// SSE: `\n` ends the event, so it is not JSON whitespace here.
+    line_mode: bool,
 }
 
-impl<'a> Cur<'a> {
-    fn peek(&self) -> Option<u8> {
-        self.b.get(self.i).copied()
-    }
-
-    fn ws(&mut self) {
-        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
-            self.i += 1;
+impl<S: ReplySource> Cur<S> {
+    fn new(src: S, cap: usize) -> Self {
+        Self {
+            src,
+            b: Vec::new(),
+            i: 0,
+            base: 0,
+            eof: false,
+            limit: cap,
+            cap,
+            line_mode: false,
         }
     }
 
-    fn err(&self, what: &'static str) -> ScanError {
-        ScanError::Malformed { at: self.i, what }
+    fn pos(&self) -> usize {
+        self.base + self.i
     }
 
-    fn expect(&mut self, ch: u8, what: &'static str) -> Result<(), ScanError> {
-        if self.peek() == Some(ch) {
+    fn avail(&self) -> usize {
+        self.b.len().saturating_sub(self.i)
+    }
+
+    fn rest(&self) -> &[u8] {
+        self.b.get(self.i..).unwrap_or(&[])
+    }
+
+    fn err(&self, what: &'static str) -> ScanError {
+        ScanError::Malformed {
+            at: self.pos(),
+            what,
+        }
+    }
+
+    /// Drop the read bytes and append more from the source. False at the end of input.
+    async fn fill(&mut self) -> Result<bool, ScanError> {
+        if self.eof {
+            return Ok(false);
+        }
+        if self.i > 0 {
+            self.b.drain(..self.i);
+            self.base += self.i;
+            self.i = 0;
+        }
+        if self.base + self.b.len() > self.limit {
+            return Err(ScanError::TooLarge { cap: self.cap });
+        }
+        let before = self.b.len();
+        loop {
+            if !self.src.read_into(&mut self.b).await? {
+                self.eof = true;
+                return Ok(self.b.len() > before);
+            }
+            if self.b.len() > before {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Refill until at least `n` unread bytes are buffered or the input ended.
+    async fn fill_to(&mut self, n: usize) -> Result<(), ScanError> {
+        while self.avail() < n && self.fill().await? {}
+        Ok(())
+    }
+
+    async fn peek(&mut self) -> Result<Option<u8>, ScanError> {
+        if self.i >= self.b.len() {
+            self.fill().await?;
+        }
+        Ok(self.b.get(self.i).copied())
+    }
+
+    async fn ws(&mut self) -> Result<(), ScanError> {
+        loop {
+            match self.peek().await? {
+                Some(b' ' | b'\r' | b'\t') => self.i += 1,
+                Some(b'\n') if !self.line_mode => self.i += 1,
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    async fn expect(&mut self, ch: u8, what: &'static str) -> Result<(), ScanError> {
+        if self.peek().await? == Some(ch) {
             self.i += 1;
             Ok(())
         } else {
@@ -430,9 +700,9 @@ impl<'a> Cur<'a> {
     }
 
     /// After a value: `,` → true (another follows), `close` → false.
-    fn comma_or(&mut self, close: u8) -> Result<bool, ScanError> {
-        self.ws();
-        match self.peek() {
+    async fn comma_or(&mut self, close: u8) -> Result<bool, ScanError> {
+        self.ws().await?;
+        match self.peek().await? {
             Some(b',') => {
                 self.i += 1;
                 Ok(true)
@@ -445,145 +715,182 @@ impl<'a> Cur<'a> {
         }
     }
 
-    /// An object key and its colon.
-    fn key(&mut self) -> Result<Cow<'a, str>, ScanError> {
-        self.ws();
-        let k = self.string()?;
-        self.ws();
-        self.expect(b':', "':'")?;
-        Ok(k)
-    }
-
-    /// End index (exclusive) of the string starting at `self.i` (which is `"`), and
-    /// whether it has escapes.
-    fn string_end(&self) -> Result<(usize, bool), ScanError> {
-        let mut j = self.i + 1;
-        let mut escaped = false;
+    /// SSE: skip the rest of the line, through its `\n`.
+    async fn skip_line(&mut self) -> Result<(), ScanError> {
         loop {
-            let rest = self.b.get(j..).ok_or_else(|| self.err("a closing quote"))?;
-            let k =
-                memchr::memchr2(b'"', b'\\', rest).ok_or_else(|| self.err("a closing quote"))?;
-            j += k;
-            if self.b.get(j) == Some(&b'\\') {
-                escaped = true;
-                j += 2;
-            } else {
-                return Ok((j + 1, escaped));
+            if let Some(k) = memchr::memchr(b'\n', self.rest()) {
+                self.i += k + 1;
+                return Ok(());
+            }
+            self.i = self.b.len();
+            if !self.fill().await? {
+                return Ok(());
             }
         }
     }
 
-    fn string(&mut self) -> Result<Cow<'a, str>, ScanError> {
-        if self.peek() != Some(b'"') {
+    /// An object key and its colon.
+    async fn key(&mut self) -> Result<String, ScanError> {
+        self.ws().await?;
+        let k = self.string().await?;
+        self.ws().await?;
+        self.expect(b':', "':'").await?;
+        Ok(k)
+    }
+
+    /// Length (through the closing quote) of the string starting at `self.i` (which is
+    /// `"`), refilling as needed, and whether it has escapes.
+    async fn string_len(&mut self) -> Result<(usize, bool), ScanError> {
+        let mut j = 1usize;
+        let mut escaped = false;
+        let stop = if self.line_mode { b'\n' } else { b'"' };
+        loop {
+            let found = self
+                .b
+                .get(self.i + j..)
+                .and_then(|rest| memchr::memchr3(b'"', b'\\', stop, rest));
+            match found {
+                None => {
+                    j = self.avail().max(1);
+                    if !self.fill().await? {
+                        return Err(self.err("a closing quote"));
+                    }
+                }
+                Some(k) => {
+                    j += k;
+                    match self.b.get(self.i + j) {
+                        Some(b'\\') => {
+                            escaped = true;
+                            j += 2;
+                            if self.avail() < j {
+                                self.fill_to(j).await?;
+                            }
+                        }
+                        Some(b'"') => return Ok((j + 1, escaped)),
+                        _ => return Err(self.err("a closing quote")),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn string(&mut self) -> Result<String, ScanError> {
+        if self.peek().await? != Some(b'"') {
             return Err(self.err("a string"));
         }
-        let (end, escaped) = self.string_end()?;
+        let (len, escaped) = self.string_len().await?;
         let raw = self
             .b
-            .get(self.i..end)
+            .get(self.i..self.i + len)
             .ok_or_else(|| self.err("a string"))?;
         let out = if escaped {
-            Cow::Owned(
-                serde_json::from_slice::<String>(raw).map_err(|_| self.err("a valid string"))?,
-            )
+            serde_json::from_slice::<String>(raw).map_err(|_| self.err("a valid string"))?
         } else {
-            let inner = raw
-                .get(1..raw.len() - 1)
-                .ok_or_else(|| self.err("a string"))?;
-            Cow::Borrowed(std::str::from_utf8(inner).map_err(|_| self.err("UTF-8 text"))?)
+            let inner = raw.get(1..len - 1).ok_or_else(|| self.err("a string"))?;
+            std::str::from_utf8(inner)
+                .map_err(|_| self.err("UTF-8 text"))?
+                .to_owned()
         };
-        self.i = end;
+        self.i += len;
         Ok(out)
     }
 
-    fn opt_string(&mut self) -> Result<Option<String>, ScanError> {
-        self.ws();
-        if self.peek() == Some(b'"') {
-            Ok(Some(self.string()?.into_owned()))
+    async fn opt_string(&mut self) -> Result<Option<String>, ScanError> {
+        self.ws().await?;
+        if self.peek().await? == Some(b'"') {
+            Ok(Some(self.string().await?))
         } else {
-            self.skip_value()?;
+            self.skip_value().await?;
             Ok(None)
         }
     }
 
-    fn opt_u64(&mut self) -> Result<Option<u64>, ScanError> {
-        self.ws();
-        let start = self.i;
-        let mut v: u64 = 0;
-        let mut any = false;
-        while let Some(d @ b'0'..=b'9') = self.peek() {
-            v = v
-                .checked_mul(10)
-                .and_then(|x| x.checked_add(u64::from(d - b'0')))
-                .ok_or_else(|| self.err("an integer"))?;
-            self.i += 1;
-            any = true;
-        }
-        if any {
+    async fn opt_u64(&mut self) -> Result<Option<u64>, ScanError> {
+        self.ws().await?;
+        self.fill_to(MAX_NUMBER).await?;
+        let rest = self.rest();
+        let digits = rest.iter().take_while(|d| d.is_ascii_digit()).count();
+        if digits > 0 {
+            let mut v: u64 = 0;
+            for d in rest.iter().take(digits) {
+                v = v
+                    .checked_mul(10)
+                    .and_then(|x| x.checked_add(u64::from(d - b'0')))
+                    .ok_or_else(|| self.err("an integer"))?;
+            }
             // An integer written as a float (e.g. 3.0) or a larger number: skip the rest.
-            if matches!(self.peek(), Some(b'.' | b'e' | b'E')) {
-                self.i = start;
-                self.skip_value()?;
+            let float = matches!(rest.get(digits), Some(b'.' | b'e' | b'E'));
+            if float {
+                self.skip_value().await?;
+            } else {
+                self.i += digits;
             }
             return Ok(Some(v));
         }
-        self.skip_value()?;
+        self.skip_value().await?;
         Ok(None)
     }
 
     /// Number of values in an array (skipping them).
-    fn count_array(&mut self) -> Result<usize, ScanError> {
-        self.ws();
-        if self.peek() != Some(b'[') {
-            self.skip_value()?;
+    async fn count_array(&mut self) -> Result<usize, ScanError> {
+        self.ws().await?;
+        if self.peek().await? != Some(b'[') {
+            self.skip_value().await?;
             return Ok(0);
         }
         self.i += 1;
-        self.ws();
-        if self.peek() == Some(b']') {
+        self.ws().await?;
+        if self.peek().await? == Some(b']') {
             self.i += 1;
             return Ok(0);
         }
         let mut n = 0;
         loop {
-            self.skip_value()?;
+            self.skip_value().await?;
             n += 1;
-            if !self.comma_or(b']')? {
+            if !self.comma_or(b']').await? {
                 return Ok(n);
             }
         }
     }
 
     /// Floats of a 1-D list whose `[` was consumed, through its `]`, as bf16 bits.
-    fn floats_into(&mut self, out: &mut Vec<u16>) -> Result<(), ScanError> {
-        self.ws();
-        if self.peek() == Some(b']') {
+    async fn floats_into(&mut self, out: &mut Vec<u16>) -> Result<(), ScanError> {
+        self.ws().await?;
+        if self.peek().await? == Some(b']') {
             self.i += 1;
             return Ok(());
         }
         loop {
-            self.ws();
-            let rest = self.b.get(self.i..).unwrap_or(&[]);
+            if self.avail() < MAX_NUMBER && !self.eof {
+                self.fill_to(MAX_NUMBER).await?;
+            }
+            let rest = self.rest();
             // JSON numbers only: fast-float2 would also accept "inf"/"nan".
             if !matches!(rest.first(), Some(b'-' | b'0'..=b'9')) {
-                return Err(ScanError::BadHidden { at: self.i });
+                self.ws().await?;
+                if !matches!(self.peek().await?, Some(b'-' | b'0'..=b'9')) {
+                    return Err(ScanError::BadHidden { at: self.pos() });
+                }
+                continue;
             }
             let (v, n) = fast_float2::parse_partial::<f32, _>(rest)
-                .map_err(|_| ScanError::BadHidden { at: self.i })?;
-            if !v.is_finite() || n == 0 {
-                return Err(ScanError::BadHidden { at: self.i });
+                .map_err(|_| ScanError::BadHidden { at: self.pos() })?;
+            // A number of MAX_NUMBER bytes or more is longer than any float orjson writes
+            // (and may run past the window): refuse it rather than parse a prefix.
+            if !v.is_finite() || n == 0 || n >= MAX_NUMBER {
+                return Err(ScanError::BadHidden { at: self.pos() });
             }
             out.push(f32_to_bf16_bits(v));
             self.i += n;
-            match self.peek() {
+            match self.b.get(self.i) {
                 Some(b',') => self.i += 1,
                 Some(b']') => {
                     self.i += 1;
                     return Ok(());
                 }
                 _ => {
-                    self.ws();
-                    if !self.comma_or(b']')? {
+                    if !self.comma_or(b']').await? {
                         return Ok(());
                     }
                 }
@@ -592,18 +899,18 @@ impl<'a> Cur<'a> {
     }
 
     /// Skip one JSON value of any kind, in linear time.
-    fn skip_value(&mut self) -> Result<(), ScanError> {
-        self.ws();
-        match self.peek() {
+    async fn skip_value(&mut self) -> Result<(), ScanError> {
+        self.ws().await?;
+        match self.peek().await? {
             Some(b'"') => {
-                let (end, _) = self.string_end()?;
-                self.i = end;
+                let (len, _) = self.string_len().await?;
+                self.i += len;
                 Ok(())
             }
             Some(b'{' | b'[') => {
                 let mut depth = 0usize;
                 loop {
-                    match self.peek() {
+                    match self.peek().await? {
                         Some(b'{' | b'[') => {
                             depth += 1;
                             self.i += 1;
@@ -616,19 +923,29 @@ impl<'a> Cur<'a> {
                             }
                         }
                         Some(b'"') => {
-                            let (end, _) = self.string_end()?;
-                            self.i = end;
+                            let (len, _) = self.string_len().await?;
+                            self.i += len;
                         }
-                        Some(_) => self.i += 1,
+                        Some(b'\n') if self.line_mode => return Err(self.err("a closing bracket")),
+                        Some(_) => {
+                            // Run over plain bytes up to the next structural one.
+                            let run = self
+                                .rest()
+                                .iter()
+                                .position(|x| matches!(x, b'{' | b'[' | b'}' | b']' | b'"' | b'\n'))
+                                .unwrap_or(self.avail());
+                            self.i += run.max(1);
+                        }
                         None => return Err(self.err("a closing bracket")),
                     }
                 }
             }
-            Some(b't') => self.literal(b"true"),
-            Some(b'f') => self.literal(b"false"),
-            Some(b'n') => self.literal(b"null"),
+            Some(b't') => self.literal(b"true").await,
+            Some(b'f') => self.literal(b"false").await,
+            Some(b'n') => self.literal(b"null").await,
             Some(b'-' | b'0'..=b'9') => {
-                while let Some(b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') = self.peek() {
+                while let Some(b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') = self.peek().await?
+                {
                     self.i += 1;
                 }
                 Ok(())
@@ -637,8 +954,9 @@ impl<'a> Cur<'a> {
         }
     }
 
-    fn literal(&mut self, lit: &'static [u8]) -> Result<(), ScanError> {
-        if self.b.get(self.i..self.i + lit.len()) == Some(lit) {
+    async fn literal(&mut self, lit: &'static [u8]) -> Result<(), ScanError> {
+        self.fill_to(lit.len()).await?;
+        if self.rest().starts_with(lit) {
             self.i += lit.len();
             Ok(())
         } else {
@@ -735,5 +1053,156 @@ mod tests {
         let s = br#"{"x":{"a":[1,{"b":"]}\"["}],"c":{}},"meta_info":{"hidden_states":[[1]]}}"#;
         let r = scan_reply(s, HiddenMode::Always, false).unwrap();
         assert_eq!(r.rows.unwrap().n_rows, 1);
+    }
+
+    /// Feeds `step` bytes per read, to cut the reply at every possible place.
+    struct Drip<'a> {
+        rest: &'a [u8],
+        step: usize,
+    }
+
+    impl ReplySource for Drip<'_> {
+        async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
+            if self.rest.is_empty() {
+                return Ok(false);
+            }
+            let (a, b) = self.rest.split_at(self.step.min(self.rest.len()));
+            buf.extend_from_slice(a);
+            self.rest = b;
+            Ok(true)
+        }
+    }
+
+    fn dripped(b: &[u8], step: usize, mode: HiddenMode) -> Result<Reply, ScanError> {
+        let mut keep = KeepRows::default();
+        let src = Drip { rest: b, step };
+        let mut r = run_ready(scan_reply_from(src, mode, true, usize::MAX, &mut keep))?;
+        if let Some(rows) = r.rows.as_mut() {
+            rows.bits = keep.0;
+        }
+        Ok(r)
+    }
+
+    #[test]
+    fn every_chunking_gives_the_same_reply_and_errors() {
+        let long_number = format!(
+            r#"{{"meta_info":{{"hidden_states":[[1.{}5]]}}}}"#,
+            "0".repeat(80)
+        );
+        let cases: Vec<&[u8]> = vec![
+            EXAMPLE.as_bytes(),
+            br#"{"text":"a\"b\u00e9","meta_info":{"finish_reason":null,"hidden_states":[[],[1.5,2e-3],[3,-4E1]],"cached_tokens":7}}"#,
+            br#"[{"text":"x","output_ids":[1],"meta_info":{"hidden_states":[[ 1 , 2 ],[3,4]]}}]"#,
+            br#"{"meta_info":{"hidden_states":[[1,null]]}}"#,
+            br#"{"meta_info":{"hidden_states":[[1,2"#,
+            br#"{"text":"abc","output_ids":[1,"#,
+            br#"{"x":{"a":[1,{"b":"]}\"["}],"c":{}},"meta_info":{"hidden_states":[[1]]}}"#,
+            long_number.as_bytes(),
+        ];
+        for case in cases {
+            let whole = scan_reply(case, HiddenMode::Always, true);
+            for step in [1, 2, 3, 5, 8, 13, 64, 1000] {
+                assert_eq!(
+                    dripped(case, step, HiddenMode::Always),
+                    whole,
+                    "step {step}: {}",
+                    String::from_utf8_lossy(case)
+                );
+            }
+        }
+        // A float longer than any orjson writes is refused, not parsed as a prefix.
+        assert!(matches!(
+            scan_reply(long_number.as_bytes(), HiddenMode::Always, false),
+            Err(ScanError::BadHidden { .. })
+        ));
+    }
+
+    #[test]
+    fn the_cap_and_a_broken_source_are_errors() {
+        let mut sink = DropRows;
+        let src = Drip {
+            rest: EXAMPLE.as_bytes(),
+            step: 7,
+        };
+        let r = run_ready(scan_reply_from(
+            src,
+            HiddenMode::Always,
+            false,
+            100,
+            &mut sink,
+        ));
+        assert_eq!(r, Err(ScanError::TooLarge { cap: 100 }));
+        struct Broken;
+        impl ReplySource for Broken {
+            async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
+                if buf.is_empty() {
+                    buf.extend_from_slice(b"{\"meta_info\":{\"hidden_states\":[[1.5,");
+                    return Ok(true);
+                }
+                Err(ScanError::Source("connection reset".into()))
+            }
+        }
+        let r = run_ready(scan_reply_from(
+            Broken,
+            HiddenMode::Always,
+            false,
+            1 << 20,
+            &mut sink,
+        ));
+        assert_eq!(r, Err(ScanError::Source("connection reset".into())));
+    }
+
+    #[test]
+    fn sse_events_one_at_a_time_with_rows_only_from_the_final_event() {
+        let stock = EXAMPLE.replace(
+            r#""finish_reason":{"type":"length","length":2}"#,
+            r#""finish_reason":null"#,
+        );
+        let stream =
+            format!(": keep-alive\n\ndata: {stock}\n\ndata:{EXAMPLE}\r\n\ndata: [DONE]\n\n");
+        for step in [1, 4, 9, 4096] {
+            let mut rd = SseReader::new(
+                Drip {
+                    rest: stream.as_bytes(),
+                    step,
+                },
+                1 << 20,
+            );
+            let mut keep = KeepRows::default();
+            let first = run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut keep))
+                .unwrap()
+                .unwrap();
+            assert!(first.finish.is_none() && first.rows.is_none());
+            assert_eq!(first.text.as_deref(), Some(" blue sky"));
+            assert!(keep.0.is_empty(), "intermediate rows are skipped");
+            let last = run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut keep))
+                .unwrap()
+                .unwrap();
+            assert_eq!(last.rows.as_ref().map(|r| r.n_rows), Some(2));
+            let mut want = bits(&[-0.1640625, 3.25, -2.5, 0.8125]);
+            want.extend(bits(&[0.30078125, -0.043_945_312, 1.0, -0.5]));
+            assert_eq!(keep.0, want);
+            assert_eq!(
+                run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut keep)),
+                Ok(None)
+            );
+        }
+        // An event cut short by a newline is malformed, never joined with the next line.
+        let cut = "data: {\"text\":\"ab\ndata: [DONE]\n\n";
+        let mut rd = SseReader::new(SliceSource::new(cut.as_bytes()), 1 << 20);
+        assert!(matches!(
+            run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows)),
+            Err(ScanError::Malformed { .. })
+        ));
+        // An event over the cap.
+        let src = Drip {
+            rest: stream.as_bytes(),
+            step: 16,
+        };
+        let mut rd = SseReader::new(src, 64);
+        assert_eq!(
+            run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows)),
+            Err(ScanError::TooLarge { cap: 64 })
+        );
     }
 }
