@@ -142,3 +142,34 @@ proptest! {
         }
     }
 }
+
+/// Fuzz finding (payload_mutate, first seconds; an oracle issue, not a verifier bug): a
+/// genuinely signed `result_json` with a lone surrogate escape in a field the validator
+/// does not use verifies, as Python's `json.loads` (the reference) accepts it, although
+/// serde_json refuses the document. A lone surrogate in a hotkey is `malformed`: no weight
+/// ever carries an unencodable hotkey.
+#[test]
+fn regression_lone_surrogate_in_unused_field_verifies_but_not_in_a_hotkey() {
+    let m = master();
+    let hk = &weights()[0].0;
+    let unused = format!(
+        r#"{{"epoch_index":{EPOCH},"netuid":53,"params":{{"s":"\ud800"}},"weights":[["{hk}",7]]}}"#
+    );
+    assert!(serde_json::from_str::<serde_json::Value>(&unused).is_err());
+    let v = verify(
+        sign_payload(&m, NETUID, EPOCH, &unused).as_bytes(),
+        &m.ss58(),
+        NETUID,
+    )
+    .unwrap();
+    assert_eq!(v.weights, vec![(hk.clone(), 7)]);
+
+    let in_hotkey = format!(r#"{{"epoch_index":{EPOCH},"netuid":53,"weights":[["5H\udc00x",7]]}}"#);
+    let e = verify(
+        sign_payload(&m, NETUID, EPOCH, &in_hotkey).as_bytes(),
+        &m.ss58(),
+        NETUID,
+    )
+    .unwrap_err();
+    assert_eq!(e.reason_word(), "malformed");
+}
