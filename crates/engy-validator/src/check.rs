@@ -50,6 +50,22 @@ pub async fn run(s: &Settings) -> Report {
         s.resubmit_blocks,
         s.state_file.display()
     ));
+    for (what, path) in [("state", &s.state_file), ("heartbeat", &s.heartbeat_file)] {
+        match crate::state::probe_writable(path) {
+            Ok(()) => r.ok(format!("{what} file {} writable", path.display())),
+            Err(e) => r.fail(format!(
+                "{what} file {} cannot be written ({e}); fix: the directory's ownership/permissions (ENGY_SN53_UID/GID with compose) or ENGY_SN53_{}_FILE",
+                path.display(),
+                what.to_ascii_uppercase()
+            )),
+        }
+    }
+    if let Some(why) = crate::state::damage(&s.state_file) {
+        r.fail(format!(
+            "state file {} is {why}: it would read as empty (the first tick submits at once); fix: restore it from a backup or delete it",
+            s.state_file.display()
+        ));
+    }
 
     // wallet
     let hotkey = match engy_core::keys::load_hotkey(&s.wallet_path, &s.wallet, &s.wallet_hotkey) {

@@ -425,12 +425,24 @@ impl Daemon {
     }
 }
 
-/// Runs the loop until SIGTERM/SIGINT (exit 0) or `max_ticks` ticks.
+/// Runs the daemon until SIGTERM/SIGINT (exit 0) or `max_ticks` ticks: first connects to the
+/// chain once to report the runtime's transaction extensions (an unreachable chain is only
+/// a warning; the first tick retries), then ticks every `poll_s` seconds. The signal
+/// handlers are installed before that first connect, so a signal during start-up also
+/// exits 0 (the connect can take up to its 30 s timeout).
 pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let s = daemon.settings().clone();
+    tokio::select! {
+        c = Chain::connect(&s.chain_url) => match c {
+            Ok(c) => daemon.report_extensions(&c),
+            Err(e) => tracing::warn!("chain not reachable at start-up ({e}); the first tick retries"),
+        },
+        _ = term.recv() => { tracing::info!("SIGTERM during start-up; exiting 0"); return Ok(()); }
+        _ = int.recv() => { tracing::info!("SIGINT during start-up; exiting 0"); return Ok(()); }
+    }
     let mut interval = tokio::time::interval(Duration::from_secs(s.poll_s));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut done = 0u64;

@@ -90,23 +90,53 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         s.heartbeat_file.display(),
         liveness::stall_limit(s.poll_s)
     );
+    // Say it now, not after the first landed extrinsic, when the state or heartbeat file can
+    // never be written. The daemon still runs (it keeps the vector on chain, resubmitting
+    // each tick since it cannot record what landed), but the watchdog restarts it every
+    // stall limit because the heartbeat never advances.
+    for (what, path) in [("state", &s.state_file), ("heartbeat", &s.heartbeat_file)] {
+        if let Err(e) = engy_validator::state::probe_writable(path) {
+            tracing::error!(
+                "the {what} file {} cannot be written ({e}); running anyway, but nothing that lands is recorded and the watchdog restarts the process every {} s; fix the directory's ownership/permissions (ENGY_SN53_UID/GID with compose) or set ENGY_SN53_{}_FILE to a writable path",
+                path.display(),
+                liveness::stall_limit(s.poll_s),
+                what.to_ascii_uppercase()
+            );
+        }
+    }
+    if let Some(why) = engy_validator::state::damage(&s.state_file) {
+        tracing::warn!(
+            "state file {} is {why}: it reads as empty (no replay guard, no cached vector), so the first tick submits at once; it is rewritten after the next landed extrinsic",
+            s.state_file.display()
+        );
+    }
     liveness::spawn_watchdog(s.heartbeat_file.clone(), s.poll_s)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let mut d = daemon::Daemon::new(s.clone(), loaded.hotkey)?;
-        // Report the runtime's transaction extensions once, at start-up.
-        match engy_validator::chain::Chain::connect(&s.chain_url).await {
-            Ok(c) => d.report_extensions(&c),
-            Err(e) => {
-                tracing::warn!("chain not reachable at start-up ({e}); the first tick retries")
-            }
-        }
+        let d = daemon::Daemon::new(s.clone(), loaded.hotkey)?;
         daemon::run(d, args.ticks).await
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The error and its causes, `: `-joined like `{:#}`, skipping a cause whose text the
+/// message already contains (several library errors print their source inline).
+fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 fn main() -> ExitCode {
@@ -148,7 +178,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("engy-validator: {e:#}");
+            eprintln!("engy-validator: {}", describe(&e));
             ExitCode::FAILURE
         }
     }

@@ -26,6 +26,24 @@ pub enum FetchError {
     TooLarge(String),
 }
 
+/// Describes a transport failure with its whole cause chain (reqwest's own text is only
+/// "error sending request"; the cause says connection refused, DNS failure, TLS, ...).
+/// The URL is stripped; a cause already contained in the text so far is not repeated.
+pub fn transport_error(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut out = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
 /// An HTTP client for the provider (rustls, no cookies, no proxies from env surprises).
 pub fn client() -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
@@ -52,7 +70,7 @@ pub async fn fetch_latest_within(
             .get(&url)
             .send()
             .await
-            .map_err(|e| FetchError::Transport(e.without_url().to_string()))?;
+            .map_err(|e| FetchError::Transport(transport_error(e)))?;
         if resp.status() != reqwest::StatusCode::OK {
             return Err(FetchError::Status(resp.status().as_u16()));
         }
@@ -64,7 +82,7 @@ pub async fn fetch_latest_within(
         let mut body = Vec::new();
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| FetchError::Transport(e.without_url().to_string()))?;
+            let chunk = chunk.map_err(|e| FetchError::Transport(transport_error(e)))?;
             if body.len() + chunk.len() > MAX_BODY {
                 return Err(FetchError::TooLarge("while streaming".into()));
             }
@@ -104,6 +122,6 @@ pub async fn post_heartbeat(
     match req.body(body).send().await {
         Ok(r) if r.status() == reqwest::StatusCode::OK => Ok(()),
         Ok(r) => Err(format!("HTTP {}", r.status().as_u16())),
-        Err(e) => Err(e.without_url().to_string()),
+        Err(e) => Err(transport_error(e)),
     }
 }

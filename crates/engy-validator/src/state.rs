@@ -123,6 +123,36 @@ pub fn read(path: &Path) -> State {
         .unwrap_or_default()
 }
 
+/// Start-up probe of a file the daemon writes (state or heartbeat): creates its directory
+/// and a temp file in it (removed again), as [`write`] will. An error here means every
+/// later write would fail too (read-only volume, wrong owner, a path under a regular file).
+pub fn probe_writable(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir)?;
+    tempfile::Builder::new()
+        .prefix(".probe-")
+        .tempfile_in(&dir)
+        .map(drop)
+}
+
+/// Why an existing state file would read as empty (unreadable, not JSON, not a JSON
+/// object), or `None` when it is absent or an object. Fields are still validated one by
+/// one by [`read`]; this only names a whole-file loss for the start-up log.
+pub fn damage(path: &Path) -> Option<String> {
+    match std::fs::read(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => Some(format!("unreadable ({e})")),
+        Ok(bytes) => match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(_)) => None,
+            Ok(_) => Some("not a JSON object".to_owned()),
+            Err(e) => Some(format!("not valid JSON ({e})")),
+        },
+    }
+}
+
 /// Writes `state` atomically (temp file in the same directory, fsync, rename, fsync of the
 /// directory), creating the parent directory first.
 pub fn write(path: &Path, state: &State) -> Result<(), StateError> {
@@ -164,6 +194,26 @@ mod tests {
             cached_weights: Some(vec![("5Abc".into(), 65535), ("5Def".into(), 0)]),
             cached_digest: Some("ab".repeat(32)),
         }
+    }
+
+    #[test]
+    fn probe_and_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/state.json");
+        probe_writable(&path).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path().join("a")).unwrap().count(), 0);
+        // A parent that is a regular file: no write can ever succeed there.
+        let blocker = dir.path().join("file");
+        std::fs::write(&blocker, b"x").unwrap();
+        assert!(probe_writable(&blocker.join("state.json")).is_err());
+
+        assert_eq!(damage(&path), None);
+        std::fs::write(&path, b"\x00\xffgarbage").unwrap();
+        assert!(damage(&path).unwrap().starts_with("not valid JSON"));
+        std::fs::write(&path, b"[1, 2]").unwrap();
+        assert_eq!(damage(&path).as_deref(), Some("not a JSON object"));
+        write(&path, &full()).unwrap();
+        assert_eq!(damage(&path), None);
     }
 
     #[test]

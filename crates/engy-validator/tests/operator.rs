@@ -1,0 +1,152 @@
+//! What an operator meets first, through the real binary: start-up refusals and warnings,
+//! error texts that name the cause (once), and SIGTERM before the first tick.
+
+mod common;
+
+use common::*;
+use engy_devnet::provider::ProviderDouble;
+
+/// A node URL where nothing listens (connection refused at once).
+const DEAD_CHAIN: &str = "ws://127.0.0.1:9";
+
+/// A 127.0.0.1 port nothing listens on (bound, then released).
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test]
+async fn sigterm_during_the_start_up_chain_connect_exits_zero() {
+    use tokio::io::AsyncReadExt;
+    // A "node" that accepts TCP and never answers: the start-up connect hangs (30 s timeout).
+    let node = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("ws://{}", node.local_addr().unwrap());
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), &url);
+    env.set("ENGY_SN53_POLL_S", "300");
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.arg("run")
+        .env_clear()
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    for (k, v) in &env.vars {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    // The connect has started once the node sees the TCP connection.
+    let (_held, _) = node.accept().await.unwrap();
+    let pid = child.id().unwrap().to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().await.unwrap();
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{out}");
+    assert!(out.contains("SIGTERM during start-up; exiting 0"), "{out}");
+    assert_eq!(p.fetches(), 0, "no tick ran");
+}
+
+#[tokio::test]
+async fn an_unreachable_provider_is_reported_with_its_cause() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let api = format!("http://127.0.0.1:{}", closed_port());
+    let env = Env::new(CHARLIE_SEED, &api, &p.master_ss58(), DEAD_CHAIN);
+    let out = env.run(&["check"]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("provider") && l.starts_with("FAIL"))
+        .unwrap_or_else(|| panic!("no provider FAIL line: {stdout}"));
+    // reqwest alone says only "error sending request"; the cause is what the operator needs.
+    assert!(line.contains("Connection refused"), "{line}");
+    // The daemon's tick line carries the same cause.
+    let (ok, out) = env.tick().await;
+    assert!(ok);
+    assert!(
+        out.contains("fetch failed: request failed: error sending request: "),
+        "{out}"
+    );
+    assert!(out.contains("Connection refused"), "{out}");
+}
+
+#[tokio::test]
+async fn an_unwritable_state_directory_is_named_at_start_up_and_by_check() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    // A parent that is a regular file: no write can succeed there (even as root).
+    let blocker = env.home.path().join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    let state = blocker.join("state.json");
+    env.set("ENGY_SN53_STATE_FILE", state.to_str().unwrap());
+    // The daemon still runs (it keeps the vector on chain; see hardening_faults.rs), but
+    // the start-up log says why nothing will be recorded and what to fix.
+    let (ok, out) = env.tick().await;
+    assert!(ok, "{out}");
+    assert!(out.contains("ERROR"), "{out}");
+    assert!(out.contains("the state file"), "{out}");
+    assert!(out.contains("cannot be written"), "{out}");
+    assert!(out.contains("ENGY_SN53_STATE_FILE"), "{out}");
+    // `check` FAILs on it.
+    let out = env.run(&["check"]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.lines().any(|l| l.starts_with("FAIL")
+            && l.contains("state file")
+            && l.contains("cannot be written")),
+        "{stdout}"
+    );
+    // A writable location gives no such line.
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    let (_, out) = env.tick().await;
+    assert!(!out.contains("cannot be written"), "{out}");
+}
+
+#[tokio::test]
+async fn a_damaged_state_file_is_named_at_start_up_and_by_check() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    std::fs::create_dir_all(env.state_file().parent().unwrap()).unwrap();
+    std::fs::write(env.state_file(), b"\x00\xffnot json").unwrap();
+    let (ok, out) = env.tick().await;
+    assert!(ok, "a damaged state file does not stop the daemon");
+    assert!(out.contains("is not valid JSON"), "{out}");
+    assert!(out.contains("reads as empty"), "{out}");
+    let out = env.run(&["check"]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL") && l.contains("would read as empty")),
+        "{stdout}"
+    );
+    // A good (absent) state file gives no such line.
+    std::fs::remove_file(env.state_file()).unwrap();
+    let (_, out) = env.tick().await;
+    assert!(!out.contains("reads as empty"), "{out}");
+}
+
+#[tokio::test]
+async fn an_error_cause_is_printed_once() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    // The hotkey "file" is a directory: the OS error is part of the message and its source.
+    let dir = env.home.path().join(".bittensor/wallets/vali/hotkeys/adir");
+    std::fs::create_dir_all(&dir).unwrap();
+    env.set("ENGY_SN53_WALLET_HOTKEY", "adir");
+    let out = env.run(&["run", "--ticks", "1"]).await;
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot read hotkey file"), "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "{err}");
+}
