@@ -313,7 +313,7 @@ impl Engine {
         if job.is_cancelled() {
             return Err(JobError::Cancelled);
         }
-        let n_rows = gen.proofs.rows;
+        let n_rows = gen.proofs.rows();
         let width = gen.width;
         if n_rows != gen.output_ids.len() {
             return Err(fail(format!(
@@ -717,6 +717,12 @@ impl ReplySource for SseSource<'_, '_> {
     }
 }
 
+impl RowSink for ProofAcc {
+    fn row(&mut self, _element: usize, bits: &[u16]) {
+        self.push(bits);
+    }
+}
+
 /// The rows of one serve call, on their way to the proof accumulator.
 struct CallRows<'a> {
     proofs: &'a mut ProofAcc,
@@ -734,10 +740,11 @@ impl RowSink for CallRows<'_> {
 
 /// Builds the TOPLOC proofs of a request batch by batch as its rows arrive (PROTOCOL.md
 /// §3.8, skip_prefill: batches are groups of `decode_batching_size` rows from row 0), so a
-/// request holds at most one batch of rows, never all of them. Each batch's proof depends
-/// only on that batch's rows, so the proofs equal `build_proofs` over every row at once.
-#[derive(Default)]
-pub(crate) struct ProofAcc {
+/// request holds at most one batch of rows (32 × hidden × 2 bytes), never all of them. Each
+/// batch's proof depends only on that batch's rows, so the proofs equal
+/// `engy_core::toploc::build_proofs_base64` over every row at once (bf16 rows).
+#[derive(Debug, Default)]
+pub struct ProofAcc {
     params: Option<Params>,
     /// Rows of the batch being filled, concatenated.
     pending: Vec<u16>,
@@ -745,20 +752,26 @@ pub(crate) struct ProofAcc {
     ends: Vec<usize>,
     proofs: Vec<String>,
     /// Rows received in total.
-    pub(crate) rows: usize,
+    rows: usize,
     err: Option<ToplocError>,
 }
 
 impl ProofAcc {
-    fn new(params: Params) -> Self {
+    /// An empty accumulator for `params` (`skip_prefill` must be true, as engy uses).
+    pub fn new(params: Params) -> Self {
         Self {
             params: Some(params),
             ..Self::default()
         }
     }
 
-    /// Add the next row; proves the batch once it is full.
-    fn push(&mut self, bits: &[u16]) {
+    /// Rows received so far.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Add the next row (bf16 bit patterns); proves the batch once it is full.
+    pub fn push(&mut self, bits: &[u16]) {
         self.rows += 1;
         if self.err.is_some() {
             return;
@@ -811,7 +824,7 @@ impl ProofAcc {
     /// # Errors
     /// The first [`ToplocError`] of any batch (then no proof is returned, as the
     /// reference nulls every proof when one batch fails).
-    fn finish(mut self) -> Result<Vec<String>, ToplocError> {
+    pub fn finish(mut self) -> Result<Vec<String>, ToplocError> {
         self.prove_pending();
         match self.err {
             Some(e) => Err(e),

@@ -874,8 +874,13 @@ impl<S: ReplySource> Cur<S> {
                 }
                 continue;
             }
-            let (v, n) = fast_float2::parse_partial::<f32, _>(rest)
+            // Decimal → float64 → float32, exactly as the reference reads a row (Python's
+            // json gives float64, numpy casts to float32); every bf16/f32 value sglang
+            // prints round-trips exactly. The float64 parse also takes fast-float's exact
+            // fast path (Clinger) for most of the ≤ 17-digit decimals orjson writes.
+            let (v, n) = fast_float2::parse_partial::<f64, _>(rest)
                 .map_err(|_| ScanError::BadHidden { at: self.pos() })?;
+            let v = v as f32;
             // A number of MAX_NUMBER bytes or more is longer than any float orjson writes
             // (and may run past the window): refuse it rather than parse a prefix.
             if !v.is_finite() || n == 0 || n >= MAX_NUMBER {
@@ -1204,5 +1209,27 @@ mod tests {
             run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows)),
             Err(ScanError::TooLarge { cap: 64 })
         );
+    }
+
+    #[test]
+    fn every_bf16_value_as_orjson_prints_it_comes_back_bit_exact() {
+        let mut want = Vec::new();
+        let mut body = String::from(r#"{"meta_info":{"hidden_states":[["#);
+        for b in 0..=u16::MAX {
+            let v = f64::from(engy_core::toploc::bf16_bits_to_f32(b));
+            if v.is_finite() {
+                if !want.is_empty() {
+                    body.push(',');
+                }
+                body.push_str(&serde_json::to_string(&v).unwrap());
+                want.push(b);
+            }
+        }
+        body.push_str("]]}}");
+        let rows = scan_reply(body.as_bytes(), HiddenMode::Always, false)
+            .unwrap()
+            .rows
+            .unwrap();
+        assert_eq!(rows.bits, want);
     }
 }
