@@ -112,7 +112,7 @@ pub async fn run(opts: &Opts) -> ExitCode {
                 ),
                 Err(e) => r.fail(
                     "gateway /meta",
-                    format!("{url}: {e}"),
+                    format!("{url}: {}", crate::error_chain(&e)),
                     "check GW and outbound network access",
                 ),
             }
@@ -160,7 +160,11 @@ async fn check_serve(
             return;
         }
         Err(e) => {
-            r.fail(&what, e, "start the sglang serve, or fix --serve-url");
+            r.fail(
+                &what,
+                crate::error_chain(&e),
+                "start the sglang serve, or fix --serve-url",
+            );
             return;
         }
     }
@@ -191,13 +195,17 @@ async fn check_serve(
                     return;
                 }
                 Err(e) => {
-                    r.fail(&what, e, "the serve broke the connection");
+                    r.fail(
+                        &what,
+                        crate::error_chain(&e),
+                        "the serve broke the connection",
+                    );
                     return;
                 }
             }
         }
         Err(e) => {
-            r.fail(&what, e, "the serve did not answer");
+            r.fail(&what, crate::error_chain(&e), "the serve did not answer");
             return;
         }
     };

@@ -103,7 +103,7 @@ pub async fn worker_count(gw: &str, forced: Option<usize>) -> usize {
             1
         }
         Err(e) => {
-            tracing::info!(%url, error = %e, "gateway /meta unreachable; assuming 1 worker");
+            tracing::info!(%url, error = %crate::error_chain(&e), "gateway /meta unreachable; assuming 1 worker");
             1
         }
     }

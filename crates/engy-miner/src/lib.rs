@@ -42,6 +42,51 @@ pub fn worker_name(opts: &Opts) -> String {
     format!("ins-{}", digest.get(..12).unwrap_or(&digest))
 }
 
+/// An error with its whole cause chain, `: `-joined, skipping a cause whose text is already
+/// in the message (reqwest alone says only "error sending request for url (…)"; the cause
+/// says connection refused, DNS failure, TLS, timeout).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+/// `GW` checked for what the miner does with it (PROTOCOL.md §2): a `ws://`/`wss://` URL
+/// with a host, to which `/meta` and `/<worker>` are appended, so no query or fragment.
+/// Errors say what to fix and never echo a query (it could hold a token).
+pub fn check_gw(gw: &str) -> Result<(), String> {
+    let url = reqwest::Url::parse(gw).map_err(|e| format!("GW is not a URL ({e})"))?;
+    if !matches!(url.scheme(), "ws" | "wss") {
+        return Err(format!(
+            "GW must be a ws:// or wss:// URL, got a {}:// URL",
+            url.scheme()
+        ));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("GW has no host: export GW=wss://<gateway-host>/gw".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(format!(
+            "GW must not carry a query (?…) or fragment (#…): the miner appends /meta and /<worker> to it; use {}://{}{} (the key goes in MINER_KEY)",
+            url.scheme(),
+            url.host_str().unwrap_or_default(),
+            url.path().trim_end_matches('/')
+        ));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("GW must not carry credentials (user:pass@); the key goes in MINER_KEY".into());
+    }
+    Ok(())
+}
+
 /// `hidden_size` of `<checkpoint>/config.json` (top level or `text_config`), if any.
 pub fn hidden_size(checkpoint: &Path) -> Option<usize> {
     let raw = std::fs::read(checkpoint.join("config.json")).ok()?;

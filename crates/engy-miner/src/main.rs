@@ -22,6 +22,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -41,7 +42,7 @@ fn main() -> ExitCode {
 }
 
 fn config_error(msg: impl std::fmt::Display) -> ExitCode {
-    tracing::error!("{msg}");
+    // Printed once, whatever RUST_LOG says (not also logged: both go to stderr).
     eprintln!("engy-miner: {msg}");
     ExitCode::from(EXIT_CONFIG)
 }
@@ -52,8 +53,8 @@ async fn run(opts: Opts) -> ExitCode {
             "GW is not set: export GW=wss://<gateway-host>/gw (the gateway websocket URL)",
         );
     };
-    if !(gw.starts_with("ws://") || gw.starts_with("wss://")) {
-        return config_error(format!("GW must be a ws:// or wss:// URL, got {gw:?}"));
+    if let Err(e) = engy_miner::check_gw(&gw) {
+        return config_error(e);
     }
     let Some(miner_key) = opts.miner_key.clone().filter(|k| !k.expose().is_empty()) else {
         return config_error(
@@ -107,6 +108,7 @@ async fn serve(
     miner_key: config::Secret,
     checkpoint: &Path,
 ) -> anyhow::Result<()> {
+    let mut signals = Signals::install();
     tracing::info!(checkpoint = %checkpoint.display(), "loading tokenizer and chat template");
     let prompter = Arc::new(
         chat::Prompter::load(checkpoint).context("loading the checkpoint's tokenizer/template")?,
@@ -168,7 +170,7 @@ async fn serve(
             shutdown.clone(),
         )));
     }
-    wait_for_signal().await;
+    signals.wait().await;
     // Graceful stop: refuse new work, let in-flight requests finish (bounded), then abort
     // the rest on the serves and close every leg.
     hub.draining.store(true, Ordering::SeqCst);
@@ -204,24 +206,53 @@ async fn serve(
     Ok(())
 }
 
-async fn wait_for_signal() {
+/// SIGTERM/SIGINT listeners, installed before the slow start-up steps (`/meta`, hardware
+/// probe) so that a signal arriving then is not the default "terminate at once" (exit 143)
+/// but a graceful stop as soon as start-up is done.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Signals {
+                term: signal(SignalKind::terminate()).ok(),
+                int: signal(SignalKind::interrupt()).ok(),
             }
         }
+        #[cfg(not(unix))]
+        Signals {}
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    async fn wait(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            if self.term.is_none() && self.int.is_none() {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+            tokio::select! {
+                _ = recv(&mut self.term) => {}
+                _ = recv(&mut self.int) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

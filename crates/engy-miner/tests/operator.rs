@@ -1,0 +1,153 @@
+//! What an operator meets first, through the real binary: configuration refusals printed
+//! once and without colour codes, a GW the miner cannot use, error causes in `check`, and
+//! SIGTERM during start-up.
+
+mod common;
+
+use std::process::{Command, Stdio};
+
+use common::*;
+use engy_devnet::sglang::SglangConfig;
+
+/// The miner with exactly these variables (plus PATH), stdout/stderr captured.
+fn miner_cmd(vars: &[(&str, &str)], args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_engy-miner"));
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", "info");
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// A 127.0.0.1 port nothing listens on (bound, then released).
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[test]
+fn configuration_errors_are_printed_once_without_colour_codes() {
+    let out = miner_cmd(&[], &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("GW is not set").count(), 1, "{err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "ANSI escapes in a non-terminal log: {err:?}"
+    );
+}
+
+#[test]
+fn a_gw_the_miner_cannot_extend_is_refused_without_echoing_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = dir.path().join("lock");
+    for (gw, expect) in [
+        ("wss://gw.example/gw?token=s3cr3t-token", "query"),
+        ("wss://gw.example/gw#s3cr3t-token", "fragment"),
+        ("wss://user:s3cr3t-token@gw.example/gw", "credentials"),
+        ("https://gw.example/gw", "ws:// or wss://"),
+        ("gw.example:443", "URL"),
+    ] {
+        let out = miner_cmd(
+            &[
+                ("GW", gw),
+                ("MINER_KEY", KEY),
+                ("CHECKPOINT", "/nonexistent"),
+                ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+            ],
+            &[],
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{gw}: {err}");
+        assert!(err.contains(expect), "{gw}: {err}");
+        assert!(!err.contains("s3cr3t-token"), "{gw}: {err}");
+    }
+    // A path (the documented form) and a trailing slash pass this check (and then fail on
+    // the missing checkpoint, exit 1).
+    for gw in ["wss://gw.example/gw", "ws://127.0.0.1:9/"] {
+        let out = miner_cmd(
+            &[
+                ("GW", gw),
+                ("MINER_KEY", KEY),
+                ("CHECKPOINT", "/nonexistent"),
+                ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+            ],
+            &[],
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{gw}: {err}");
+        assert!(err.contains("/nonexistent/tokenizer.json"), "{gw}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn check_names_the_cause_of_an_unreachable_serve() {
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+    let serve = format!("http://127.0.0.1:{}", closed_port());
+    let ckpt = fx.ckpt();
+    let gw = fx.gw.url();
+    let vars = [
+        ("GW", gw.as_str()),
+        ("MINER_KEY", KEY),
+        ("CHECKPOINT", ckpt.to_str().unwrap()),
+        ("SERVE_URL", serve.as_str()),
+    ];
+    let mut cmd = miner_cmd(&vars, &["check"]);
+    cmd.stdin(Stdio::null());
+    let out = tokio::process::Command::from(cmd).output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL") && l.contains("/get_model_info"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains("Connection refused"), "{line}");
+    assert!(!stdout.contains(KEY));
+}
+
+#[tokio::test]
+async fn sigterm_during_start_up_exits_zero() {
+    // A gateway that accepts TCP and never answers: the /meta probe hangs (5 s timeout).
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+    let gw_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gw = format!("ws://{}", gw_listener.local_addr().unwrap());
+    let ckpt = fx.ckpt();
+    let serve = fx.sglang.url();
+    let lock = fx.lock();
+    let log = fx.dir.path().join("startup.log");
+    let mut child = miner_cmd(
+        &[
+            ("GW", gw.as_str()),
+            ("MINER_KEY", KEY),
+            ("CHECKPOINT", ckpt.to_str().unwrap()),
+            ("SERVE_URL", serve.as_str()),
+            ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+            ("ENGY_DRAIN_S", "1"),
+        ],
+        &[],
+    )
+    .stdout(Stdio::null())
+    .stderr(std::fs::File::create(&log).unwrap())
+    .spawn()
+    .unwrap();
+    // /meta is being asked: start-up is in progress.
+    let (_held, _) = gw_listener.accept().await.unwrap();
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(status.code(), Some(0), "{text}");
+    assert!(text.contains("stopped"), "{text}");
+}
