@@ -7,7 +7,9 @@
 //! ```
 //!
 //! Prints one `KEY=value` line per fact (URLs, master SS58, checkpoint folder), publishes
-//! epoch 1 with the given weights (none: an empty vector), then serves until Ctrl-C.
+//! epoch 1 with the given weights (none: an empty vector), then serves until Ctrl-C. With
+//! `DOUBLES_SUBMIT=1` it routes one chat request to the first miner leg that says HELLO and
+//! prints `RESPONSE <frame>`.
 //! The master key is a fixed test key (never use it for anything real).
 
 use std::path::PathBuf;
@@ -57,6 +59,22 @@ async fn main() -> anyhow::Result<()> {
     println!("SERVE_URL={}", sglang.url());
     println!("GW={}", gw.url());
     println!("CHECKPOINT={}", ckpt.display());
+    if std::env::var_os("DOUBLES_SUBMIT").is_some() {
+        // Route one chat request to the first miner leg and print what comes back.
+        let t = std::time::Duration::from_secs(600);
+        if let Some(legs) = gw.wait_legs(1, t).await {
+            if let Some(leg) = legs.first() {
+                gw.admit(leg.id);
+            }
+            let req = serde_json::json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8});
+            if let Some((_, corr)) = gw.submit(req, false) {
+                match gw.wait_response(&corr, t).await {
+                    Some(r) => println!("RESPONSE {r}"),
+                    None => println!("RESPONSE none within {t:?}"),
+                }
+            }
+        }
+    }
     tokio::signal::ctrl_c().await?;
     Ok(())
 }
