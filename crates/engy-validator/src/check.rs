@@ -62,7 +62,7 @@ pub async fn run(s: &Settings) -> Report {
     }
     if let Some(why) = crate::state::damage(&s.state_file) {
         r.fail(format!(
-            "state file {} is {why}: it would read as empty (the first tick submits at once); fix: restore it from a backup or delete it",
+            "state file {} is {why}: it would read as empty (the first tick submits at once); fix: run check as the daemon's user if it is a permission error, else restore the file from a backup or delete it",
             s.state_file.display()
         ));
     }
