@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use engy_model::{round_to_bf16, Checkpoint, Decoder, Model, ModelError, Precision};
+use engy_model::{round_to_bf16, Checkpoint, Compute, Decoder, Model, ModelError, Precision};
 
 use crate::sglang::{Backend, BackendError, ModelFacts, Session, Step};
 
@@ -26,6 +26,7 @@ impl std::fmt::Debug for CandleBackend {
         f.debug_struct("CandleBackend")
             .field("facts", &self.facts)
             .field("precision", &self.model.precision())
+            .field("compute", &self.model.compute())
             .finish()
     }
 }
@@ -37,7 +38,20 @@ impl CandleBackend {
     /// # Errors
     /// As [`Checkpoint::open`].
     pub fn open(dir: &Path, precision: Precision) -> Result<Self, ModelError> {
-        let ck = Checkpoint::open(dir, precision)?;
+        Self::open_with(dir, precision, Compute::F32)
+    }
+
+    /// [`CandleBackend::open`] with activations computed in `compute`: [`Compute::Bf16`] plays a
+    /// bf16 GPU serve, whose honest rows differ slightly from the f32 auditor's.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::open`].
+    pub fn open_with(
+        dir: &Path,
+        precision: Precision,
+        compute: Compute,
+    ) -> Result<Self, ModelError> {
+        let ck = Checkpoint::open_with(dir, precision, compute)?;
         let stop = ck.stop_ids();
         let cfg = ck.model.config().clone();
         let facts = ModelFacts {

@@ -21,7 +21,7 @@ pub use config::Qwen3Config;
 pub use gen::{
     gen_model, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
 };
-pub use model::{quantize_int4, round_to_bf16, Decoder, KvCache, Model, Precision, Step};
+pub use model::{quantize_int4, round_to_bf16, Compute, Decoder, KvCache, Model, Precision, Step};
 
 /// Errors of checkpoint generation, loading and the forward pass.
 #[derive(Debug, thiserror::Error)]
@@ -115,7 +115,19 @@ impl Checkpoint {
     /// # Errors
     /// As [`Model::load`], and [`ModelError::Tokenizer`] when `tokenizer.json` cannot be read.
     pub fn open(dir: &Path, precision: Precision) -> Result<Self, ModelError> {
-        let model = Model::load(dir, precision)?;
+        Self::open_with(dir, precision, Compute::F32)
+    }
+
+    /// [`Checkpoint::open`] with the activations computed in `compute`.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::open`].
+    pub fn open_with(
+        dir: &Path,
+        precision: Precision,
+        compute: Compute,
+    ) -> Result<Self, ModelError> {
+        let model = Model::load_with(dir, precision, compute)?;
         let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", dir.display())))?;
         let model_root = engy_core::identity::model_root(dir)

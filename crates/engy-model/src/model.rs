@@ -73,10 +73,10 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let g = candle_nn::ops::silu(&x.matmul(&self.gate_t)?)?;
-        let u = x.matmul(&self.up_t)?;
-        (g * u)?.matmul(&self.down_t)
+    fn forward(&self, x: &Tensor, c: Compute) -> candle_core::Result<Tensor> {
+        let g = c.round(candle_nn::ops::silu(&c.round(x.matmul(&self.gate_t)?)?)?)?;
+        let u = c.round(x.matmul(&self.up_t)?)?;
+        c.round(c.round((g * u)?)?.matmul(&self.down_t)?)
     }
 }
 
@@ -91,9 +91,9 @@ enum Ffn {
 }
 
 impl Ffn {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, c: Compute) -> candle_core::Result<Tensor> {
         match self {
-            Ffn::Dense(m) => m.forward(x),
+            Ffn::Dense(m) => m.forward(x, c),
             Ffn::Moe {
                 router_t,
                 experts,
@@ -101,7 +101,7 @@ impl Ffn {
                 norm_topk_prob,
             } => {
                 let probs = candle_nn::ops::softmax_last_dim(&x.matmul(router_t)?)?;
-                let probs = probs.to_vec2::<f32>()?;
+                let probs = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
                 let n_exp = experts.len();
                 let mut gates = vec![0f32; probs.len() * n_exp];
                 for (t, p) in probs.iter().enumerate() {
@@ -127,13 +127,14 @@ impl Ffn {
                         }
                     }
                 }
-                let gates = Tensor::from_vec(gates, (probs.len(), n_exp), x.device())?;
+                let gates = Tensor::from_vec(gates, (probs.len(), n_exp), x.device())?
+                    .to_dtype(x.dtype())?;
                 let mut out = x.zeros_like()?;
                 for (e, expert) in experts.iter().enumerate() {
                     let w = gates.narrow(1, e, 1)?;
-                    out = (out + expert.forward(x)?.broadcast_mul(&w)?)?;
+                    out = (out + expert.forward(x, c)?.broadcast_mul(&w)?)?;
                 }
-                Ok(out)
+                c.round(out)
             }
         }
     }
@@ -149,6 +150,30 @@ struct Layer {
     q_norm: Tensor,
     k_norm: Tensor,
     ffn: Ffn,
+}
+
+/// The dtype the forward pass computes activations in. Weights are stored in bf16 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compute {
+    /// f32 activations (the auditor, and the default serve): prefill and decode give
+    /// bit-identical rows on CPU.
+    #[default]
+    F32,
+    /// bf16 activations (every operation's output rounded to bf16), as a bf16 GPU serve
+    /// computes: an honest serve whose numbers differ slightly from the f32 auditor's (the
+    /// "different hardware" case of the SN53 experiment).
+    Bf16,
+}
+
+impl Compute {
+    /// Rounds `t` (f32) to the activation dtype: bf16 storage with f32 accumulation inside each
+    /// operation, as GPU bf16 kernels do (candle's CPU matmul has no bf16 kernel).
+    fn round(self, t: Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Compute::F32 => Ok(t),
+            Compute::Bf16 => t.to_dtype(DType::BF16)?.to_dtype(DType::F32),
+        }
+    }
 }
 
 /// Per-layer key/value cache of one sequence (`[1, kv_heads, positions, head_dim]` each).
@@ -173,6 +198,7 @@ impl KvCache {
 pub struct Model {
     cfg: Qwen3Config,
     precision: Precision,
+    compute: Compute,
     device: Device,
     embed: Tensor,
     layers: Vec<Layer>,
@@ -190,6 +216,7 @@ impl std::fmt::Debug for Model {
             .field("layers", &self.cfg.num_hidden_layers)
             .field("vocab_size", &self.cfg.vocab_size)
             .field("precision", &self.precision)
+            .field("compute", &self.compute)
             .finish()
     }
 }
@@ -258,6 +285,18 @@ impl Model {
     /// [`ModelError::Config`] for an invalid config, [`ModelError::MissingTensor`] /
     /// [`ModelError::Shape`] when the shards do not match the config.
     pub fn load(dir: &Path, precision: Precision) -> Result<Self, ModelError> {
+        Self::load_with(dir, precision, Compute::F32)
+    }
+
+    /// [`Model::load`] with the activations computed in `compute` (see [`Compute`]).
+    ///
+    /// # Errors
+    /// As [`Model::load`].
+    pub fn load_with(
+        dir: &Path,
+        precision: Precision,
+        compute: Compute,
+    ) -> Result<Self, ModelError> {
         let cfg_path = dir.join("config.json");
         let cfg_bytes = std::fs::read(&cfg_path).map_err(|source| ModelError::Io {
             path: cfg_path.clone(),
@@ -378,6 +417,7 @@ impl Model {
         Ok(Self {
             cfg,
             precision,
+            compute,
             device,
             embed,
             layers,
@@ -396,6 +436,11 @@ impl Model {
     /// The precision the weights were loaded with.
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// The activation dtype.
+    pub fn compute(&self) -> Compute {
+        self.compute
     }
 
     /// An empty KV cache for one sequence.
@@ -466,21 +511,24 @@ impl Model {
         let scale = 1.0 / (hd as f64).sqrt();
         let mut new_cache = Vec::with_capacity(self.layers.len());
         for (li, layer) in self.layers.iter().enumerate() {
-            let xn = candle_nn::ops::rms_norm(&x, &layer.ln1, eps)?;
-            let heads =
-                |w: &Tensor, n: usize, norm: Option<&Tensor>| -> candle_core::Result<Tensor> {
-                    let y = xn.matmul(w)?.reshape((t, n, hd))?;
-                    let y = match norm {
-                        Some(nw) => candle_nn::ops::rms_norm(&y.contiguous()?, nw, eps)?,
-                        None => y,
-                    };
-                    y.transpose(0, 1)?.contiguous()?.unsqueeze(0) // [1, n, t, hd]
+            let c = self.compute;
+            let xn = c.round(candle_nn::ops::rms_norm(&x, &layer.ln1, eps)?)?;
+            let heads = |w: &Tensor,
+                         n: usize,
+                         norm: Option<&Tensor>|
+             -> candle_core::Result<Tensor> {
+                let y = c.round(xn.matmul(w)?)?.reshape((t, n, hd))?;
+                let y = match norm {
+                    Some(nw) => c.round(candle_nn::ops::rms_norm(&y.contiguous()?, nw, eps)?)?,
+                    None => y,
                 };
+                y.transpose(0, 1)?.contiguous()?.unsqueeze(0) // [1, n, t, hd]
+            };
             let q = heads(&layer.q_t, h, Some(&layer.q_norm))?;
             let k = heads(&layer.k_t, kv, Some(&layer.k_norm))?;
             let v = heads(&layer.v_t, kv, None)?;
-            let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
-            let k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
+            let q = c.round(candle_nn::rotary_emb::rope(&q, &cos, &sin)?)?;
+            let k = c.round(candle_nn::rotary_emb::rope(&k, &cos, &sin)?)?;
             let (k, v) = match cache.layers.get(li).and_then(|c| c.as_ref()) {
                 Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
                 None => (k, v),
@@ -501,21 +549,22 @@ impl Model {
                 att = att.broadcast_add(m)?;
             }
             let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let y = att.matmul(&v)?; // [1, h, t, hd]
+            let y = c.round(att.matmul(&v)?)?; // [1, h, t, hd]
             let y = y
                 .squeeze(0)?
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((t, h * hd))?;
-            x = (x + y.matmul(&layer.o_t)?)?;
-            let xn = candle_nn::ops::rms_norm(&x, &layer.ln2, eps)?;
-            x = (&x + layer.ffn.forward(&xn)?)?;
+            x = c.round((x + c.round(y.matmul(&layer.o_t)?)?)?)?;
+            let xn = c.round(candle_nn::ops::rms_norm(&x, &layer.ln2, eps)?)?;
+            x = c.round((&x + layer.ffn.forward(&xn, c)?)?)?;
         }
         for (slot, kvs) in cache.layers.iter_mut().zip(new_cache) {
             *slot = Some(kvs);
         }
         cache.len = total;
-        candle_nn::ops::rms_norm(&x, &self.norm, eps)
+        self.compute
+            .round(candle_nn::ops::rms_norm(&x, &self.norm, eps)?)
     }
 
     /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]`.

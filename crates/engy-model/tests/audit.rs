@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use engy_core::toploc::Params;
 use engy_model::audit::{audit, commit_greedy, AuditParams, Verdict};
-use engy_model::{corpus, gen_model, Checkpoint, GenConfig, Precision};
+use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Precision};
 
 fn checkpoint_dir() -> &'static Path {
     static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
@@ -43,15 +43,19 @@ fn quantiles(mut v: Vec<f64>) -> String {
 fn honest_passes_and_int4_is_caught_with_separated_scores() {
     let dir = checkpoint_dir();
     let auditor = Checkpoint::open(dir, Precision::Bf16).unwrap();
-    let cheat = Checkpoint::open(dir, Precision::Int4 { group_size: 32 }).unwrap();
+    // A bf16-activation serve: honest, but its numbers differ from the f32 auditor's.
+    let gpu_like = Checkpoint::open_with(dir, Precision::Bf16, Compute::Bf16).unwrap();
+    let cheat =
+        Checkpoint::open_with(dir, Precision::Int4 { group_size: 32 }, Compute::Bf16).unwrap();
     let stop = auditor.stop_ids();
     let params = AuditParams::default();
-    let (mut honest_scores, mut cheat_scores) = (vec![], vec![]);
+    let (mut honest_scores, mut gpu_scores, mut cheat_scores) = (vec![], vec![], vec![]);
     for (i, user) in corpus::sample_prompts(11, 10).iter().enumerate() {
         let ids = prompt(&auditor, user);
         let max_new = 40 + 17 * i; // 1 to 6 decode batches, last one ragged
         for (serve, scores, want) in [
             (&auditor, &mut honest_scores, Verdict::Pass),
+            (&gpu_like, &mut gpu_scores, Verdict::Pass),
             (&cheat, &mut cheat_scores, Verdict::Cheat),
         ] {
             let c = commit_greedy(
@@ -73,9 +77,21 @@ fn honest_passes_and_int4_is_caught_with_separated_scores() {
             scores.push(r.score.unwrap());
         }
     }
-    eprintln!("honest scores: {}", quantiles(honest_scores.clone()));
-    eprintln!("int4 scores:   {}", quantiles(cheat_scores.clone()));
-    let honest_max = honest_scores.iter().cloned().fold(0.0, f64::max);
+    eprintln!(
+        "honest f32 serve scores:  {}",
+        quantiles(honest_scores.clone())
+    );
+    eprintln!(
+        "honest bf16 serve scores: {}",
+        quantiles(gpu_scores.clone())
+    );
+    eprintln!(
+        "int4 bf16 serve scores:   {}",
+        quantiles(cheat_scores.clone())
+    );
+    // The f32 serve computes exactly what the auditor computes.
+    assert!(honest_scores.iter().all(|s| *s == 0.0));
+    let honest_max = gpu_scores.iter().cloned().fold(0.0, f64::max);
     let cheat_min = cheat_scores.iter().cloned().fold(1.0, f64::min);
     assert!(
         cheat_min > honest_max + 0.2,

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use engy_model::{corpus, gen_model, Checkpoint, GenConfig, Model, ModelError, Precision};
+use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, ModelError, Precision};
 
 const SEED: u64 = 53;
 
@@ -120,7 +120,13 @@ fn checkpoint_has_the_hugging_face_layout() {
 
 #[test]
 fn kv_cache_decoding_matches_the_teacher_forced_pass() {
-    let ck = Checkpoint::open(checkpoint_dir(), Precision::Bf16).unwrap();
+    for compute in [Compute::F32, Compute::Bf16] {
+        kv_cache_matches(compute);
+    }
+}
+
+fn kv_cache_matches(compute: Compute) {
+    let ck = Checkpoint::open_with(checkpoint_dir(), Precision::Bf16, compute).unwrap();
     let stop = ck.stop_ids();
     let mut worst = 0f32;
     let mut rows_total = 0usize;
@@ -162,8 +168,8 @@ fn kv_cache_decoding_matches_the_teacher_forced_pass() {
         }
     }
     eprintln!(
-        "decode vs teacher-forced: {rows_total} rows, worst relative diff {worst:e}, \
-         {bf16_differ} bf16 values differ"
+        "{compute:?} activations, decode vs teacher-forced: {rows_total} rows, worst relative \
+         diff {worst:e}, {bf16_differ} bf16 values differ"
     );
     assert!(worst < 1e-3, "worst relative difference {worst}");
 }
