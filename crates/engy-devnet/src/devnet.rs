@@ -1,0 +1,515 @@
+//! The devnet: the whole pipeline on one machine (issue 5), behind `engy-devnet run`.
+//!
+//! For each of two phases, **honest** (the checkpoint's bf16 weights) and **int4 cheat** (the
+//! same checkpoint rounded to 4-bit groups, still claiming the honest `model_root`):
+//!
+//! 1. the reference serve: the sglang double ([`crate::sglang::SglangDouble`]) over the real
+//!    devnet model ([`crate::devnet_backend::CandleBackend`]) on 127.0.0.1;
+//! 2. the gateway double ([`crate::gateway::GatewayDouble`]);
+//! 3. the real `engy-miner` binary, dialled into the gateway and pointed at the serve, with a
+//!    small `TOPLOC_GEN_CHUNK` so long requests take several `/generate` calls;
+//! 4. a fixed set of chat requests through the gateway (streaming and not, one multi-turn, two
+//!    longer than `TOPLOC_GEN_CHUNK`), each commitment audited by [`engy_model::audit`] against
+//!    the bf16 checkpoint.
+//!
+//! It prints one table row per request and exits non-zero if an honest proof does not pass or
+//! a cheat is not caught (an `unproven` counts as a failure in both phases).
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use engy_model::audit::{audit, AuditParams, Verdict};
+use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
+use serde_json::{json, Value};
+
+use crate::devnet_backend::CandleBackend;
+use crate::gateway::{GatewayConfig, GatewayDouble};
+use crate::sglang::{SglangConfig, SglangDouble};
+
+/// Settings of one devnet run.
+#[derive(Debug, Clone)]
+pub struct DevnetOptions {
+    /// Seed of the generated model ([`engy_model::gen_model`]).
+    pub seed: u64,
+    /// Where the checkpoint is generated (a temporary directory when `None`).
+    pub model_dir: Option<PathBuf>,
+    /// The `engy-miner` binary.
+    pub miner_bin: PathBuf,
+    /// The miner's `TOPLOC_GEN_CHUNK` (output tokens per `/generate` call).
+    pub gen_chunk: usize,
+    /// Group size of the int4 cheat.
+    pub int4_group: usize,
+    /// Audit thresholds (model spec defaults).
+    pub audit: AuditParams,
+    /// Longest wait for one request's response.
+    pub request_timeout: Duration,
+}
+
+/// One request of the devnet's fixed set.
+#[derive(Debug, Clone)]
+struct DevnetRequest {
+    label: &'static str,
+    stream: bool,
+    body: Value,
+}
+
+fn requests(gen_chunk: usize) -> Vec<DevnetRequest> {
+    let user = |text: &str| json!({"role": "user", "content": text});
+    vec![
+        DevnetRequest {
+            label: "short",
+            stream: false,
+            body: json!({"messages": [user("What does the miner do?")], "max_tokens": 24}),
+        },
+        DevnetRequest {
+            label: "short",
+            stream: true,
+            body: json!({"messages": [user("How is a proof checked?")], "max_tokens": 24}),
+        },
+        DevnetRequest {
+            label: "multi-turn",
+            stream: false,
+            body: json!({"messages": [
+                {"role": "system", "content": "You explain the engy network."},
+                user("Who signs the weight vector?"),
+                {"role": "assistant", "content": "The provider signs the weight vector."},
+                user("Tell me about the gateway.")
+            ], "max_tokens": 48}),
+        },
+        DevnetRequest {
+            label: "long > GEN_CHUNK",
+            stream: true,
+            body: json!({"messages": [user("Write a short story about a proof.")],
+                         "max_tokens": 3 * gen_chunk - 10}),
+        },
+        DevnetRequest {
+            label: "long > GEN_CHUNK",
+            stream: false,
+            body: json!({"messages": [user("Explain the audit.")],
+                         "max_tokens": 2 * gen_chunk + 5}),
+        },
+    ]
+}
+
+/// One row of the result table.
+#[derive(Debug, Clone)]
+pub struct DevnetRow {
+    /// `honest` or `int4 cheat`.
+    pub phase: &'static str,
+    /// Request label.
+    pub request: String,
+    /// Streamed through the gateway.
+    pub stream: bool,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: u64,
+    /// Streamed `chunk` frames (0 for non-stream).
+    pub chunks: usize,
+    /// Decoded proof bytes.
+    pub proof_bytes: usize,
+    /// Gateway-side latency from `serve` to `response`.
+    pub latency: Duration,
+    /// Audit score (mean exponent mismatches / topk).
+    pub score: Option<f64>,
+    /// `pass`, `cheat`, `unproven: …` or `error: …`.
+    pub verdict: String,
+    /// Whether this row is what the phase expects.
+    pub ok: bool,
+}
+
+/// Finds the `engy-miner` binary: `explicit`, else next to the running executable (the same
+/// cargo target directory).
+///
+/// # Errors
+/// When no binary is found, with the build command to run.
+pub fn locate_miner(explicit: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = explicit {
+        if p.is_file() {
+            return Ok(p);
+        }
+        bail!("--miner-bin {} is not a file", p.display());
+    }
+    let exe = std::env::current_exe().context("locating the running executable")?;
+    let dir = exe
+        .parent()
+        .context("the executable has no parent directory")?;
+    let name = format!("engy-miner{}", std::env::consts::EXE_SUFFIX);
+    for candidate in [dir.join(&name), dir.join("..").join(&name)] {
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "no engy-miner binary next to {} — build it first: `cargo build -p engy-miner -p \
+         engy-devnet` (same profile), or pass --miner-bin / ENGY_MINER_BIN",
+        exe.display()
+    )
+}
+
+/// A progress line on stderr: rewritten in place on a terminal, printed once otherwise.
+struct Progress {
+    tty: bool,
+}
+
+impl Progress {
+    fn update(&self, msg: &str) {
+        if self.tty {
+            let mut e = std::io::stderr();
+            let _ = write!(e, "\r\x1b[2K{msg}");
+            let _ = e.flush();
+        }
+    }
+    fn done(&self, msg: &str) {
+        if self.tty {
+            eprint!("\r\x1b[2K");
+        }
+        eprintln!("{msg}");
+    }
+}
+
+/// The miner child process; killed on drop if still running.
+struct Miner {
+    child: tokio::process::Child,
+    log: PathBuf,
+}
+
+impl Miner {
+    async fn spawn(
+        bin: &Path,
+        gw: &str,
+        serve: &str,
+        checkpoint: &Path,
+        gen_chunk: usize,
+        work: &Path,
+        phase: &str,
+    ) -> anyhow::Result<Self> {
+        let log = work.join(format!("miner-{}.log", phase.replace(' ', "-")));
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        let child = tokio::process::Command::new(bin)
+            .arg("run")
+            .args(["--gw", gw])
+            .args(["--miner-key", "devnet-miner"])
+            .args(["--model", "engy-devnet"])
+            .arg("--checkpoint")
+            .arg(checkpoint)
+            .args(["--serve-url", serve])
+            .args(["--gen-chunk", &gen_chunk.to_string()])
+            .args(["--max-inflight", "8"])
+            .args(["--worker-name", "devnet"])
+            .arg("--lock-file")
+            .arg(work.join("engy-miner.lock"))
+            .env_remove("GW")
+            .env_remove("ENGY_GW_WORKERS")
+            .env("RUST_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        Ok(Self { child, log })
+    }
+
+    /// SIGTERM (the miner drains and exits), then SIGKILL after 10 s.
+    async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        match tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await {
+            Ok(status) => {
+                status?;
+            }
+            Err(_) => {
+                self.child.kill().await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Runs one phase: serve + gateway + miner, every request, every audit.
+/// What one phase serves and expects.
+struct PhaseSpec {
+    name: &'static str,
+    precision: Precision,
+    expect: Verdict,
+}
+
+async fn phase(
+    spec: &PhaseSpec,
+    dir: &Path,
+    work: &Path,
+    auditor: &Arc<Checkpoint>,
+    opts: &DevnetOptions,
+    progress: &Progress,
+) -> anyhow::Result<Vec<DevnetRow>> {
+    let (name, precision, expect) = (spec.name, spec.precision, &spec.expect);
+    progress.done(&format!("[{name}] loading the {precision} serve"));
+    let backend = CandleBackend::open(dir, precision)
+        .with_context(|| format!("loading {} for the serve", dir.display()))?;
+    let serve = SglangDouble::start(Arc::new(backend), SglangConfig::default())
+        .await
+        .context("starting the reference serve")?;
+    let gateway = GatewayDouble::start(GatewayConfig::default())
+        .await
+        .context("starting the gateway double")?;
+    let mut miner = Miner::spawn(
+        &opts.miner_bin,
+        &gateway.url(),
+        &serve.url(),
+        dir,
+        opts.gen_chunk,
+        work,
+        name,
+    )
+    .await?;
+    progress.done(&format!(
+        "[{name}] serve {}  gateway {}  engy-miner pid {} (log {})",
+        serve.url(),
+        gateway.url(),
+        miner.child.id().unwrap_or(0),
+        miner.log.display()
+    ));
+    tokio::select! {
+        legs = gateway.wait_legs(1, Duration::from_secs(60)) => {
+            if legs.is_none() {
+                bail!("engy-miner did not connect within 60 s; its log:\n{}", tail(&miner.log, 20));
+            }
+        }
+        status = miner.child.wait() => {
+            bail!("engy-miner exited ({:?}) before connecting; its log:\n{}",
+                status.ok(), tail(&miner.log, 20));
+        }
+    }
+    let reqs = requests(opts.gen_chunk);
+    let mut rows = Vec::with_capacity(reqs.len());
+    for (i, r) in reqs.iter().enumerate() {
+        let mode = if r.stream { "stream" } else { "non-stream" };
+        let what = format!("[{name}] {}/{} {} ({mode})", i + 1, reqs.len(), r.label);
+        let started = Instant::now();
+        let Some((_, corr)) = gateway.submit(r.body.clone(), r.stream) else {
+            bail!("the gateway double found no miner leg with free capacity");
+        };
+        let response = loop {
+            let tick = gateway
+                .wait_response(&corr, Duration::from_millis(250))
+                .await;
+            if let Some(v) = tick {
+                break Some(v);
+            }
+            let elapsed = started.elapsed();
+            if elapsed > opts.request_timeout {
+                break None;
+            }
+            let streamed: usize = gateway
+                .chunks(&corr)
+                .iter()
+                .filter_map(|c| c.pointer("/delta/content").and_then(Value::as_str))
+                .map(str::len)
+                .sum();
+            progress.update(&format!(
+                "{what}: generating… {:.1} s{}",
+                elapsed.as_secs_f64(),
+                if r.stream {
+                    format!(", {streamed} chars streamed")
+                } else {
+                    String::new()
+                }
+            ));
+        };
+        let latency = started.elapsed();
+        let Some(resp) = response else {
+            bail!(
+                "{what}: no response within {:?}; miner log:\n{}",
+                opts.request_timeout,
+                tail(&miner.log, 20)
+            );
+        };
+        progress.update(&format!("{what}: auditing…"));
+        let chunks = gateway.chunks(&corr).len();
+        let usage = resp
+            .pointer("/output/usage")
+            .cloned()
+            .unwrap_or(Value::Null);
+        let num = |k: &str| usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+        let row = if let Some(err) = resp.get("error").and_then(Value::as_str) {
+            DevnetRow {
+                phase: name,
+                request: r.label.into(),
+                stream: r.stream,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                chunks,
+                proof_bytes: 0,
+                latency,
+                score: None,
+                verdict: format!("error: {err}"),
+                ok: false,
+            }
+        } else {
+            let commitment = resp.get("commitment").cloned().unwrap_or(Value::Null);
+            let ck = Arc::clone(auditor);
+            let params = opts.audit;
+            let report = tokio::task::spawn_blocking(move || {
+                audit(&ck.model, &ck.model_root, &commitment, &params)
+            })
+            .await
+            .context("audit task")?
+            .context("audit")?;
+            let verdict = match &report.verdict {
+                Verdict::Unproven { reason } => format!("unproven: {reason}"),
+                v => v.label().to_string(),
+            };
+            DevnetRow {
+                phase: name,
+                request: r.label.into(),
+                stream: r.stream,
+                prompt_tokens: num("prompt_tokens"),
+                completion_tokens: num("completion_tokens"),
+                chunks,
+                proof_bytes: report.proof_bytes,
+                latency,
+                score: report.score,
+                ok: &report.verdict == expect,
+                verdict,
+            }
+        };
+        progress.done(&format!(
+            "{what}: {} tokens in {:.2} s, score {}, {}",
+            row.completion_tokens,
+            row.latency.as_secs_f64(),
+            row.score.map(|s| format!("{s:.3}")).unwrap_or("-".into()),
+            row.verdict
+        ));
+        rows.push(row);
+    }
+    miner.stop().await.context("stopping engy-miner")?;
+    Ok(rows)
+}
+
+/// Runs the devnet and returns every row (print them with [`render_table`]).
+///
+/// # Errors
+/// When a component cannot start or a request gets no response (an audit verdict is never an
+/// error: it is a row).
+pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
+    let progress = Progress {
+        tty: std::io::stderr().is_terminal(),
+    };
+    // Miner logs and lock file (and the model unless --model-dir) live in a fresh temporary
+    // directory, removed at the end.
+    let work = tempfile::Builder::new()
+        .prefix("engy-devnet-")
+        .tempdir()
+        .context("creating a temporary directory")?;
+    let dir = match &opts.model_dir {
+        Some(d) => d.clone(),
+        None => work.path().join("devnet-model"),
+    };
+    let t0 = Instant::now();
+    let report = {
+        let gen_dir = dir.clone();
+        let seed = opts.seed;
+        tokio::task::spawn_blocking(move || gen_model(&gen_dir, seed, &GenConfig::default()))
+            .await
+            .context("gen-model task")?
+            .with_context(|| format!("generating the devnet model in {}", dir.display()))?
+    };
+    progress.done(&format!(
+        "generated the devnet model (seed {}, {} parameters, vocab {}) in {} ({:.1} s)",
+        opts.seed,
+        report.parameters,
+        report.vocab_size,
+        dir.display(),
+        t0.elapsed().as_secs_f64()
+    ));
+    let auditor = Arc::new(
+        Checkpoint::open(&dir, Precision::Bf16).context("loading the auditor's checkpoint")?,
+    );
+    progress.done(&format!("model_root {}", auditor.model_root));
+    let honest = PhaseSpec {
+        name: "honest",
+        precision: Precision::Bf16,
+        expect: Verdict::Pass,
+    };
+    let cheat = PhaseSpec {
+        name: "int4 cheat",
+        precision: Precision::Int4 {
+            group_size: opts.int4_group,
+        },
+        expect: Verdict::Cheat,
+    };
+    let mut rows = phase(&honest, &dir, work.path(), &auditor, opts, &progress).await?;
+    rows.extend(phase(&cheat, &dir, work.path(), &auditor, opts, &progress).await?);
+    Ok(rows)
+}
+
+/// The result table, then one summary line per phase.
+pub fn render_table(rows: &[DevnetRow]) -> String {
+    let mut s = String::new();
+    let header = format!(
+        "{:<11} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>8} {:>6}  {}\n",
+        "phase",
+        "request",
+        "mode",
+        "prompt",
+        "compl",
+        "chunks",
+        "proofB",
+        "latency",
+        "score",
+        "verdict"
+    );
+    s.push_str(&header);
+    s.push_str(&"-".repeat(header.len().saturating_sub(1)));
+    s.push('\n');
+    for r in rows {
+        s.push_str(&format!(
+            "{:<11} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>7.2}s {:>6}  {}{}\n",
+            r.phase,
+            r.request,
+            if r.stream { "stream" } else { "non-stream" },
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.chunks,
+            r.proof_bytes,
+            r.latency.as_secs_f64(),
+            r.score.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
+            r.verdict,
+            if r.ok { "" } else { "   <-- UNEXPECTED" }
+        ));
+    }
+    for (phase, want) in [("honest", "pass"), ("int4 cheat", "cheat")] {
+        let of: Vec<&DevnetRow> = rows.iter().filter(|r| r.phase == phase).collect();
+        let ok = of.iter().filter(|r| r.ok).count();
+        let scores: Vec<f64> = of.iter().filter_map(|r| r.score).collect();
+        let (lo, hi) = scores
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+                (a.min(x), b.max(x))
+            });
+        s.push_str(&format!(
+            "{phase}: {ok}/{} {want} (score {})\n",
+            of.len(),
+            if scores.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{lo:.3}..{hi:.3}")
+            }
+        ));
+    }
+    s
+}

@@ -1,0 +1,226 @@
+//! `engy-devnet`: the whole engy pipeline on one machine, no GPU, no network.
+//!
+//! * `engy-devnet run`: generate the devnet model, then for an honest serve and an int4 cheat
+//!   serve start the reference serve, the gateway double and the real `engy-miner`, send chat
+//!   requests through the gateway and audit every commitment. Prints a table; exit 0 when every
+//!   honest proof passes and every cheat is caught, 1 otherwise, 2 when the devnet could not
+//!   run (a component failed to start, a request got no response).
+//! * `engy-devnet gen-model --out DIR`: write the devnet checkpoint.
+//! * `engy-devnet serve --checkpoint DIR [--quantize int4] --port P`: the reference serve
+//!   (sglang's native API, sglang-native-api.md) until SIGTERM / Ctrl-C.
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use engy_devnet::devnet::{locate_miner, render_table, run, DevnetOptions};
+use engy_devnet::devnet_backend::CandleBackend;
+use engy_devnet::sglang::{SglangConfig, SglangDouble};
+use engy_model::audit::AuditParams;
+use engy_model::{gen_model, GenConfig, Precision};
+
+/// engy devnet: the whole pipeline on 127.0.0.1 with a tiny generated model.
+#[derive(Parser, Debug)]
+#[command(name = "engy-devnet", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the devnet: honest serve then int4 cheat, every commitment audited.
+    Run(RunArgs),
+    /// Write the devnet checkpoint (bf16 safetensors shards, config, tokenizer, chat template).
+    GenModel {
+        /// Output directory (created).
+        #[arg(long)]
+        out: PathBuf,
+        /// Model seed.
+        #[arg(long, default_value_t = 53)]
+        seed: u64,
+    },
+    /// Serve a checkpoint with sglang's native HTTP API (the miner's serve double).
+    Serve {
+        /// Checkpoint directory (from `gen-model`).
+        #[arg(long, env = "CHECKPOINT")]
+        checkpoint: PathBuf,
+        /// Serve cheaper weights while reporting the same checkpoint: `int4`.
+        #[arg(long)]
+        quantize: Option<Quantize>,
+        /// Columns per int4 group.
+        #[arg(long, default_value_t = 32)]
+        group_size: usize,
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Listen port.
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Quantize {
+    /// Symmetric 4-bit groups, dequantised to bf16.
+    Int4,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Model seed.
+    #[arg(long, default_value_t = 53)]
+    seed: u64,
+    /// Generate the model here and keep it (default: a temporary directory).
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// The engy-miner binary (default: next to this executable).
+    #[arg(long, env = "ENGY_MINER_BIN")]
+    miner_bin: Option<PathBuf>,
+    /// The miner's TOPLOC_GEN_CHUNK (small, so long requests take several /generate calls).
+    #[arg(long, default_value_t = 64)]
+    gen_chunk: usize,
+    /// Columns per int4 group of the cheat.
+    #[arg(long, default_value_t = 32)]
+    group_size: usize,
+    /// Audit: proof top-k (model spec toploc_k).
+    #[arg(long, default_value_t = 128)]
+    toploc_k: usize,
+    /// Audit: exponent mismatches a batch may have (model spec toploc_v).
+    #[arg(long, default_value_t = 40)]
+    toploc_v: u64,
+    /// Audit: fraction of batches that must pass (model spec toploc_p).
+    #[arg(long, default_value_t = 0.99)]
+    toploc_p: f64,
+    /// Longest wait for one request, in seconds.
+    #[arg(long, default_value_t = 120.0)]
+    request_timeout_s: f64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("engy-devnet: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Run(a) => run_cmd(a).await,
+            Cmd::GenModel { out, seed } => {
+                let r = gen_model(&out, seed, &GenConfig::default())
+                    .with_context(|| format!("generating into {}", out.display()))?;
+                println!(
+                    "wrote {} ({} parameters, vocab {}): {}",
+                    out.display(),
+                    r.parameters,
+                    r.vocab_size,
+                    r.files.join(", ")
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+            Cmd::Serve {
+                checkpoint,
+                quantize,
+                group_size,
+                host,
+                port,
+            } => serve_cmd(checkpoint, quantize, group_size, host, port).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("engy-devnet: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(a.gen_chunk > 0, "--gen-chunk must be at least 1");
+    let opts = DevnetOptions {
+        seed: a.seed,
+        model_dir: a.model_dir,
+        miner_bin: locate_miner(a.miner_bin)?,
+        gen_chunk: a.gen_chunk,
+        int4_group: a.group_size,
+        audit: AuditParams {
+            toploc_k: a.toploc_k,
+            toploc_v: a.toploc_v,
+            toploc_p: a.toploc_p,
+        },
+        request_timeout: Duration::from_secs_f64(a.request_timeout_s.clamp(1.0, 86_400.0)),
+    };
+    let started = std::time::Instant::now();
+    let rows = run(&opts).await?;
+    println!();
+    print!("{}", render_table(&rows));
+    let ok = rows.iter().all(|r| r.ok);
+    println!(
+        "{} in {:.1} s",
+        if ok {
+            "devnet OK: every honest proof passed and every int4 cheat was caught"
+        } else {
+            "devnet FAILED: see the rows marked UNEXPECTED"
+        },
+        started.elapsed().as_secs_f64()
+    );
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+async fn serve_cmd(
+    checkpoint: PathBuf,
+    quantize: Option<Quantize>,
+    group_size: usize,
+    host: String,
+    port: u16,
+) -> anyhow::Result<ExitCode> {
+    let precision = match quantize {
+        Some(Quantize::Int4) => Precision::Int4 { group_size },
+        None => Precision::Bf16,
+    };
+    let backend = CandleBackend::open(&checkpoint, precision)
+        .with_context(|| format!("loading {}", checkpoint.display()))?;
+    let root = backend.model_root().to_string();
+    let listener = tokio::net::TcpListener::bind((host.as_str(), port))
+        .await
+        .with_context(|| format!("binding {host}:{port}"))?;
+    let serve = SglangDouble::start_on(listener, Arc::new(backend), SglangConfig::default())
+        .context("starting the serve")?;
+    eprintln!(
+        "serving {} ({precision}, model_root {root}) at {}; stop with SIGTERM or Ctrl-C",
+        checkpoint.display(),
+        serve.url()
+    );
+    wait_for_signal().await;
+    eprintln!("signal received; stopping the serve");
+    drop(serve);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
