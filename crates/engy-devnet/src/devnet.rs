@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use engy_model::audit::{audit, AuditParams, Verdict};
-use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
+use engy_model::{gen_model, Checkpoint, Compute, GenConfig, Precision};
 use serde_json::{json, Value};
 
 use crate::devnet_backend::CandleBackend;
@@ -41,6 +41,9 @@ pub struct DevnetOptions {
     pub gen_chunk: usize,
     /// Group size of the int4 cheat.
     pub int4_group: usize,
+    /// Activation dtype of both serves ([`Compute::Bf16`] plays a bf16 GPU serve; the auditor
+    /// always computes in f32).
+    pub serve_compute: Compute,
     /// Audit thresholds (model spec defaults).
     pub audit: AuditParams,
     /// Longest wait for one request's response.
@@ -257,8 +260,11 @@ async fn phase(
     progress: &Progress,
 ) -> anyhow::Result<Vec<DevnetRow>> {
     let (name, precision, expect) = (spec.name, spec.precision, &spec.expect);
-    progress.done(&format!("[{name}] loading the {precision} serve"));
-    let backend = CandleBackend::open(dir, precision)
+    progress.done(&format!(
+        "[{name}] loading the serve: {precision} weights, {:?} activations",
+        opts.serve_compute
+    ));
+    let backend = CandleBackend::open_with(dir, precision, opts.serve_compute)
         .with_context(|| format!("loading {} for the serve", dir.display()))?;
     let serve = SglangDouble::start(Arc::new(backend), SglangConfig::default())
         .await

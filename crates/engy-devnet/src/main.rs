@@ -19,7 +19,7 @@ use engy_devnet::devnet::{locate_miner, render_table, run, DevnetOptions};
 use engy_devnet::devnet_backend::CandleBackend;
 use engy_devnet::sglang::{SglangConfig, SglangDouble};
 use engy_model::audit::AuditParams;
-use engy_model::{gen_model, GenConfig, Precision};
+use engy_model::{gen_model, Compute, GenConfig, Precision};
 
 /// engy devnet: the whole pipeline on 127.0.0.1 with a tiny generated model.
 #[derive(Parser, Debug)]
@@ -53,6 +53,9 @@ enum Cmd {
         /// Columns per int4 group.
         #[arg(long, default_value_t = 32)]
         group_size: usize,
+        /// Activation dtype.
+        #[arg(long, value_enum, default_value_t = ComputeArg::Bf16)]
+        compute: ComputeArg,
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1")]
         host: String,
@@ -60,6 +63,25 @@ enum Cmd {
         #[arg(long, default_value_t = 8000)]
         port: u16,
     },
+}
+
+/// Activation dtype of a serve.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ComputeArg {
+    /// bf16 activations (f32 accumulation), like a bf16 GPU serve: honest rows differ
+    /// slightly from the f32 auditor's.
+    Bf16,
+    /// f32 activations: honest rows equal the auditor's bit for bit.
+    F32,
+}
+
+impl From<ComputeArg> for Compute {
+    fn from(c: ComputeArg) -> Self {
+        match c {
+            ComputeArg::Bf16 => Compute::Bf16,
+            ComputeArg::F32 => Compute::F32,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -85,6 +107,9 @@ struct RunArgs {
     /// Columns per int4 group of the cheat.
     #[arg(long, default_value_t = 32)]
     group_size: usize,
+    /// Activation dtype of the serves (the auditor always computes in f32).
+    #[arg(long, value_enum, default_value_t = ComputeArg::Bf16)]
+    serve_compute: ComputeArg,
     /// Audit: proof top-k (model spec toploc_k).
     #[arg(long, default_value_t = 128)]
     toploc_k: usize,
@@ -130,9 +155,10 @@ fn main() -> ExitCode {
                 checkpoint,
                 quantize,
                 group_size,
+                compute,
                 host,
                 port,
-            } => serve_cmd(checkpoint, quantize, group_size, host, port).await,
+            } => serve_cmd(checkpoint, quantize, group_size, compute.into(), host, port).await,
         }
     });
     match result {
@@ -152,6 +178,7 @@ async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
         miner_bin: locate_miner(a.miner_bin)?,
         gen_chunk: a.gen_chunk,
         int4_group: a.group_size,
+        serve_compute: a.serve_compute.into(),
         audit: AuditParams {
             toploc_k: a.toploc_k,
             toploc_v: a.toploc_v,
@@ -184,6 +211,7 @@ async fn serve_cmd(
     checkpoint: PathBuf,
     quantize: Option<Quantize>,
     group_size: usize,
+    compute: Compute,
     host: String,
     port: u16,
 ) -> anyhow::Result<ExitCode> {
@@ -191,7 +219,7 @@ async fn serve_cmd(
         Some(Quantize::Int4) => Precision::Int4 { group_size },
         None => Precision::Bf16,
     };
-    let backend = CandleBackend::open(&checkpoint, precision)
+    let backend = CandleBackend::open_with(&checkpoint, precision, compute)
         .with_context(|| format!("loading {}", checkpoint.display()))?;
     let root = backend.model_root().to_string();
     let listener = tokio::net::TcpListener::bind((host.as_str(), port))
@@ -200,7 +228,8 @@ async fn serve_cmd(
     let serve = SglangDouble::start_on(listener, Arc::new(backend), SglangConfig::default())
         .context("starting the serve")?;
     eprintln!(
-        "serving {} ({precision}, model_root {root}) at {}; stop with SIGTERM or Ctrl-C",
+        "serving {} ({precision} weights, {compute:?} activations, model_root {root}) at {}; \
+         stop with SIGTERM or Ctrl-C",
         checkpoint.display(),
         serve.url()
     );
