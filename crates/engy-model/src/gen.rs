@@ -4,22 +4,30 @@
 //!
 //! # How the weights are made (and why text is not degenerate)
 //! A randomly initialised transformer decoded greedily falls into a one-token loop or emits
-//! end-of-turn at once. The generator therefore gives the model a cheap *bigram prior*: it
-//! counts token bigrams over the generated corpus ([`crate::corpus`]) and builds the LM head as
-//! an associative memory, `lm_head[v] = bigram_gain · Σ_t P(v | t) · ê_t` (ê_t the unit
-//! embedding of token t) plus small noise. Because the residual stream carries the current
-//! token's embedding to the final norm, the logits are the corpus bigram log-odds of the next
-//! token, perturbed by what the random attention/MLP layers add from the whole context. Greedy
-//! decoding then writes corpus-like text whose choices depend on the context (so it does not
-//! settle into a short cycle), and it ends a turn with `<|im_end|>` only where the corpus does
-//! (scaled by `eos_gain`).
+//! end-of-turn at once. The generator therefore gives the model a cheap *bigram prior*, counted
+//! over the assistant turns of the generated corpus ([`crate::corpus`]):
+//!
+//! * the tokens seen there get mutually orthogonal embeddings (Gram–Schmidt), so the LM head can
+//!   read the current token from the residual stream without crosstalk;
+//! * the LM head is an associative memory: `lm_head[v] = Σ_t s(t, v) · ê_t` with
+//!   `s(t, v) = bigram_gain · (1 + successor_prob_weight · P(v | t))` for every observed
+//!   successor `v` of `t` (0 otherwise; the `<|im_end|>` column times `eos_gain`), plus small
+//!   noise.
+//!
+//! The logits thus favour every grammatical successor about equally, and the random attention
+//! and MLP layers, which see the whole context, choose among them: greedy text is corpus-like
+//! and varies with the context instead of settling into one cycle (short loops still happen, as
+//! with real greedy decoding; turns end with `<|im_end|>` where the corpus allows it, rarely).
 //!
 //! All projection matrices (attention, MLP, experts, router) are Gaussian with std
-//! `1/sqrt(fan_in)` (times `residual_gain` for the two residual-writing ones, `o_proj` and
-//! `down_proj`), with a small fraction of heavy-tailed entries (`outlier_frac`, scaled by
-//! `outlier_scale`), as trained LLM weights have. Those outliers are what make naive
-//! round-to-nearest int4 lossy on real checkpoints, and they play the same role here: the int4
-//! cheat ([`crate::Precision::Int4`]) changes the hidden states enough for TOPLOC to notice.
+//! `1/sqrt(fan_in)` (times `residual_gain` for the residual-writing `o_proj` and `down_proj`),
+//! with a small fraction of heavy-tailed entries (`outlier_frac`, scaled by `outlier_scale`), as
+//! trained LLM weights have; the residual-writing rows of the first `massive_dims` channels are
+//! scaled by `massive_gain` ("massive activations"; token embeddings and the LM head do not use
+//! those channels). The outliers make naive round-to-nearest int4 lossy, as on real
+//! checkpoints, and the massive channels carry the top-k values TOPLOC commits to, so the int4
+//! cheat ([`crate::Precision::Int4`]) moves the proven values well past `toploc_v` while an
+//! honest bf16-activation serve stays far below it.
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
