@@ -83,6 +83,8 @@ struct Inner {
     fault: Fault,
     heartbeats: Vec<RecordedHeartbeat>,
     heartbeat_status: u16,
+    /// Record each heartbeat, then never answer.
+    heartbeat_hang: bool,
     fetches: u64,
 }
 
@@ -167,6 +169,11 @@ impl ProviderDouble {
     /// The status the heartbeat endpoint answers with (default 200).
     pub fn set_heartbeat_status(&self, status: u16) {
         self.shared.lock().heartbeat_status = status;
+    }
+
+    /// When `true`, the heartbeat endpoint records each POST and then never answers.
+    pub fn set_heartbeat_hang(&self, hang: bool) {
+        self.shared.lock().heartbeat_hang = hang;
     }
 
     /// Every heartbeat POST received so far.
@@ -268,7 +275,7 @@ async fn heartbeat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: 
         &body,
     )
     .map_err(|e| e.to_string());
-    let code = {
+    let (code, hang) = {
         let mut g = shared.lock();
         let code = g.heartbeat_status;
         g.heartbeats.push(RecordedHeartbeat {
@@ -276,8 +283,11 @@ async fn heartbeat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: 
             body: body.to_vec(),
             verified,
         });
-        code
+        (code, g.heartbeat_hang)
     };
+    if hang {
+        std::future::pending::<()>().await;
+    }
     let code = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (code, "").into_response()
 }

@@ -207,8 +207,9 @@ impl subxt::tx::Signer<SubtensorConfig> for SubxtSigner<'_> {
 /// Errors opening or reading the chain.
 #[derive(Debug, thiserror::Error)]
 pub enum ChainError {
-    /// Connecting or downloading metadata failed.
-    #[error("cannot connect to {url}: {reason}")]
+    /// Connecting or downloading metadata failed; `reason` is the innermost cause, once
+    /// (see [`innermost_cause`]).
+    #[error("cannot reach the chain at {url}: {reason}")]
     Connect {
         /// The node URL.
         url: String,
@@ -410,6 +411,40 @@ fn read_err(what: impl Into<String>) -> impl FnOnce(subxt::Error) -> ChainError 
     }
 }
 
+/// The innermost cause of `e`, once: the deepest `source()` in its chain, with the layer
+/// prefixes subxt and jsonrpsee repeat at each level ("RPC error: ", "client error: ", …)
+/// stripped. A connection refused reads "Connection refused (os error 111)" instead of
+/// "RPC error: RPC error: client error: RPC error: client error: …".
+pub fn innermost_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut last = e;
+    while let Some(next) = last.source() {
+        last = next;
+    }
+    strip_layer_prefixes(&last.to_string()).to_owned()
+}
+
+/// `text` without any leading run of the layer prefixes named in [`innermost_cause`].
+fn strip_layer_prefixes(text: &str) -> &str {
+    const PREFIXES: &[&str] = &[
+        "RPC error: ",
+        "Rpc error: ",
+        "client error: ",
+        "Client error: ",
+        "Networking or low-level protocol error: ",
+        "Transport error: ",
+        "Error when opening the TCP socket: ",
+    ];
+    let mut rest = text.trim();
+    while let Some(next) = PREFIXES.iter().find_map(|p| rest.strip_prefix(p)) {
+        rest = next.trim_start();
+    }
+    if rest.is_empty() {
+        text.trim()
+    } else {
+        rest
+    }
+}
+
 impl Chain {
     /// Connects to `url` (ws:// or wss://) and downloads the node's metadata.
     pub async fn connect(url: &str) -> Result<Chain, ChainError> {
@@ -421,7 +456,7 @@ impl Chain {
             }),
             Ok(Err(e)) => Err(ChainError::Connect {
                 url: url.to_owned(),
-                reason: e.to_string(),
+                reason: innermost_cause(&e),
             }),
             Err(_) => Err(ChainError::Timeout {
                 what: "connect",
@@ -761,6 +796,40 @@ pub fn dispatch_hint(name: &str) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn connect_error_names_the_url_and_the_cause_once() {
+        // A port nothing listens on: bind, note it, close.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("ws://127.0.0.1:{port}");
+        let Err(e) = Chain::connect(&url).await else {
+            panic!("connected to a closed port");
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("cannot reach the chain at {url}: ")),
+            "{text}"
+        );
+        assert!(!text.contains("RPC error"), "{text}");
+        assert!(!text.contains("client error"), "{text}");
+        assert!(text.to_lowercase().contains("refused"), "{text}");
+    }
+
+    #[test]
+    fn layer_prefixes_are_stripped() {
+        assert_eq!(
+            strip_layer_prefixes(
+                "RPC error: RPC error: client error: RPC error: client error: Connection refused"
+            ),
+            "Connection refused"
+        );
+        assert_eq!(strip_layer_prefixes("RPC error: "), "RPC error:");
+        assert_eq!(strip_layer_prefixes("plain"), "plain");
+    }
 
     /// subtensor's `ChargeTransactionPaymentWrapper` shape: a composite around a compact tip.
     struct WrapperLike;

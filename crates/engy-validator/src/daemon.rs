@@ -64,6 +64,9 @@ pub struct Daemon {
     hotkey: Hotkey,
     http: reqwest::Client,
     extensions_checked: bool,
+    /// Set by [`run`] before the last of `--ticks N`: the line then says the process exits
+    /// instead of naming a poll that never comes.
+    final_tick: bool,
 }
 
 fn short(hk: &str) -> String {
@@ -81,6 +84,7 @@ impl Daemon {
             hotkey,
             http: crate::provider::client()?,
             extensions_checked: false,
+            final_tick: false,
         })
     }
 
@@ -90,7 +94,19 @@ impl Daemon {
     }
 
     fn next_poll(&self) -> String {
-        format!("next poll in {} s", self.settings.poll_s)
+        if self.final_tick {
+            "--ticks limit reached, exiting".to_owned()
+        } else {
+            format!("next poll in {} s", self.settings.poll_s)
+        }
+    }
+
+    fn retry(&self) -> String {
+        if self.final_tick {
+            "no retry (--ticks limit reached, exiting)".to_owned()
+        } else {
+            format!("retry next poll in {} s", self.settings.poll_s)
+        }
     }
 
     /// Reports (once per process) the transaction extensions this client cannot encode.
@@ -212,9 +228,9 @@ impl Daemon {
                 return warn(
                     "chain-down",
                     format!(
-                    "{via}: chain unreachable ({e}); nothing submitted, state unchanged; retry {}",
-                    self.next_poll()
-                ),
+                        "{via}: chain unreachable ({e}); nothing submitted, state unchanged; {}",
+                        self.retry()
+                    ),
                 )
             }
         };
@@ -267,7 +283,7 @@ impl Daemon {
             Err(e) => {
                 return warn(
                     "chain-down",
-                    format!("{via} ({why}): metagraph read failed ({e}); nothing submitted, state unchanged; retry {}", self.next_poll()),
+                    format!("{via} ({why}): metagraph read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
                 )
             }
         };
@@ -350,9 +366,9 @@ impl Daemon {
                 return warn(
                     "failed",
                     format!(
-                        "{via} ({why}): set_weights of {} uids FAILED: {e}{hint}; state unchanged, retry {}{notes}",
+                        "{via} ({why}): set_weights of {} uids FAILED: {e}{hint}; state unchanged, {}{notes}",
                         resolved.uids.len(),
-                        self.next_poll()
+                        self.retry()
                     ),
                 );
             }
@@ -452,6 +468,7 @@ pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<(
             _ = term.recv() => { tracing::info!("SIGTERM: no tick in progress; exiting 0"); return Ok(()); }
             _ = int.recv() => { tracing::info!("SIGINT: no tick in progress; exiting 0"); return Ok(()); }
         }
+        daemon.final_tick = max_ticks.is_some_and(|m| done + 1 >= m);
         let now = crate::liveness::unix_now();
         let report = tokio::select! {
             r = daemon.tick(now) => Some(r),
@@ -468,10 +485,20 @@ pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<(
                 s.heartbeat_file.display()
             );
         }
-        let report = daemon.provider_heartbeat(report).await;
+        // Best effort: a signal abandons the POST at once (it may otherwise run to its
+        // 10 s timeout); the tick's line is still printed.
+        let (report, signal) = tokio::select! {
+            r = daemon.provider_heartbeat(report.clone()) => (r, None),
+            _ = term.recv() => (report, Some("SIGTERM")),
+            _ = int.recv() => (report, Some("SIGINT")),
+        };
         match report.level {
             Level::Info => tracing::info!("{}", report.line),
             Level::Warn => tracing::warn!("{}", report.line),
+        }
+        if let Some(sig) = signal {
+            tracing::info!("{sig} during the provider heartbeat POST: abandoned it (best effort; the tick's work is done); exiting 0");
+            return Ok(());
         }
         done += 1;
         if max_ticks.is_some_and(|m| done >= m) {

@@ -110,6 +110,14 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             s.state_file.display()
         );
     }
+    let dropped = engy_validator::state::dropped_fields(&s.state_file);
+    if !dropped.is_empty() {
+        tracing::warn!(
+            "state file {}: field(s) {} have the wrong type or value and read as absent (each field is validated on its own, PROTOCOL.md §7 step 9); the others are used; the file is rewritten after the next landed extrinsic",
+            s.state_file.display(),
+            dropped.join(", ")
+        );
+    }
     liveness::spawn_watchdog(s.heartbeat_file.clone(), s.poll_s)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -68,6 +68,27 @@ impl State {
         }
     }
 
+    /// The fields of a state document that are present (not `null`) but fail their own
+    /// validation in [`State::from_bytes`] and so read as absent, in file order of the
+    /// schema. Empty for a non-object document (that is [`damage`]'s case).
+    pub fn dropped_fields(bytes: &[u8]) -> Vec<&'static str> {
+        let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(bytes) else {
+            return Vec::new();
+        };
+        let st = State::from_bytes(bytes);
+        let kept = [
+            ("last_applied", st.last_applied.is_some()),
+            ("last_submit_block", st.last_submit_block.is_some()),
+            ("last_submit_ts", st.last_submit_ts.is_some()),
+            ("cached_weights", st.cached_weights.is_some()),
+            ("cached_digest", st.cached_digest.is_some()),
+        ];
+        kept.into_iter()
+            .filter(|(key, ok)| !ok && obj.get(*key).is_some_and(|v| !v.is_null()))
+            .map(|(key, _)| key)
+            .collect()
+    }
+
     /// Serialises all fields (absent ones as `null`).
     pub fn to_json(&self) -> Value {
         serde_json::json!({
@@ -151,6 +172,15 @@ pub fn damage(path: &Path) -> Option<String> {
             Err(e) => Some(format!("not valid JSON ({e})")),
         },
     }
+}
+
+/// The fields of an existing state file that read as absent because their value is
+/// malformed (see [`State::dropped_fields`]); empty when the file is absent, unreadable or
+/// not an object ([`damage`] names those).
+pub fn dropped_fields(path: &Path) -> Vec<&'static str> {
+    std::fs::read(path)
+        .map(|b| State::dropped_fields(&b))
+        .unwrap_or_default()
 }
 
 /// Writes `state` atomically (temp file in the same directory, fsync, rename, fsync of the
@@ -311,6 +341,19 @@ mod tests {
             br#"{"last_applied": 2.5, "cached_weights": [["5A", 1, 2]], "last_submit_ts": -1}"#,
         );
         assert_eq!(s, State::default());
+        assert_eq!(
+            State::dropped_fields(
+                br#"{"last_applied": "x", "last_submit_block": null, "last_submit_ts": 5,
+                    "cached_weights": [["5A", true]], "cached_digest": 7, "extra": 1}"#
+            ),
+            vec!["last_applied", "cached_weights", "cached_digest"]
+        );
+        assert!(State::dropped_fields(&serde_json::to_vec(&full().to_json()).unwrap()).is_empty());
+        assert!(
+            State::dropped_fields(&serde_json::to_vec(&State::default().to_json()).unwrap())
+                .is_empty()
+        );
+        assert!(State::dropped_fields(b"[1]").is_empty());
         let s = State::from_bytes(br#"{"cached_weights": [], "cached_digest": "ABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABABAB"}"#);
         assert_eq!(s.cached_weights, Some(vec![]));
         assert_eq!(s.cached_digest, Some("ab".repeat(32)));

@@ -453,7 +453,9 @@ async fn validator_on_real_subtensor() {
     assert!(out.status.success());
     let lines: Vec<&str> = text
         .lines()
-        .filter(|l| l.contains("next poll in") || l.contains("next resubmit"))
+        .filter(|l| {
+            l.contains("next poll in") || l.contains("next resubmit") || l.contains("exiting")
+        })
         .collect();
     assert_eq!(lines.len(), 2, "{text}");
     assert!(lines[0].contains("chain unreachable"), "{text}");

@@ -129,6 +129,42 @@ async fn sigterm_during_a_stuck_fetch_exits_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_stuck_provider_heartbeat_exits_at_once() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    p.set_heartbeat_hang(true);
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    let mut child = spawn(&env, &["run"]);
+    // the POST is in progress once the provider has recorded it (it then never answers)
+    let start = Instant::now();
+    while p.heartbeats().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no heartbeat POST"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal(&child, "-TERM");
+    // well inside the POST's own 10 s timeout
+    let status = tokio::time::timeout(Duration::from_secs(5), child.wait())
+        .await
+        .expect("SIGTERM did not abandon the heartbeat POST")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let mut out = String::new();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while let Ok(Some(l)) = lines.next_line().await {
+        out.push_str(&l);
+        out.push('\n');
+    }
+    assert!(
+        out.contains("SIGTERM during the provider heartbeat POST: abandoned it"),
+        "{out}"
+    );
+    // the tick's own line is still printed
+    assert!(out.contains("no cached vector, nothing submitted"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unwritable_state_directory_is_contained() {
     let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
     p.set_fault(Fault::Status500);

@@ -150,3 +150,41 @@ async fn an_error_cause_is_printed_once() {
     assert!(err.contains("cannot read hotkey file"), "{err}");
     assert_eq!(err.matches("os error").count(), 1, "{err}");
 }
+
+#[tokio::test]
+async fn a_one_tick_run_says_it_exits_names_dropped_state_fields_and_the_chain_cause_once() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    p.publish(5, &[(key(DAVE_SEED).ss58(), 65535)]);
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    std::fs::create_dir_all(env.state_file().parent().unwrap()).unwrap();
+    std::fs::write(
+        env.state_file(),
+        br#"{"last_applied": "x", "last_submit_ts": 5, "cached_digest": 7}"#,
+    )
+    .unwrap();
+    let (ok, out) = env.tick().await;
+    assert!(ok, "{out}");
+    // One WARN at start-up naming the dropped fields, and only those.
+    let warn: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("read as absent"))
+        .collect();
+    assert_eq!(warn.len(), 1, "{out}");
+    assert!(warn[0].contains("WARN"), "{out}");
+    assert!(warn[0].contains("last_applied, cached_digest"), "{out}");
+    assert!(!warn[0].contains("last_submit_ts"), "{out}");
+    // The chain error names the URL and the innermost cause, once.
+    let tick = out
+        .lines()
+        .find(|l| l.contains("chain unreachable"))
+        .unwrap_or_else(|| panic!("no tick line: {out}"));
+    assert!(
+        tick.contains("cannot reach the chain at ws://127.0.0.1:9: "),
+        "{tick}"
+    );
+    assert!(tick.contains("refused"), "{tick}");
+    assert!(!out.contains("RPC error"), "{out}");
+    // The last tick of --ticks says the process exits, not when it polls next.
+    assert!(tick.contains("--ticks limit reached, exiting"), "{tick}");
+    assert!(!out.contains("next poll in"), "{out}");
+}
