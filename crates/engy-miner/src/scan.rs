@@ -590,6 +590,58 @@ fn push_row(rows: &mut Rows, sink: &mut dyn RowSink, element: usize, row: &[u16]
     rows.n_rows += 1;
 }
 
+/// Where [`floats_fast`] stopped.
+enum Fast {
+    /// Consumed the row's `]`.
+    RowEnd,
+    /// Fewer than [`MAX_NUMBER`] bytes left in the window.
+    NeedMore,
+    /// After a number, at something other than `,` or `]` (e.g. whitespace).
+    AfterNumber,
+    /// At something other than a number's first byte.
+    NotANumber,
+    /// A bad value at this window offset.
+    Bad(usize),
+}
+
+/// Parse the floats of a row from `b[*i..]` while a whole number surely fits in the window
+/// (≥ [`MAX_NUMBER`] bytes left), appending bf16 bits to `out`; `*i` ends after the last
+/// value or separator consumed. A plain function over a slice, so the hot loop keeps its
+/// state in registers.
+#[inline]
+fn floats_fast(b: &[u8], i: &mut usize, out: &mut Vec<u16>) -> Fast {
+    let mut j = *i;
+    let stop = loop {
+        let Some(rest) = b.get(j..).filter(|r| r.len() >= MAX_NUMBER) else {
+            break Fast::NeedMore;
+        };
+        // JSON numbers only: fast-float2 would also accept "inf"/"nan".
+        if !matches!(rest.first(), Some(b'-' | b'0'..=b'9')) {
+            break Fast::NotANumber;
+        }
+        // Decimal → float64 → float32, as the reference reads a row (see floats_into).
+        let Ok((v, n)) = fast_float2::parse_partial::<f64, _>(rest) else {
+            break Fast::Bad(j);
+        };
+        let v = v as f32;
+        if !v.is_finite() || n == 0 || n >= MAX_NUMBER {
+            break Fast::Bad(j);
+        }
+        out.push(f32_to_bf16_bits(v));
+        j += n;
+        match rest.get(n) {
+            Some(b',') => j += 1,
+            Some(b']') => {
+                j += 1;
+                break Fast::RowEnd;
+            }
+            _ => break Fast::AfterNumber,
+        }
+    };
+    *i = j;
+    stop
+}
+
 /// Longest number text accepted in `hidden_states` (orjson writes at most ~24 bytes).
 const MAX_NUMBER: usize = 64;
 
@@ -865,6 +917,20 @@ impl<S: ReplySource> Cur<S> {
             if self.avail() < MAX_NUMBER && !self.eof {
                 self.fill_to(MAX_NUMBER).await?;
             }
+            // Fast path: a plain loop over the buffered window, as orjson writes rows.
+            match floats_fast(&self.b, &mut self.i, out) {
+                Fast::RowEnd => return Ok(()),
+                Fast::NeedMore if !self.eof => continue,
+                Fast::Bad(at) => return Err(ScanError::BadHidden { at: self.base + at }),
+                Fast::AfterNumber => {
+                    if !self.comma_or(b']').await? {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                Fast::NeedMore | Fast::NotANumber => {}
+            }
+            // Careful path, one value: whitespace, or the last bytes of the input.
             let rest = self.rest();
             // JSON numbers only: fast-float2 would also accept "inf"/"nan".
             if !matches!(rest.first(), Some(b'-' | b'0'..=b'9')) {
