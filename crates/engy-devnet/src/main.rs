@@ -225,8 +225,13 @@ async fn serve_cmd(
     let listener = tokio::net::TcpListener::bind((host.as_str(), port))
         .await
         .with_context(|| format!("binding {host}:{port}"))?;
-    let serve = SglangDouble::start_on(listener, Arc::new(backend), SglangConfig::default())
-        .context("starting the serve")?;
+    // Long-running: keep nothing per request (the request log is for tests).
+    let cfg = SglangConfig {
+        record: false,
+        ..SglangConfig::default()
+    };
+    let serve =
+        SglangDouble::start_on(listener, Arc::new(backend), cfg).context("starting the serve")?;
     eprintln!(
         "serving {} ({precision} weights, {compute:?} activations, model_root {root}) at {}; \
          stop with SIGTERM or Ctrl-C",

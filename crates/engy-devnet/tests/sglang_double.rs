@@ -314,3 +314,56 @@ async fn eos_finishes_with_stop_and_duplicate_rids_are_refused() {
         .unwrap();
     h.await.unwrap();
 }
+
+#[tokio::test]
+async fn recording_off_keeps_nothing_and_serves_the_same() {
+    let (on_dir, off_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let on = double(on_dir.path(), SglangConfig::default()).await;
+    let off = double(
+        off_dir.path(),
+        SglangConfig {
+            record: false,
+            ..Default::default()
+        },
+    )
+    .await;
+    let c = reqwest::Client::new();
+    // The same requests twice (the second hits the radix cache): identical answers.
+    for i in 0..2 {
+        let b = body(&[5, 6, 7], 4, &format!("r{i}"), false);
+        let (a, z) = (
+            post(&c, &on.url(), &b).await,
+            post(&c, &off.url(), &b).await,
+        );
+        for key in ["hidden_states", "finish_reason", "cached_tokens"] {
+            assert_eq!(
+                a["meta_info"][key], z["meta_info"][key],
+                "request {i}: {key}"
+            );
+        }
+        assert_eq!(a["output_ids"], z["output_ids"], "request {i}");
+    }
+    for d in [&on, &off] {
+        let r = c
+            .post(format!("{}/generate", d.url()))
+            .json(&body(&[5, 6, 7], 4, "s", true))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+        assert!(r.text().await.unwrap().contains("[DONE]"));
+    }
+    for d in [&on, &off] {
+        let r = c
+            .post(format!("{}/abort_request", d.url()))
+            .json(&json!({"rid": "gone"}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+    }
+    assert_eq!(on.generate_log().len(), 3);
+    assert_eq!(on.aborts().len(), 1);
+    assert!(off.generate_log().is_empty());
+    assert!(off.aborts().is_empty());
+}

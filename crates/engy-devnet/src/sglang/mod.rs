@@ -101,6 +101,12 @@ pub struct SglangConfig {
     pub engy_trimmed: bool,
     /// `model_path` reported by `/get_model_info` (defaults to the backend's).
     pub model_path: Option<String>,
+    /// Keep every `/generate` call (with its served rows) for
+    /// [`SglangDouble::generate_log`] and every abort body for [`SglangDouble::aborts`]
+    /// (default on, for tests). Off for a long-running serve (`engy-devnet serve`): nothing
+    /// is kept per request, so memory stays bounded; both logs then stay empty and
+    /// [`SglangDouble::wait_until`] sees no records.
+    pub record: bool,
 }
 
 impl Default for SglangConfig {
@@ -110,6 +116,7 @@ impl Default for SglangConfig {
             radix_cache: true,
             engy_trimmed: false,
             model_path: None,
+            record: true,
         }
     }
 }
@@ -428,7 +435,9 @@ async fn abort_request(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
             }
         }
     }
-    lock(&st.aborts).push(v);
+    if st.cfg.record {
+        lock(&st.aborts).push(v);
+    }
     st.bump();
     StatusCode::OK.into_response()
 }
@@ -518,7 +527,10 @@ async fn generate(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(m) => return refuse(&m),
     };
-    let idx = {
+    // `usize::MAX` (never an index) when not recording: every `update_record` is a no-op.
+    let idx = if !st.cfg.record {
+        usize::MAX
+    } else {
         let mut recs = lock(&st.records);
         recs.push(GenerateRecord {
             rid: req.rid.clone(),
