@@ -127,6 +127,49 @@ pub async fn run(opts: &Opts) -> ExitCode {
     }
 }
 
+/// How long the start-up probe waits for one serve's `/get_model_info`.
+pub const STARTUP_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The start-up probe of `run`: asks each serve's `/get_model_info` once (concurrently,
+/// [`STARTUP_PROBE_TIMEOUT`] each) and logs one WARN per serve that does not answer 2xx,
+/// with the fix. It never stops the miner: requests routed to a serve that is down get
+/// error responses until it is up (sglang-native-api.md, `/get_model_info`). Returns the
+/// `(serve URL, problem)` pairs it warned about.
+pub async fn probe_serves(serves: &[String]) -> Vec<(String, String)> {
+    let client = match reqwest::Client::builder()
+        .timeout(STARTUP_PROBE_TIMEOUT)
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("start-up serve probe skipped: cannot build an HTTP client ({e})");
+            return Vec::new();
+        }
+    };
+    let probes = serves.iter().map(|serve| {
+        let client = client.clone();
+        async move {
+            let problem = match client.get(format!("{serve}/get_model_info")).send().await {
+                Ok(resp) if resp.status().is_success() => return None,
+                Ok(resp) => format!("HTTP {}", resp.status()),
+                Err(e) => crate::error_chain(&e),
+            };
+            Some((serve.clone(), problem))
+        }
+    });
+    let down: Vec<(String, String)> = futures_util::future::join_all(probes)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    for (serve, problem) in &down {
+        tracing::warn!(
+            "serve {serve} does not answer /get_model_info ({problem}); the miner runs anyway and requests sent to it get error responses until it is up — fix: start sglang there with --enable-return-hidden-states, or correct --serve-url / SERVE_URL (`engy-miner check` tests it fully)"
+        );
+    }
+    down
+}
+
 async fn check_serve(
     r: &mut Report,
     client: &reqwest::Client,

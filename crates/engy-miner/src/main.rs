@@ -131,6 +131,11 @@ async fn serve(
         prompter,
         &opts.serve_urls(),
     )?);
+    // Best effort and in the background: one WARN per serve that is down, start-up goes on.
+    tokio::spawn({
+        let serves = opts.serve_urls();
+        async move { check::probe_serves(&serves).await }
+    });
     let hw = hw::detect().await;
     let worker_name = worker_name(&opts);
     let identity = legs::Identity {

@@ -151,3 +151,63 @@ async fn sigterm_during_start_up_exits_zero() {
     assert_eq!(status.code(), Some(0), "{text}");
     assert!(text.contains("stopped"), "{text}");
 }
+
+#[tokio::test]
+async fn an_unreachable_serve_is_one_start_up_warning_and_the_miner_runs() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let good = fx.sglang.url();
+    let serves = format!("{good},{dead}");
+    let (ckpt, gw, lock) = (fx.ckpt(), fx.gw.url(), fx.lock());
+    let mut cmd = miner_cmd(
+        &[
+            ("GW", gw.as_str()),
+            ("MINER_KEY", KEY),
+            ("CHECKPOINT", ckpt.to_str().unwrap()),
+            ("SERVE_URL", serves.as_str()),
+            ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+            ("ENGY_DRAIN_S", "1"),
+        ],
+        &[],
+    );
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut child = tokio::process::Command::from(cmd)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let (mut warned, mut dialing) = (false, false);
+    tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while !(warned && dialing) {
+            let Some(l) = lines.next_line().await.unwrap() else {
+                break;
+            };
+            warned |= l.contains("does not answer /get_model_info");
+            dialing |= l.contains("dialing the gateway");
+            seen.push(l);
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no warning or no dial: {seen:#?}"));
+    let warns: Vec<&String> = seen
+        .iter()
+        .filter(|l| l.contains("does not answer /get_model_info"))
+        .collect();
+    assert_eq!(warns.len(), 1, "{seen:#?}");
+    assert!(warns[0].contains("WARN"), "{seen:#?}");
+    assert!(warns[0].contains(&dead), "{seen:#?}");
+    assert!(warns[0].contains("Connection refused"), "{seen:#?}");
+    assert!(warns[0].contains("fix:"), "{seen:#?}");
+    assert!(dialing, "the miner still starts: {seen:#?}");
+    // still running; a SIGTERM stops it cleanly
+    assert!(child.try_wait().unwrap().is_none(), "{seen:#?}");
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(0), "{seen:#?}");
+}
