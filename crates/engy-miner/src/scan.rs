@@ -190,7 +190,8 @@ pub enum HiddenMode {
     /// Always (non-stream bodies).
     Always,
     /// Only on the final event: when `finish_reason` was non-null before `hidden_states`
-    /// (sglang's key order, §2.3). Intermediate SSE events are skipped at scan speed.
+    /// (sglang's key order, §2.3). In an [`SseReader`], an event whose `finish_reason` is
+    /// `null` is not read past it (its `text` and `output_ids` come first and are read).
     IfFinished,
     /// Never.
     Skip,
@@ -321,7 +322,11 @@ async fn scan_one<S: ReplySource>(
             match key.as_str() {
                 "text" if want_text => r.text = c.opt_string().await?,
                 "output_ids" => r.n_output_ids = c.count_array().await?,
-                "meta_info" => scan_meta(c, &mut r, hidden, sink).await?,
+                "meta_info" => {
+                    if scan_meta(c, &mut r, hidden, sink).await? == Meta::Abandoned {
+                        return Ok(r);
+                    }
+                }
                 "error" => {
                     c.ws().await?;
                     match c.peek().await? {
@@ -381,21 +386,30 @@ async fn scan_error_obj<S: ReplySource>(c: &mut Cur<S>) -> Result<String, ScanEr
     }
 }
 
+/// How [`scan_meta`] left the event.
+#[derive(Debug, PartialEq, Eq)]
+enum Meta {
+    Read,
+    /// An SSE event that is not the final one: the rest of it is not read.
+    Abandoned,
+}
+
 async fn scan_meta<S: ReplySource>(
     c: &mut Cur<S>,
     r: &mut Reply,
     hidden: HiddenMode,
     sink: &mut dyn RowSink,
-) -> Result<(), ScanError> {
+) -> Result<Meta, ScanError> {
     c.ws().await?;
     if c.peek().await? == Some(b'n') {
-        return c.skip_value().await;
+        c.skip_value().await?;
+        return Ok(Meta::Read);
     }
     c.expect(b'{', "meta_info object").await?;
     c.ws().await?;
     if c.peek().await? == Some(b'}') {
         c.i += 1;
-        return Ok(());
+        return Ok(Meta::Read);
     }
     loop {
         let key = c.key().await?;
@@ -409,7 +423,16 @@ async fn scan_meta<S: ReplySource>(
                     None
                 };
             }
-            "finish_reason" => r.finish = scan_finish(c).await?,
+            "finish_reason" => {
+                r.finish = scan_finish(c).await?;
+                // An intermediate SSE event (§2.7): everything after finish_reason
+                // (cumulative logprobs, hidden states) is only needed from the final event,
+                // so the rest of this one is skipped as a line, at memchr speed. Without
+                // this, a streamed reply costs O(tokens²) parsing.
+                if hidden == HiddenMode::IfFinished && r.finish.is_none() && c.line_mode {
+                    return Ok(Meta::Abandoned);
+                }
+            }
             "prompt_tokens" => r.prompt_tokens = c.opt_u64().await?,
             "cached_tokens" => r.cached_tokens = c.opt_u64().await?.unwrap_or(0),
             "output_token_logprobs" => {
@@ -431,7 +454,7 @@ async fn scan_meta<S: ReplySource>(
             _ => c.skip_value().await?,
         }
         if !c.comma_or(b'}').await? {
-            return Ok(());
+            return Ok(Meta::Read);
         }
     }
 }
@@ -898,6 +921,21 @@ impl<S: ReplySource> Cur<S> {
         }
         let mut n = 0;
         loop {
+            // Fast path for a compact list of integers (output_ids, as orjson writes
+            // it): count the commas up to the closing bracket. Anything else (spaces,
+            // floats, nesting, a bad list) takes the general path.
+            if let Some(k) = memchr::memchr(b']', self.rest()) {
+                let run = self.rest().get(..k).unwrap_or(&[]);
+                let plain = run.first().is_some_and(u8::is_ascii_digit)
+                    && run.last().is_some_and(u8::is_ascii_digit)
+                    && run.iter().all(|x| x.is_ascii_digit() || *x == b',')
+                    && memchr::memmem::find(run, b",,").is_none();
+                if plain {
+                    n += 1 + run.iter().filter(|&&x| x == b',').count();
+                    self.i += k + 1;
+                    return Ok(n);
+                }
+            }
             self.skip_value().await?;
             n += 1;
             if !self.comma_or(b']').await? {
@@ -921,7 +959,7 @@ impl<S: ReplySource> Cur<S> {
             match floats_fast(&self.b, &mut self.i, out) {
                 Fast::RowEnd => return Ok(()),
                 Fast::NeedMore if !self.eof => continue,
-                Fast::Bad(at) => return Err(ScanError::BadHidden { at: self.base + at }),
+                Fast::Bad(at) => return Err(self.bad_number(at)),
                 Fast::AfterNumber => {
                     if !self.comma_or(b']').await? {
                         return Ok(());
@@ -935,22 +973,24 @@ impl<S: ReplySource> Cur<S> {
             // JSON numbers only: fast-float2 would also accept "inf"/"nan".
             if !matches!(rest.first(), Some(b'-' | b'0'..=b'9')) {
                 self.ws().await?;
-                if !matches!(self.peek().await?, Some(b'-' | b'0'..=b'9')) {
-                    return Err(ScanError::BadHidden { at: self.pos() });
+                match self.peek().await? {
+                    Some(b'-' | b'0'..=b'9') => continue,
+                    // Cut short (the end of the input, or of an SSE event's line).
+                    None | Some(b'\n') => return Err(self.err("a number; the reply ends here")),
+                    Some(_) => return Err(ScanError::BadHidden { at: self.pos() }),
                 }
-                continue;
             }
             // Decimal → float64 → float32, exactly as the reference reads a row (Python's
             // json gives float64, numpy casts to float32); every bf16/f32 value sglang
             // prints round-trips exactly. The float64 parse also takes fast-float's exact
             // fast path (Clinger) for most of the ≤ 17-digit decimals orjson writes.
-            let (v, n) = fast_float2::parse_partial::<f64, _>(rest)
-                .map_err(|_| ScanError::BadHidden { at: self.pos() })?;
+            let (v, n) =
+                fast_float2::parse_partial::<f64, _>(rest).map_err(|_| self.bad_number(self.i))?;
             let v = v as f32;
             // A number of MAX_NUMBER bytes or more is longer than any float orjson writes
             // (and may run past the window): refuse it rather than parse a prefix.
             if !v.is_finite() || n == 0 || n >= MAX_NUMBER {
-                return Err(ScanError::BadHidden { at: self.pos() });
+                return Err(self.bad_number(self.i));
             }
             out.push(f32_to_bf16_bits(v));
             self.i += n;
@@ -966,6 +1006,23 @@ impl<S: ReplySource> Cur<S> {
                     }
                 }
             }
+        }
+    }
+
+    /// The error for a bad hidden value at window offset `at`: [`ScanError::Malformed`]
+    /// when its text runs into the end of the input or of an SSE line (a reply cut
+    /// short), else [`ScanError::BadHidden`].
+    fn bad_number(&self, at: usize) -> ScanError {
+        let run = self.b.get(at..).unwrap_or(&[]);
+        let end = run
+            .iter()
+            .position(|x| !matches!(x, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'));
+        match end.map(|k| run.get(k)) {
+            None | Some(Some(b'\n')) if self.eof || end.is_some() => ScanError::Malformed {
+                at: self.base + at,
+                what: "a number; the reply ends here",
+            },
+            _ => ScanError::BadHidden { at: self.base + at },
         }
     }
 
