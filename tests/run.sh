@@ -46,5 +46,6 @@ fi
 cargo test --workspace --locked "$@"
 
 # The whole devnet end to end (honest proofs pass, the int4 cheat is caught). It drives the
-# real engy-miner binary that the workspace tests just built, so it runs as a second step.
-cargo test --locked -p engy-devnet --test devnet_run -- --ignored
+# real engy-miner binary that the workspace tests just built, so it runs as a second step
+# (`--workspace` keeps the feature resolution, and so the build, of the first step).
+cargo test --workspace --locked --test devnet_run -- --ignored
