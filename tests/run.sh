@@ -10,7 +10,7 @@
 #   ENGY_CHAIN_PORT      port for the local chain (default 19944)
 #   ENGY_SUBTENSOR_URL   use an already running chain instead of starting one
 #   ENGY_NO_CHAIN=1      do not start a chain (chain tests then print a visible skip)
-# Extra arguments are passed to `cargo test`.
+# Extra arguments are passed to `cargo test` (before its `--`).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,9 +43,7 @@ else
   say "no chain harness at $HARNESS (or no node/npm): chain tests will be skipped"
 fi
 
-cargo test --workspace --locked "$@"
-
-# The whole devnet end to end (honest proofs pass, the int4 cheat is caught). It drives the
-# real engy-miner binary that the workspace tests just built, so it runs as a second step
-# (`--workspace` keeps the feature resolution, and so the build, of the first step).
-cargo test --workspace --locked --test devnet_run -- --ignored
+# `--include-ignored` also runs the whole devnet end to end (honest proofs pass, the int4 cheat
+# is caught): it drives the real engy-miner binary, which this workspace build produces before
+# any test runs (`cargo test -p engy-devnet` alone would not, hence the #[ignore]).
+cargo test --workspace --locked "$@" -- --include-ignored
