@@ -209,14 +209,7 @@ impl GatewayDouble {
             .route("/", get(ws_root))
             .route("/{worker}", get(ws_worker))
             .with_state(Arc::clone(&inner));
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.await;
-                })
-                .await;
-        });
+        let tx = crate::spawn_server(listener, app);
         Ok(Self {
             addr,
             inner,

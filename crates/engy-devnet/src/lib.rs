@@ -9,3 +9,20 @@ pub mod devnet_backend;
 pub mod gateway;
 pub mod provider;
 pub mod sglang;
+
+/// Serves `app` on `listener` in a background task until the returned sender is used or
+/// dropped (graceful shutdown). The one server loop of the HTTP/websocket doubles.
+pub(crate) fn spawn_server(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) -> tokio::sync::oneshot::Sender<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await;
+    });
+    tx
+}

@@ -251,14 +251,7 @@ impl SglangDouble {
             .route("/health", get(health))
             .route("/health_generate", get(health))
             .with_state(Arc::clone(&inner));
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.await;
-                })
-                .await;
-        });
+        let tx = crate::spawn_server(listener, app);
         Ok(Self {
             addr,
             inner,
