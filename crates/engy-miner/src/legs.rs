@@ -138,6 +138,103 @@ pub fn leg_url(gw: &str, i: usize, n: usize) -> String {
     }
 }
 
+/// A gateway → miner frame (PROTOCOL.md §2, "Frames gateway → miner"), decoded from one
+/// websocket text frame by [`decode_frame`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Frame {
+    /// `serve`: run one request.
+    Serve(ServeFrame),
+    /// `cancel {corr_id}`: the buyer left; stop and send nothing more for it.
+    Cancel {
+        /// The request's correlation id (non-empty).
+        corr_id: String,
+    },
+    /// `ping`: answer with a heartbeat.
+    Ping,
+    /// `reconnect`: the gateway is draining; close this leg and re-dial.
+    Reconnect,
+    /// `admit`: logged.
+    Admit,
+    /// `deny {reason}`: logged; `reason` as sent (`null` when absent).
+    Deny {
+        /// The gateway's reason, any JSON value.
+        reason: Value,
+    },
+    /// A frame of another `type` (ignored; a newer gateway may send more kinds).
+    Other {
+        /// Its `type` ("" when it has none or it is not a string).
+        kind: String,
+    },
+}
+
+/// The fields of a `serve` frame (PROTOCOL.md §2): `{corr_id, request, stream?: bool}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeFrame {
+    /// Correlation id of the request (non-empty).
+    pub corr_id: String,
+    /// The OpenAI-style chat body (`Value::Null` when absent; the request path rejects it).
+    pub request: Value,
+    /// Stream `chunk` frames (absent or not a bool = false).
+    pub stream: bool,
+}
+
+/// Why a gateway text frame was not decoded (the frame is logged and ignored).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// Not JSON, or JSON that is not an object.
+    #[error("frame is not a JSON object: {0}")]
+    NotAnObject(String),
+    /// A `serve` or `cancel` frame without a non-empty string `corr_id`.
+    #[error("{kind} frame without a corr_id")]
+    NoCorrId {
+        /// `"serve"` or `"cancel"`.
+        kind: &'static str,
+    },
+}
+
+/// Decode one websocket text frame from the gateway (PROTOCOL.md §2) into a [`Frame`].
+/// Pure: no I/O, no state. Unknown `type`s are [`Frame::Other`], not errors.
+///
+/// # Errors
+/// [`FrameError::NotAnObject`] for text that is not a JSON object;
+/// [`FrameError::NoCorrId`] for a `serve` or `cancel` without a non-empty string `corr_id`.
+pub fn decode_frame(text: &str) -> Result<Frame, FrameError> {
+    let frame: Value =
+        serde_json::from_str(text).map_err(|e| FrameError::NotAnObject(e.to_string()))?;
+    let Value::Object(mut obj) = frame else {
+        return Err(FrameError::NotAnObject("not an object".into()));
+    };
+    let kind = obj
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let corr_id = |obj: &serde_json::Map<String, Value>, kind: &'static str| {
+        obj.get("corr_id")
+            .and_then(Value::as_str)
+            .filter(|c| !c.is_empty())
+            .map(str::to_string)
+            .ok_or(FrameError::NoCorrId { kind })
+    };
+    Ok(match kind.as_str() {
+        "serve" => Frame::Serve(ServeFrame {
+            corr_id: corr_id(&obj, "serve")?,
+            stream: obj.get("stream").and_then(Value::as_bool).unwrap_or(false),
+            request: obj.remove("request").unwrap_or(Value::Null),
+        }),
+        "cancel" => Frame::Cancel {
+            corr_id: corr_id(&obj, "cancel")?,
+        },
+        "ping" => Frame::Ping,
+        "reconnect" => Frame::Reconnect,
+        "admit" => Frame::Admit,
+        "deny" => Frame::Deny {
+            reason: obj.remove("reason").unwrap_or(Value::Null),
+        },
+        _ => Frame::Other { kind },
+    })
+}
+
 /// Shared state of all legs.
 pub struct Hub {
     /// Identity and capacity.
@@ -344,35 +441,25 @@ async fn session(
             msg = stream.next() => {
                 last_rx = Instant::now();
                 match msg {
-                    Some(Ok(Message::Text(t))) => {
-                        let frame: Value = match serde_json::from_str(t.as_str()) {
-                            Ok(v) => v,
-                            Err(e) => {
-                                tracing::warn!(leg = %tag, error = %e, "ignoring a non-JSON frame");
-                                continue;
-                            }
-                        };
-                        match frame.get("type").and_then(Value::as_str).unwrap_or("") {
-                            "serve" => on_serve(hub, &leg, &tx, frame, tag),
-                            "cancel" => {
-                                let corr = frame.get("corr_id").and_then(Value::as_str).unwrap_or("");
-                                hub.cancel(corr, "gateway cancel");
-                            }
-                            "ping" => {
-                                let _ = tx.send(Message::Text(heartbeat(&leg).into()));
-                            }
-                            "reconnect" => {
-                                let _ = tx.send(Message::Close(None));
-                                break "gateway asked to reconnect (draining)".to_string();
-                            }
-                            "admit" => tracing::info!(leg = %tag, "ADMITTED by the gateway"),
-                            "deny" => {
-                                let reason = frame.get("reason").cloned().unwrap_or(Value::Null);
-                                tracing::warn!(leg = %tag, %reason, "DENIED by the gateway");
-                            }
-                            other => tracing::debug!(leg = %tag, kind = other, "ignoring frame"),
+                    Some(Ok(Message::Text(t))) => match decode_frame(t.as_str()) {
+                        Ok(Frame::Serve(serve)) => on_serve(hub, &leg, &tx, serve, tag),
+                        Ok(Frame::Cancel { corr_id }) => hub.cancel(&corr_id, "gateway cancel"),
+                        Ok(Frame::Ping) => {
+                            let _ = tx.send(Message::Text(heartbeat(&leg).into()));
                         }
-                    }
+                        Ok(Frame::Reconnect) => {
+                            let _ = tx.send(Message::Close(None));
+                            break "gateway asked to reconnect (draining)".to_string();
+                        }
+                        Ok(Frame::Admit) => tracing::info!(leg = %tag, "ADMITTED by the gateway"),
+                        Ok(Frame::Deny { reason }) => {
+                            tracing::warn!(leg = %tag, %reason, "DENIED by the gateway");
+                        }
+                        Ok(Frame::Other { kind }) => {
+                            tracing::debug!(leg = %tag, kind = %kind, "ignoring frame");
+                        }
+                        Err(e) => tracing::warn!(leg = %tag, error = %e, "ignoring a frame"),
+                    },
                     Some(Ok(Message::Close(c))) => break format!("gateway closed the leg ({c:?})"),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => break format!("websocket error: {e}"),
@@ -452,28 +539,19 @@ fn on_serve(
     hub: &Arc<Hub>,
     leg: &Arc<LegState>,
     tx: &mpsc::UnboundedSender<Message>,
-    frame: Value,
+    serve: ServeFrame,
     tag: &str,
 ) {
-    let corr_id = frame
-        .get("corr_id")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string();
-    let request = frame.get("request").cloned().unwrap_or(Value::Null);
-    let stream = frame
-        .get("stream")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let ServeFrame {
+        corr_id,
+        request,
+        stream,
+    } = serve;
     let request_id = request
         .get("engy_request_id")
         .and_then(Value::as_str)
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-    if corr_id.is_empty() {
-        tracing::warn!(leg = %tag, "serve frame without corr_id ignored");
-        return;
-    }
     if hub.take_early_cancel(&corr_id) {
         tracing::info!(leg = %tag, %corr_id, "serve for an already cancelled request ignored");
         return;
