@@ -19,21 +19,14 @@ pub fn stall_limit(poll_s: u64) -> u64 {
     poll_s.saturating_mul(3).max(MIN_STALL_S)
 }
 
-/// Writes `{"ts": now}` to the heartbeat file (parent directory created; temp + rename so
-/// `health` never reads a half-written file).
+/// Writes `{"ts": now}` to the heartbeat file with [`crate::state::write_atomic`] (parent
+/// directory created; fixed temp `.<name>.tmp` + fsync + rename, so `health` never reads a
+/// half-written file and a SIGKILL leaves at most that one temp file).
 pub fn stamp(path: &Path, now: u64) -> std::io::Result<()> {
-    use std::io::Write;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    std::fs::create_dir_all(dir)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".heartbeat-")
-        .tempfile_in(dir)?;
-    tmp.write_all(serde_json::json!({ "ts": now }).to_string().as_bytes())?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
+    crate::state::write_atomic(
+        path,
+        serde_json::json!({ "ts": now }).to_string().as_bytes(),
+    )
 }
 
 /// The heartbeat's timestamp (unix seconds), or `None` when the file is missing or invalid.

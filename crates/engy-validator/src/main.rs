@@ -104,6 +104,59 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    // One validator process per state file: a second one would race the first on the
+    // fixed temp file and on the replay guard. The kernel drops the lock when this process
+    // dies (even by SIGKILL), so a restart never finds a stale lock.
+    let lock_path = engy_validator::state::lock_path(&s.state_file);
+    let mut lock = match std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+    {
+        Ok(f) => Some(fd_lock::RwLock::new(f)),
+        Err(e) => {
+            tracing::warn!(
+                "state lock {} cannot be opened ({e}); running without it: make sure no other validator uses this state file",
+                lock_path.display()
+            );
+            None
+        }
+    };
+    let _guard = match lock.as_mut().map(|l| l.try_write()) {
+        Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            anyhow::bail!(
+                "another engy-validator process holds the lock {} of state file {} (one validator per state file); exiting 1",
+                lock_path.display(),
+                s.state_file.display()
+            );
+        }
+        Some(Err(e)) => {
+            tracing::warn!(
+                "state lock {} cannot be taken ({e}); running without it: make sure no other validator uses this state file",
+                lock_path.display()
+            );
+            None
+        }
+        Some(Ok(g)) => Some(g),
+        None => None,
+    };
+    // A SIGKILL between the temp write and its rename leaves the fixed temp file behind;
+    // it never holds the state (only the rename publishes), so it is simply removed.
+    for path in [&s.state_file, &s.heartbeat_file] {
+        match engy_validator::state::remove_stale_temp(path) {
+            Ok(true) => tracing::info!(
+                "removed {} left by a write that was killed before its rename ({} itself is intact)",
+                engy_validator::state::temp_path(path).display(),
+                path.display()
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                "stale temp file {} cannot be removed ({e}); the next write truncates it",
+                engy_validator::state::temp_path(path).display()
+            ),
+        }
+    }
     if let Some(why) = engy_validator::state::damage(&s.state_file) {
         tracing::warn!(
             "state file {} is {why}: it reads as empty (no replay guard, no cached vector), so the first tick submits at once; it is rewritten after the next landed extrinsic",

@@ -1,8 +1,9 @@
 //! The state file (PROTOCOL.md §7 step 9): what this validator last landed on chain.
 //!
-//! Written only after a successful submit, all fields together, atomically: a temp file in
-//! the same directory, `fsync`, `rename` over the old file, then `fsync` of the directory.
-//! A kill -9 at any moment leaves either the old file or the new one, never a torn one.
+//! Written only after a successful submit, all fields together, atomically: a fixed temp
+//! file `.<name>.tmp` in the same directory, `fsync`, `rename` over the old file, then
+//! `fsync` of the directory. A kill -9 at any moment leaves either the old file or the new
+//! one, never a torn one, and at most that one temp file (removed at the next start-up).
 //! Read leniently: each field validates on its own (a wrong type, a bool where an integer
 //! belongs, malformed weights → that field is absent); a missing, truncated or non-object
 //! file reads as empty. Reading never fails.
@@ -183,33 +184,90 @@ pub fn dropped_fields(path: &Path) -> Vec<&'static str> {
         .unwrap_or_default()
 }
 
-/// Writes `state` atomically (temp file in the same directory, fsync, rename, fsync of the
-/// directory), creating the parent directory first.
-pub fn write(path: &Path, state: &State) -> Result<(), StateError> {
-    let io = |source| StateError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
+/// The fixed temp file [`write`] uses for `path`: `.<file name>.tmp` in the same directory
+/// (so the `rename` stays within one filesystem). Fixed, not random, so a SIGKILL between
+/// create and rename leaves at most this one file, which the next write truncates and
+/// [`remove_stale_temp`] deletes. It is never read: only the rename publishes its content.
+/// Only one process may write a given state file (one validator per state directory).
+pub fn temp_path(path: &Path) -> PathBuf {
+    sibling(path, "tmp")
+}
+
+/// `.<file name>.<ext>` in the directory of `path`.
+fn sibling(path: &Path, ext: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "state".to_owned());
+    let tmp = format!(".{name}.{ext}");
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.join(tmp),
+        _ => PathBuf::from(tmp),
+    }
+}
+
+/// The lock file that makes one validator process the owner of `path`:
+/// `.<file name>.lock` in the same directory. The daemon holds an exclusive `flock` on it
+/// for its lifetime (the kernel drops it when the process dies, even by SIGKILL), so a
+/// second daemon pointed at the same state file refuses to start instead of racing the
+/// first on [`temp_path`].
+pub fn lock_path(path: &Path) -> PathBuf {
+    sibling(path, "lock")
+}
+
+/// Deletes the temp file a killed write of `path` left behind ([`temp_path`]); returns
+/// whether there was one. Called at start-up; a missing file is not an error.
+pub fn remove_stale_temp(path: &Path) -> std::io::Result<bool> {
+    match std::fs::remove_file(temp_path(path)) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Writes `bytes` to `path` atomically: [`temp_path`] opened with create + truncate (a stale
+/// temp from a killed write is overwritten, never appended to), write, `fsync`, `rename`
+/// over `path`, then `fsync` of the directory so the rename itself is durable. A kill at
+/// any moment leaves `path` either old or new, and at most the one temp file. The parent
+/// directory is created first.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    std::fs::create_dir_all(&dir).map_err(io)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".state-")
-        .suffix(".tmp")
-        .tempfile_in(&dir)
-        .map_err(io)?;
-    let mut bytes = serde_json::to_vec_pretty(&state.to_json()).unwrap_or_default();
-    bytes.push(b'\n');
-    tmp.write_all(&bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
+    std::fs::create_dir_all(&dir)?;
+    let tmp = temp_path(path);
+    let result = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        // best effort: do not leave a partial temp behind after a failed write
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     // Make the rename itself durable.
     if let Ok(d) = std::fs::File::open(&dir) {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Writes `state` atomically with [`write_atomic`] (creating the parent directory).
+pub fn write(path: &Path, state: &State) -> Result<(), StateError> {
+    let mut bytes = serde_json::to_vec_pretty(&state.to_json()).unwrap_or_default();
+    bytes.push(b'\n');
+    write_atomic(path, &bytes).map_err(|source| StateError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -259,6 +317,30 @@ mod tests {
         assert_eq!(read(&path), s);
         let names: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().collect();
         assert_eq!(names.len(), 1);
+    }
+
+    #[test]
+    fn fixed_temp_is_truncated_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        assert_eq!(temp_path(&path), dir.path().join(".state.json.tmp"));
+        assert_eq!(lock_path(&path), dir.path().join(".state.json.lock"));
+        assert_eq!(temp_path(Path::new("s.json")), PathBuf::from(".s.json.tmp"));
+        assert!(!remove_stale_temp(&path).unwrap());
+        // a killed write left a longer, torn temp: the next write truncates it, never appends
+        std::fs::write(temp_path(&path), vec![b'x'; 100_000]).unwrap();
+        write(&path, &full()).unwrap();
+        assert_eq!(read(&path), full());
+        assert!(!temp_path(&path).exists());
+        std::fs::write(temp_path(&path), b"{").unwrap();
+        assert!(remove_stale_temp(&path).unwrap());
+        assert!(!temp_path(&path).exists());
+        assert_eq!(read(&path), full());
+        // a failed rename (the target is a non-empty directory) leaves no temp behind
+        let blocked = dir.path().join("dir");
+        std::fs::create_dir_all(blocked.join("inner")).unwrap();
+        assert!(write(&blocked, &full()).is_err());
+        assert!(!temp_path(&blocked).exists());
     }
 
     #[test]

@@ -345,12 +345,83 @@ fn sigkill_during_state_writes_never_tears_or_regresses() {
         advanced > kills / 4,
         "the writer rarely got to write ({advanced} of {kills})"
     );
-    // temp files a SIGKILL left behind (never read: they are not the state file)
-    let litter = std::fs::read_dir(dir.path())
-        .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name() != "state.json")
-        .count();
-    eprintln!("{kills} SIGKILLs: state advanced {advanced} times to epoch {last}; {litter} temp file(s) left behind");
+    // what the kills left beside the state file: at most the one fixed temp file
+    // (`.state.json.tmp`, never read: only the rename publishes it), never a pile of them
+    let others = |dir: &std::path::Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "state.json")
+            .collect()
+    };
+    let litter = others(dir.path());
+    assert!(
+        litter.len() <= 1 && litter.iter().all(|n| n == ".state.json.tmp"),
+        "after {kills} SIGKILLs: {litter:?}"
+    );
+    assert_eq!(state::temp_path(&path), dir.path().join(".state.json.tmp"));
+    // a clean write over whatever a kill left (possibly a torn temp) leaves nothing behind
+    let before = State::from_bytes(&std::fs::read(&path).unwrap());
+    let mut next = before.clone();
+    next.last_applied = Some(last + 1);
+    state::write(&path, &next).unwrap();
+    assert_eq!(state::read(&path), next);
+    assert_eq!(others(dir.path()), Vec::<String>::new());
+    eprintln!("{kills} SIGKILLs: state advanced {advanced} times to epoch {last}; {} temp file(s) left behind", litter.len());
+}
+
+/// Start-up of the real daemon: a temp file left by a killed write is removed (and said),
+/// the state file beside it is used as it is; a second daemon on the same state file
+/// refuses to start (exit 1, named lock) while the first runs, and starts once it is gone
+/// (the kernel drops the lock even on SIGKILL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_temp_is_removed_and_one_daemon_owns_a_state_file() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    p.set_fault(Fault::Status500);
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    let cached = State {
+        last_applied: Some(40),
+        last_submit_block: Some(900),
+        last_submit_ts: Some(engy_validator::liveness::unix_now()),
+        cached_weights: Some(weights()),
+        cached_digest: Some("ef".repeat(32)),
+    };
+    state::write(&env.state_file(), &cached).unwrap();
+    let bytes = std::fs::read(env.state_file()).unwrap();
+    let tmp = state::temp_path(&env.state_file());
+    std::fs::write(&tmp, b"{\"last_applied\": 9").unwrap(); // a torn write, never renamed
+    let hb_tmp = state::temp_path(&env.heartbeat_file());
+    std::fs::write(&hb_tmp, b"{").unwrap();
+
+    let (ok, out) = env.tick().await;
+    assert!(ok, "{out}");
+    assert!(out.contains(&format!("removed {}", tmp.display())), "{out}");
+    assert!(!tmp.exists() && !hb_tmp.exists());
+    assert!(out.contains("using cached epoch 40"), "{out}");
+    assert_eq!(std::fs::read(env.state_file()).unwrap(), bytes);
+
+    // the first daemon holds the state file once it has stamped a heartbeat
+    std::fs::remove_file(env.heartbeat_file()).unwrap();
+    let mut first = spawn(&env, &["run"]);
+    let start = Instant::now();
+    while engy_validator::liveness::read_ts(&env.heartbeat_file()).is_none() {
+        assert!(start.elapsed() < Duration::from_secs(20), "no first tick");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = env.run(&["run", "--ticks", "1"]).await;
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("another engy-validator process holds the lock")
+            && err.contains(&state::lock_path(&env.state_file()).display().to_string()),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(env.state_file()).unwrap(), bytes);
+    signal(&first, "-KILL");
+    let _ = first.wait().await;
+    let (ok, out) = env.tick().await;
+    assert!(ok, "{out}");
+    assert!(out.contains("using cached epoch 40"), "{out}");
 }
 
 /// Sudo (//Alice) call of AdminUtils on the harness chain.
