@@ -16,13 +16,25 @@ pub(crate) fn spawn_server(
     listener: tokio::net::TcpListener,
     app: axum::Router,
 ) -> tokio::sync::oneshot::Sender<()> {
+    spawn_server_joinable(listener, app).0
+}
+
+/// [`spawn_server`], also returning the server task: it ends once the listener is closed
+/// and every connection has finished (after the shutdown signal).
+pub(crate) fn spawn_server_joinable(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = rx.await;
             })
             .await;
     });
-    tx
+    (tx, task)
 }

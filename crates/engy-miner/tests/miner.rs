@@ -4,16 +4,10 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use engy_devnet::gateway::Dir;
 use engy_devnet::sglang::{Fault, SglangConfig};
 use serde_json::{json, Value};
 
 const HIDDEN: usize = 128;
-
-fn assert_ok(resp: &Value) -> (&Value, &Value) {
-    assert!(resp.get("error").is_none(), "unexpected error: {resp}");
-    (&resp["commitment"], &resp["output"])
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_fields_and_leg_plan() {
@@ -272,29 +266,6 @@ async fn radix_cache_hit_folds_tokens_into_the_prompt() {
         output["usage"]["prompt_tokens_details"]["cached_tokens"],
         rec.cached_tokens.min(want_prompt.len())
     );
-}
-
-/// Frames the miner sent for `corr` after the gateway's cancel frame.
-fn frames_after_cancel(fx: &Fixture, corr: &str) -> Vec<Value> {
-    let frames = fx.gw.frames();
-    let cancel_at = frames
-        .iter()
-        .position(|f| f.dir == Dir::ToMiner && f.kind() == "cancel" && f.corr_id() == corr)
-        .expect("cancel sent");
-    frames[cancel_at..]
-        .iter()
-        .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr)
-        .map(|f| f.value.clone())
-        .collect()
-}
-
-async fn wait_abort_of(fx: &Fixture, rid: &str) {
-    fx.sglang
-        .wait_until(T, |_, aborts, _| {
-            aborts.iter().any(|a| a["rid"] == rid).then_some(())
-        })
-        .await
-        .unwrap_or_else(|| panic!("no /abort_request for {rid}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,7 +21,11 @@
 //! Faults ([`Fault`]) reproduce what a real serve does under concurrency or failure: the
 //! batch-offset prefill bug (§2.6.3: empty element 0, foreign rows), retraction (§2.6.5),
 //! slow and hung serves, dying mid-stream, 5xx, malformed JSON, hidden states disabled or
-//! diverted, a connection torn on abort (§3), and a final SSE line that stalls half-written.
+//! diverted, a connection torn on abort (§3), a final SSE line that stalls half-written, and
+//! a 200 whose body is arbitrary bytes ([`Fault::Raw`]: non-JSON, cut or wrongly shaped
+//! replies). [`SglangDouble::kill`] stops the whole serve at once as a crashed process
+//! would (every reply torn mid-body, the port refusing connections) and
+//! [`SglangDouble::restart`] brings it back on the same port.
 //! Not modelled: batch input (`input_ids` as a list of lists gets a 400), speculative
 //! decoding, `stop` strings, incremental streaming output.
 //!
@@ -85,6 +89,10 @@ pub enum Fault {
     StallFinalLine,
     /// On abort, tear the connection down with no body (engy's live observation, §3).
     TornOnAbort,
+    /// A 200 whose body is exactly these bytes (`application/json` without `stream`,
+    /// `text/event-stream` with it; the caller writes any SSE framing): garbage, cut or
+    /// wrongly shaped JSON from a broken serve or a proxy in front of it. Nothing runs.
+    Raw(Vec<u8>),
 }
 
 /// Static behaviour of a double.
@@ -170,6 +178,8 @@ struct Inner {
     records: Mutex<Vec<GenerateRecord>>,
     aborts: Mutex<Vec<Value>>,
     changed: watch::Sender<u64>,
+    /// Bumped by [`SglangDouble::kill`]: every reply in flight is torn.
+    kills: watch::Sender<u64>,
 }
 
 impl Inner {
@@ -199,6 +209,7 @@ pub struct SglangDouble {
     addr: SocketAddr,
     inner: Arc<Inner>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for SglangDouble {
@@ -230,6 +241,7 @@ impl SglangDouble {
     ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let (changed, _) = watch::channel(0u64);
+        let (kills, _) = watch::channel(0u64);
         let inner = Arc::new(Inner {
             backend,
             cfg,
@@ -240,23 +252,47 @@ impl SglangDouble {
             records: Mutex::new(Vec::new()),
             aborts: Mutex::new(Vec::new()),
             changed,
+            kills,
         });
-        let app = Router::new()
-            .route("/generate", post(generate).put(generate))
-            .route("/abort_request", post(abort_request))
-            .route("/get_model_info", get(model_info))
-            .route("/model_info", get(model_info))
-            .route("/get_server_info", get(server_info))
-            .route("/server_info", get(server_info))
-            .route("/health", get(health))
-            .route("/health_generate", get(health))
-            .with_state(Arc::clone(&inner));
-        let tx = crate::spawn_server(listener, app);
+        let (tx, server) = crate::spawn_server_joinable(listener, router(&inner));
         Ok(Self {
             addr,
             inner,
             shutdown: Some(tx),
+            server: Some(server),
         })
+    }
+
+    /// Stop the serve as a crashed process would: every reply in flight is torn where it
+    /// is (mid-body, or before its status line), idle connections are closed, and the port
+    /// refuses new connections. Returns once the listener and every connection are gone
+    /// (at most 10 s). Running generations end as on a client disconnect; records and
+    /// abort bodies are kept. A no-op when already killed.
+    pub async fn kill(&mut self) {
+        self.inner.kills.send_modify(|v| *v = v.wrapping_add(1));
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        if let Some(task) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+        self.inner.bump();
+    }
+
+    /// Serve again on the same address after [`SglangDouble::kill`] (same backend,
+    /// faults, records and radix cache). A no-op while running.
+    ///
+    /// # Errors
+    /// The bind error (the port was taken meanwhile).
+    pub async fn restart(&mut self) -> std::io::Result<()> {
+        if self.server.is_some() {
+            return Ok(());
+        }
+        let listener = TcpListener::bind(self.addr).await?;
+        let (tx, server) = crate::spawn_server_joinable(listener, router(&self.inner));
+        self.shutdown = Some(tx);
+        self.server = Some(server);
+        Ok(())
     }
 
     /// Base URL, e.g. `http://127.0.0.1:41234`.
@@ -331,6 +367,26 @@ impl SglangDouble {
 }
 
 // ---------------------------------------------------------------------------- handlers
+
+fn router(inner: &Arc<Inner>) -> Router {
+    Router::new()
+        .route("/generate", post(generate).put(generate))
+        .route("/abort_request", post(abort_request))
+        .route("/get_model_info", get(model_info))
+        .route("/model_info", get(model_info))
+        .route("/get_server_info", get(server_info))
+        .route("/server_info", get(server_info))
+        .route("/health", get(health))
+        .route("/health_generate", get(health))
+        .with_state(Arc::clone(inner))
+}
+
+/// Resolves when [`SglangDouble::kill`] is called after `kill` was subscribed.
+async fn killed(mut kill: watch::Receiver<u64>) {
+    if kill.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
 
 fn json_response(status: StatusCode, body: Value) -> Response {
     let mut r = (status, body.to_string()).into_response();
@@ -507,6 +563,7 @@ async fn generate(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
             )
         }
     };
+    let kill = st.kills.subscribe();
     let fault = st.next_fault();
     let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let refuse = |msg: &str| {
@@ -549,6 +606,18 @@ async fn generate(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
             json!({"object":"error","message":"injected fault","type":code.to_string(),"param":null,"code":code}),
         );
     }
+    if let Some(Fault::Raw(bytes)) = fault {
+        finish_refused(&st);
+        let mut r = (StatusCode::OK, bytes).into_response();
+        let ct = if stream {
+            "text/event-stream; charset=utf-8"
+        } else {
+            "application/json"
+        };
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, header::HeaderValue::from_static(ct));
+        return r;
+    }
     if req.hidden && (!st.cfg.enable_hidden_states || fault == Some(Fault::HiddenStatesDisabled)) {
         finish_refused(&st);
         return refuse(HIDDEN_DISABLED);
@@ -588,11 +657,15 @@ async fn generate(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
     };
     tokio::spawn(gen.run());
     if stream_flag {
-        return sse_response(body_of(None, rx));
+        return sse_response(body_of(None, rx, kill));
     }
     // Non-stream: like sglang, nothing (not even the status line) until the reply exists.
     // A client that leaves drops this future, which closes the channel and stops the run.
-    match rx.recv().await {
+    let first = tokio::select! {
+        o = rx.recv() => o,
+        _ = killed(kill.clone()) => Some(Out::Tear),
+    };
+    match first {
         Some(Out::Error(code, b)) => {
             let mut r = (code, b).into_response();
             r.headers_mut().insert(
@@ -602,7 +675,7 @@ async fn generate(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
             r
         }
         first => {
-            let mut r = (StatusCode::OK, body_of(first, rx)).into_response();
+            let mut r = (StatusCode::OK, body_of(first, rx, kill)).into_response();
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
                 header::HeaderValue::from_static("application/json"),
@@ -622,7 +695,9 @@ enum Out {
     Tear,
 }
 
-fn body_of(first: Option<Out>, rx: mpsc::Receiver<Out>) -> Body {
+/// The reply body: `first`, then what the generation sends, torn at once on
+/// [`SglangDouble::kill`] (`kill` subscribed when the request arrived).
+fn body_of(first: Option<Out>, rx: mpsc::Receiver<Out>, kill: watch::Receiver<u64>) -> Body {
     let conv = |o: Out| match o {
         Out::Data(b) | Out::Error(_, b) => Ok(b),
         Out::Tear => Err(std::io::Error::new(
@@ -631,8 +706,12 @@ fn body_of(first: Option<Out>, rx: mpsc::Receiver<Out>) -> Body {
         )),
     };
     let head = futures_util::stream::iter(first.map(conv));
-    let rest = futures_util::stream::unfold(rx, move |mut rx| async move {
-        rx.recv().await.map(|o| (conv(o), rx))
+    let rest = futures_util::stream::unfold(Some((rx, kill)), move |state| async move {
+        let (mut rx, kill) = state?;
+        tokio::select! {
+            o = rx.recv() => o.map(|o| (conv(o), Some((rx, kill)))),
+            _ = killed(kill.clone()) => Some((conv(Out::Tear), None)),
+        }
     });
     Body::from_stream(futures_util::StreamExt::chain(head, rest))
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engy_core::toploc::{f32_to_bf16_bits, verify_proofs_base64, Dtype, Params};
-use engy_devnet::gateway::{Dir, GatewayConfig, GatewayDouble};
+use engy_devnet::gateway::{Dir, Frame, GatewayConfig, GatewayDouble};
 use engy_devnet::sglang::synthetic::{
     write_checkpoint, CheckpointSpec, SyntheticBackend, SyntheticConfig,
 };
@@ -230,4 +230,195 @@ pub fn script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests")
         .join(name)
+}
+
+/// The `(commitment, output)` of a successful `response` (panics on an `error`).
+pub fn assert_ok(resp: &Value) -> (&Value, &Value) {
+    assert!(resp.get("error").is_none(), "unexpected error: {resp}");
+    (&resp["commitment"], &resp["output"])
+}
+
+/// Frames the miner sent for `corr` after the gateway's cancel frame.
+pub fn frames_after_cancel(fx: &Fixture, corr: &str) -> Vec<Value> {
+    let frames = fx.gw.frames();
+    let cancel_at = frames
+        .iter()
+        .position(|f| f.dir == Dir::ToMiner && f.kind() == "cancel" && f.corr_id() == corr)
+        .expect("cancel sent");
+    frames[cancel_at..]
+        .iter()
+        .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr)
+        .map(|f| f.value.clone())
+        .collect()
+}
+
+/// Wait for an `/abort_request` naming `rid`.
+pub async fn wait_abort_of(fx: &Fixture, rid: &str) {
+    fx.sglang
+        .wait_until(T, |_, aborts, _| {
+            aborts.iter().any(|a| a["rid"] == rid).then_some(())
+        })
+        .await
+        .unwrap_or_else(|| panic!("no /abort_request for {rid}"));
+}
+
+/// Env that turns the periodic heartbeat off (one per hour), so the n-th heartbeat of a leg
+/// is the answer to its n-th `ping` (see [`cancel_fenced`]).
+pub const NO_PERIODIC_HEARTBEAT: (&str, &str) = ("ENGY_HEARTBEAT_S", "3600");
+
+/// `cancel {corr_id}` followed by a `ping` on the same leg. A leg handles the gateway's
+/// frames in order and writes its own through one FIFO, so the heartbeat answering that
+/// ping was queued after the cancel took effect: PROTOCOL.md §2 ("send NOTHING more for
+/// that corr_id") means no frame for `corr` may be recorded after it.
+pub fn cancel_fenced(gw: &GatewayDouble, conn: u64, corr: &str) -> bool {
+    gw.cancel(conn, corr) && gw.ping(conn)
+}
+
+/// What [`cancel_fence_check`] found.
+#[derive(Debug, Default)]
+pub struct FenceCheck {
+    /// Cancelled corr_ids.
+    pub cancelled: usize,
+    /// Cancels whose fence heartbeat is not recorded yet.
+    pub unfenced: Vec<String>,
+    /// Frames the miner sent for a corr_id after the fence of its first cancel.
+    pub violations: Vec<Value>,
+}
+
+/// Check every cancelled corr_id in one pass over `frames`: the fence of a cancel is the
+/// heartbeat answering the first `ping` sent on its leg after it (the n-th heartbeat of a
+/// leg answers its n-th ping: needs [`NO_PERIODIC_HEARTBEAT`]).
+pub fn cancel_fence_check(frames: &[Frame]) -> FenceCheck {
+    use std::collections::HashMap;
+    let mut pings: HashMap<u64, usize> = HashMap::new();
+    let mut heartbeats: HashMap<u64, Vec<usize>> = HashMap::new();
+    // corr → (conn, ordinal of the fencing ping)
+    let mut cancels: HashMap<&str, (u64, usize)> = HashMap::new();
+    let mut last_from_miner: HashMap<&str, usize> = HashMap::new();
+    for (i, f) in frames.iter().enumerate() {
+        match (f.dir, f.kind()) {
+            (Dir::ToMiner, "ping") => *pings.entry(f.conn).or_default() += 1,
+            (Dir::ToMiner, "cancel") => {
+                let k = pings.get(&f.conn).copied().unwrap_or(0);
+                cancels.entry(f.corr_id()).or_insert((f.conn, k));
+            }
+            (Dir::FromMiner, "heartbeat") => heartbeats.entry(f.conn).or_default().push(i),
+            (Dir::FromMiner, _) if !f.corr_id().is_empty() => {
+                last_from_miner.insert(f.corr_id(), i);
+            }
+            _ => {}
+        }
+    }
+    let mut out = FenceCheck {
+        cancelled: cancels.len(),
+        ..FenceCheck::default()
+    };
+    for (corr, (conn, k)) in &cancels {
+        let fence = heartbeats.get(conn).and_then(|h| h.get(*k)).copied();
+        match fence {
+            None => out.unfenced.push((*corr).to_string()),
+            Some(at) => {
+                if last_from_miner.get(corr).is_some_and(|&l| l > at) {
+                    out.violations.extend(
+                        frames[at..]
+                            .iter()
+                            .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == *corr)
+                            .map(|f| f.value.clone()),
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Wait until every cancel's fence heartbeat is recorded, then return the check.
+pub async fn settled_fence_check(gw: &GatewayDouble) -> FenceCheck {
+    gw.wait_for(T, |frames, _| {
+        let c = cancel_fence_check(frames);
+        c.unfenced.is_empty().then_some(c)
+    })
+    .await
+    .unwrap_or_else(|| {
+        let c = cancel_fence_check(&gw.frames());
+        panic!(
+            "no heartbeat behind {} cancel(s): {:?}",
+            c.unfenced.len(),
+            c.unfenced
+        )
+    })
+}
+
+/// The first frame from the miner for `corr` of one of `kinds`, recorded at or after index
+/// `from`; scans only new frames on each change (cheap with many waiters).
+pub async fn wait_frame_of(
+    gw: &GatewayDouble,
+    corr: &str,
+    from: usize,
+    kinds: &[&str],
+    timeout: Duration,
+) -> Option<Value> {
+    let mut seen = from;
+    gw.wait_for(timeout, |frames, _| {
+        let start = seen.min(frames.len());
+        seen = frames.len();
+        frames[start..]
+            .iter()
+            .find(|f| f.dir == Dir::FromMiner && f.corr_id() == corr && kinds.contains(&f.kind()))
+            .map(|f| f.value.clone())
+    })
+    .await
+}
+
+/// Peak resident set of `pid` in kB (`VmHWM` of /proc/<pid>/status).
+pub fn vm_hwm_kb(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// SIGTERM the miner; it must exit 0 having had nothing in flight (no leaked slot: the
+/// drain line reports `inflight=0` and the drain never timed out) and never panicked.
+pub async fn terminate_idle(mut m: Miner) {
+    let (code, log) = tokio::task::spawn_blocking(move || {
+        let c = m.terminate().and_then(|s| s.code());
+        (c, m.log_text())
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(0), "{log}");
+    let drain = log
+        .lines()
+        .find(|l| l.contains("signal received"))
+        .unwrap_or_else(|| panic!("no drain line: {log}"));
+    assert!(
+        drain.contains("inflight=0"),
+        "leaked in-flight request: {drain}"
+    );
+    assert!(!log.contains("drain timed out"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
+
+/// Frames recorded so far (without copying them).
+pub async fn frame_count(gw: &GatewayDouble) -> usize {
+    gw.wait_for(T, |frames, _| Some(frames.len()))
+        .await
+        .unwrap_or(0)
+}
+
+/// Wait (bounded by [`T`]) until the miner's log contains `needle`.
+pub async fn wait_log(m: &Miner, needle: &str) -> String {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let log = m.log_text();
+        if log.contains(needle) {
+            return log;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{needle:?} never logged: {log}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
