@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 pub mod chat;
 pub mod check;
 pub mod config;
+pub mod decimal;
 pub mod engine;
 pub mod hw;
 pub mod legs;

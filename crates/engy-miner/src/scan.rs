@@ -642,15 +642,22 @@ fn floats_fast(b: &[u8], i: &mut usize, out: &mut Vec<u16>) -> Fast {
         if !matches!(rest.first(), Some(b'-' | b'0'..=b'9')) {
             break Fast::NotANumber;
         }
-        // Decimal → float64 → float32, as the reference reads a row (see floats_into).
-        let Ok((v, n)) = fast_float2::parse_partial::<f64, _>(rest) else {
-            break Fast::Bad(j);
+        // Decimal → float64 → float32 → bf16, as the reference reads a row (see
+        // floats_into): the SWAR fast path, else the exact parser on the same text.
+        let (bits, n) = match crate::decimal::parse_bf16(rest) {
+            Some(r) => r,
+            None => {
+                let Ok((v, n)) = fast_float2::parse_partial::<f64, _>(rest) else {
+                    break Fast::Bad(j);
+                };
+                let v = v as f32;
+                if !v.is_finite() || n == 0 || n >= MAX_NUMBER {
+                    break Fast::Bad(j);
+                }
+                (f32_to_bf16_bits(v), n)
+            }
         };
-        let v = v as f32;
-        if !v.is_finite() || n == 0 || n >= MAX_NUMBER {
-            break Fast::Bad(j);
-        }
-        out.push(f32_to_bf16_bits(v));
+        out.push(bits);
         j += n;
         match rest.get(n) {
             Some(b',') => j += 1,
