@@ -18,8 +18,10 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engy_core::toploc::{
-    build_proofs, build_proofs_base64, f32_to_bf16_bits, select_topk, verify_proofs, Dtype, Params,
+    bf16_bits_to_f32, build_proofs, build_proofs_base64, f32_to_bf16_bits, select_topk,
+    verify_proofs, Dtype, Params,
 };
+use engy_miner::decimal::parse_bf16;
 use engy_miner::engine::ProofAcc;
 use engy_miner::scan::{
     scan_reply, scan_reply_from, DropRows, HiddenMode, ReplySource, RowSink, ScanError, SseReader,
@@ -90,10 +92,7 @@ fn batch_rows(hidden: usize) -> Vec<u16> {
 fn small(c: &mut Criterion<CpuTime>) {
     let params = Params::ENGY;
     let bits = batch_rows(2048);
-    let floats: Vec<f32> = bits
-        .iter()
-        .map(|b| engy_core::toploc::bf16_bits_to_f32(*b) * 1.001)
-        .collect();
+    let floats: Vec<f32> = bits.iter().map(|b| bf16_bits_to_f32(*b) * 1.001).collect();
     let mut g = c.benchmark_group("convert");
     g.throughput(Throughput::Elements(floats.len() as u64));
     g.bench_function("f32_to_bf16/32x2048", |b| {
@@ -102,6 +101,45 @@ fn small(c: &mut Criterion<CpuTime>) {
             out.clear();
             out.extend(black_box(&floats).iter().map(|x| f32_to_bf16_bits(*x)));
             black_box(&out);
+        })
+    });
+    g.finish();
+
+    // One decimal → bf16 conversion per hidden value: the SWAR fast path against the exact
+    // parser it falls back to (fast-float2 → f32 → bf16), over 32 rows of printed values.
+    let mut text = Vec::new();
+    for b in &bits {
+        let _ = serde_json::to_writer(&mut text, &f64::from(bf16_bits_to_f32(*b)));
+        text.push(b',');
+    }
+    text.extend_from_slice(&[b' '; 64]);
+    let mut g = c.benchmark_group("decimal");
+    g.throughput(Throughput::Elements(bits.len() as u64));
+    g.bench_function("parse_bf16/32x2048", |b| {
+        b.iter(|| {
+            let (mut i, mut acc) = (0usize, 0u32);
+            for _ in 0..bits.len() {
+                let Some((v, n)) = text.get(i..).and_then(parse_bf16) else {
+                    break;
+                };
+                acc = acc.wrapping_add(u32::from(v));
+                i += n + 1;
+            }
+            black_box(acc)
+        })
+    });
+    g.bench_function("fast_float2/32x2048", |b| {
+        b.iter(|| {
+            let (mut i, mut acc) = (0usize, 0u32);
+            for _ in 0..bits.len() {
+                let Some(Ok((v, n))) = text.get(i..).map(fast_float2::parse_partial::<f64, _>)
+                else {
+                    break;
+                };
+                acc = acc.wrapping_add(u32::from(f32_to_bf16_bits(v as f32)));
+                i += n + 1;
+            }
+            black_box(acc)
         })
     });
     g.finish();

@@ -21,8 +21,27 @@ use engy_core::toploc::f32_to_bf16_bits;
 
 /// `10^k` for `k` in `0..=22`: the powers of ten that are exact in float64.
 const POW10: [f64; 23] = [
-    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
-    1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+    1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+];
+
+/// `10^k` for `k` in `0..=14`, as integers.
+const POW10_U64: [u64; 15] = [
+    1,
+    10,
+    100,
+    1_000,
+    10_000,
+    100_000,
+    1_000_000,
+    10_000_000,
+    100_000_000,
+    1_000_000_000,
+    10_000_000_000,
+    100_000_000_000,
+    1_000_000_000_000,
+    10_000_000_000_000,
+    100_000_000_000_000,
 ];
 
 /// Eight ASCII `0` bytes.
@@ -80,12 +99,21 @@ fn digit_run(x: u64) -> usize {
     (not_digit.trailing_zeros() / 8) as usize
 }
 
-/// The value of the first `n` (1..=8) digit bytes of `x`, the first most significant.
+/// How many of the word's bytes, from the first, are ASCII `0`.
+#[inline(always)]
+fn zero_run(x: u64) -> usize {
+    ((x ^ ZEROS).trailing_zeros() / 8) as usize
+}
+
+/// The value of the first `n` (0..=8) digit bytes of `x`, the first most significant
+/// (0 for `n = 0`).
 #[inline(always)]
 fn digits_value(x: u64, n: usize) -> u64 {
     // Move the n digits to the top of the word: the low (most significant) places become
-    // 0x00 bytes, i.e. leading zero digits once 0x30 is taken off every digit byte.
-    let d = x.wrapping_sub(0x3030_3030_3030_3030) << (8 * (8 - n));
+    // 0x00 bytes, i.e. leading zero digits once 0x30 is taken off every digit byte. Two
+    // shifts, so that n = 0 shifts everything out instead of overflowing the shift.
+    let half = 4 * (8 - n as u32);
+    let d = (x.wrapping_sub(ZEROS) << half) << half;
     // Pairs, then quads, then the eight-digit value (the classic SWAR reduction).
     let d = d.wrapping_mul(10).wrapping_add(d >> 8);
     let lo = (d & 0x0000_00FF_0000_00FF).wrapping_mul(100 + (1_000_000 << 32));
@@ -99,9 +127,37 @@ fn digits_value(x: u64, n: usize) -> u64 {
 /// Returns the bits and the number's length in bytes, or `None` when the text is not a
 /// number this fast path decides (see the module docs); the caller must then parse the
 /// same text with an exact parser. Never reads past `b`.
-#[inline]
+#[inline(always)]
 pub fn parse_bf16(b: &[u8]) -> Option<(u16, usize)> {
     let neg = b.first() == Some(&b'-');
+    let s = usize::from(neg);
+    // The shape of nearly every hidden value: one integer digit, `.`, up to 14 fraction
+    // digits (`-0.1640625`, `1.25`), read as one run of digits from two words with the
+    // `.` taken as a `0` digit. No branch depends on how many digits there are (that
+    // varies from value to value and would be mispredicted about every other value).
+    let w1 = load8(b, s);
+    if (w1 >> 8) & 0xFF == u64::from(b'.') {
+        let w1 = (w1 & !0xFF00) | 0x3000;
+        let n1 = digit_run(w1);
+        let w2 = load8(b, s + 8);
+        let n2 = if n1 == 8 { digit_run(w2) } else { 0 };
+        // n1 ≥ 3: a digit, the `.` and at least one fraction digit; n2 < 8: ≤ 14 of them.
+        if n1 >= 3 && n2 < 8 {
+            let frac = n1 + n2 - 2;
+            let m = digits_value(w1, n1) * SCALE[n2] + digits_value(w2, n2);
+            // The integer digit was counted at 10^(frac+1) (the `.` as a digit below it):
+            // move it to 10^frac. m < 10^15 < 2^53.
+            let m = m - 9 * (w1 & 0x0F) * POW10_U64[frac];
+            return finish(b, s + n1 + n2, m, -(frac as i32), neg);
+        }
+    }
+    parse_general(b, neg)
+}
+
+/// [`parse_bf16`] for every other shape: `0`, integers, several integer digits, long
+/// fractions (leading zeros do not count towards the 19 significant digits).
+#[inline(never)]
+fn parse_general(b: &[u8], neg: bool) -> Option<(u16, usize)> {
     let mut p = usize::from(neg);
 
     // Integer part: `0` or a digit run without a leading zero.
@@ -112,41 +168,62 @@ pub fn parse_bf16(b: &[u8]) -> Option<(u16, usize)> {
     }
     let mut m = digits_value(x, n);
     // Significant digits so far (leading zeros do not count): ≤ 19 keeps m < 10^19 < 2^64.
-    let mut digits = if m == 0 { 0 } else { n };
+    let digits = if m == 0 { 0 } else { n };
     p += n;
 
     let mut e10: i32 = 0;
     if b.get(p) == Some(&b'.') {
         p += 1;
-        let start = p;
-        loop {
-            let x = load8(b, p);
-            let n = digit_run(x);
-            if n == 0 {
-                break;
-            }
+        // The fraction's digits from two words (three when there are 16 or more), with no
+        // branch on their count: it varies from one value to the next and a branch on it
+        // would be mispredicted about every other value.
+        let x1 = load8(b, p);
+        let x2 = load8(b, p + 8);
+        let n1 = digit_run(x1);
+        let n2 = if n1 == 8 { digit_run(x2) } else { 0 };
+        let (x3, n3) = if n2 == 8 {
+            let x3 = load8(b, p + 16);
+            (x3, digit_run(x3))
+        } else {
+            (0, 0)
+        };
+        let frac = n1 + n2 + n3;
+        if frac == 0 || n3 == 8 {
+            return None;
+        }
+        if digits + frac > 19 {
+            // Leading zeros of the fraction do not count while m is still 0.
             let lead = if m == 0 {
-                ((x ^ ZEROS).trailing_zeros() as usize / 8).min(n)
+                let z1 = zero_run(x1).min(n1);
+                let z2 = if z1 == 8 { zero_run(x2).min(n2) } else { 0 };
+                let z3 = if z1 + z2 == 16 {
+                    zero_run(x3).min(n3)
+                } else {
+                    0
+                };
+                z1 + z2 + z3
             } else {
                 0
             };
-            digits += n - lead;
-            if digits > 19 {
+            if digits + frac - lead > 19 {
                 return None;
             }
-            m = m * SCALE[n] + digits_value(x, n);
-            p += n;
-            if n < 8 {
-                break;
-            }
         }
-        let frac = p - start;
-        if frac == 0 {
-            return None;
-        }
+        // ≤ 19 significant digits: no step overflows.
+        m = m * SCALE[n1] + digits_value(x1, n1);
+        m = m * SCALE[n2] + digits_value(x2, n2);
+        m = m * SCALE[n3] + digits_value(x3, n3);
+        p += frac;
         e10 = -(frac as i32);
     }
 
+    finish(b, p, m, e10, neg)
+}
+
+/// The end of a parse: an optional exponent at `b[p..]`, then the significand `m`
+/// (< 10^19) times `10^e10` rounded as the reference rounds it, with the sign.
+#[inline(always)]
+fn finish(b: &[u8], mut p: usize, m: u64, mut e10: i32, neg: bool) -> Option<(u16, usize)> {
     if matches!(b.get(p), Some(b'e' | b'E')) {
         p += 1;
         let eneg = match b.get(p) {
@@ -193,7 +270,8 @@ pub fn parse_bf16(b: &[u8]) -> Option<(u16, usize)> {
             return None;
         }
     }
-    let v = if neg { -v } else { v };
+    // The sign without a branch (it is a coin toss per value).
+    let v = f64::from_bits(v.to_bits() | u64::from(neg) << 63);
     // numpy's float64 → float32 cast (round to nearest even; ±inf beyond f32::MAX).
     let v = v as f32;
     if !v.is_finite() {
@@ -215,7 +293,9 @@ mod tests {
 
     #[test]
     fn digit_runs_and_values() {
-        for s in ["", "1", "12", "123", "1234", "12345", "123456", "1234567", "12345678"] {
+        for s in [
+            "", "1", "12", "123", "1234", "12345", "123456", "1234567", "12345678",
+        ] {
             let text = format!("{s},9999999");
             let x = load8(text.as_bytes(), 0);
             assert_eq!(digit_run(x), s.len(), "{text}");
@@ -258,9 +338,26 @@ mod tests {
     #[test]
     fn odd_and_non_json_text_is_left_to_the_exact_parser() {
         for text in [
-            "", "-", "01", "-01", "1.", "1.e5", ".5", "1e", "1e+", "1e-", "1e1234", "+1",
-            "12345678901234567890", "0.12345678901234567890", "1e400", "1e23", "NaN", "inf",
-            "3.4028236e38", "123456789012345678901",
+            "",
+            "-",
+            "01",
+            "-01",
+            "1.",
+            "1.e5",
+            ".5",
+            "1e",
+            "1e+",
+            "1e-",
+            "1e1234",
+            "+1",
+            "12345678901234567890",
+            "0.12345678901234567890",
+            "1e400",
+            "1e23",
+            "NaN",
+            "inf",
+            "3.4028236e38",
+            "123456789012345678901",
         ] {
             assert_eq!(parse_bf16(text.as_bytes()), None, "{text:?}");
         }
@@ -332,7 +429,10 @@ mod tests {
         }
         // Both paths are exercised: ≤ 2^53 significands are exact (Clinger), longer text
         // this close to a midpoint is left to the exact parser.
-        assert!((10_000..90_000).contains(&fast), "fast path taken by {fast}");
+        assert!(
+            (10_000..90_000).contains(&fast),
+            "fast path taken by {fast}"
+        );
     }
 
     #[test]
