@@ -92,6 +92,8 @@ struct Shared {
     master: Hotkey,
     netuid: u16,
     inner: Mutex<Inner>,
+    /// `true` while epoch GETs are held ([`ProviderDouble::hold_fetches`]).
+    hold: tokio::sync::watch::Sender<bool>,
 }
 
 impl Shared {
@@ -125,6 +127,7 @@ impl ProviderDouble {
                 heartbeat_status: 200,
                 ..Inner::default()
             }),
+            hold: tokio::sync::watch::Sender::new(false),
         });
         let app = Router::new()
             .route(EPOCH_LATEST_PATH, get(epoch_latest))
@@ -176,6 +179,14 @@ impl ProviderDouble {
         self.shared.lock().heartbeat_hang = hang;
     }
 
+    /// When `true`, each epoch GET is counted ([`ProviderDouble::fetches`]) and then held
+    /// without an answer until this is set back to `false`; it is then answered as the
+    /// fault and published epoch are at that moment. A test uses it to stop a validator
+    /// tick at a known point (the fetch in progress) and let it go on later.
+    pub fn hold_fetches(&self, hold: bool) {
+        self.shared.hold.send_replace(hold);
+    }
+
     /// Every heartbeat POST received so far.
     pub fn heartbeats(&self) -> Vec<RecordedHeartbeat> {
         self.shared.lock().heartbeats.clone()
@@ -200,9 +211,12 @@ fn json(body: Vec<u8>) -> Response {
 }
 
 async fn epoch_latest(State(shared): State<Arc<Shared>>) -> Response {
+    shared.lock().fetches += 1;
+    let mut hold = shared.hold.subscribe();
+    // Err only when the sender is gone, which cannot happen while `shared` lives.
+    let _ = hold.wait_for(|held| !*held).await;
     let (fault, current) = {
-        let mut g = shared.lock();
-        g.fetches += 1;
+        let g = shared.lock();
         let current = g.current.and_then(|e| g.published.get(&e).cloned());
         let fault = g.fault.clone();
         let current = match &fault {

@@ -383,7 +383,10 @@ impl Daemon {
         let mut next = State {
             last_applied: Some(v.epoch),
             last_submit_block: landed_block,
-            last_submit_ts: Some(now),
+            // the wall clock at inclusion, not at the tick's start: the fetch, connect and
+            // inclusion wait can take minutes, and the wall-clock fallback (§7 step 2) must
+            // count from the landing, as the chain's rate limit does
+            last_submit_ts: Some(crate::liveness::unix_now().max(now)),
             cached_weights: st.cached_weights.clone(),
             cached_digest: st.cached_digest.clone(),
         };
