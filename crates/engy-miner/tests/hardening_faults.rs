@@ -6,9 +6,11 @@
 //!   wrong shapes), streamed and not: each request gets exactly one `response` error frame
 //!   of PROTOCOL.md §2's shape; the process and its leg stay up and the next request is
 //!   served and proven normally;
-//! * gateway legs dropped (or told to reconnect) with requests in flight, and cancel floods
-//!   (duplicates, unknown corr_ids, malformed cancels, a cancel ahead of its serve): the
-//!   legs re-dial, every orphaned serve call is aborted, no slot stays taken;
+//! * gateway legs dropped (or told to reconnect) with requests in flight, once and at
+//!   random moments under load (300 requests, seeded), and cancel floods (duplicates,
+//!   unknown corr_ids, malformed cancels, a cancel ahead of its serve): the legs re-dial,
+//!   every orphaned serve call is aborted, nothing is sent on another leg, no slot stays
+//!   taken;
 //! * a cancel for each of 500 requests at a random moment (seeded; the seed is printed and
 //!   `ENGY_FAULT_SEED` replays it), streamed and not, over 4 legs: nothing is sent for a
 //!   corr_id once its cancel took effect, every serve call ends finished or aborted, no
@@ -98,6 +100,7 @@ async fn expect_error(fx: &Fixture, leg: u64, corr: &str, stream: bool, max_toke
         .unwrap_or_else(|| panic!("{corr}: no response"));
     let err = assert_error_frame(&resp, corr);
     assert_one_terminal(fx, corr);
+    println!("{corr}: {err}");
     err
 }
 
@@ -223,6 +226,26 @@ async fn serve_crash_death_and_hang_fail_one_request_each() {
     fx.sglang.set_fault(None);
     expect_served(&fx, leg, "after-crash-json", false).await;
 
+    // 3b. It dies as a non-streamed body is being written (torn before or after its first
+    //     bytes reach the miner; a half-received body that then stops is step 5).
+    fx.sglang.push_fault(Fault::StallBody);
+    let n0 = fx.sglang.generate_log().len();
+    assert!(fx.gw.serve(leg, "crash-body", chat("Talk.", 40), false));
+    fx.sglang
+        .wait_until(T, |recs, _, _| {
+            recs.get(n0)
+                .is_some_and(|r| !r.finish_reason.is_null())
+                .then_some(())
+        })
+        .await
+        .expect("body being written");
+    fx.sglang.kill().await;
+    let resp = fx.gw.wait_response("crash-body", T).await.unwrap();
+    println!("crash-body: {}", assert_error_frame(&resp, "crash-body"));
+    assert_one_terminal(&fx, "crash-body");
+    fx.sglang.restart().await.unwrap();
+    expect_served(&fx, leg, "after-crash-body", false).await;
+
     // 4. The connection is dropped mid-body (after 3 SSE events / half of the JSON body).
     for (corr, stream, fault) in [
         ("die-sse", true, Fault::DieAfterEvents(3)),
@@ -237,12 +260,13 @@ async fn serve_crash_death_and_hang_fail_one_request_each() {
         expect_served(&fx, leg, &format!("after-{corr}"), stream).await;
     }
 
-    // 5. The serve hangs: no byte at all (queued forever), or half of the final SSE line
-    //    and then nothing. SERVE_HTTP_S ends the call; the miner aborts what it gave up on.
+    // 5. The serve hangs: no byte at all (queued forever), or half of the final SSE line /
+    //    of the JSON body and then nothing. SERVE_HTTP_S ends the call; the miner aborts what it gave up on.
     for (corr, stream, fault) in [
         ("hang-json", false, Fault::Hang),
         ("hang-sse", true, Fault::Hang),
         ("stall-sse", true, Fault::StallFinalLine),
+        ("stall-json", false, Fault::StallBody),
     ] {
         fx.sglang.push_fault(fault);
         let n0 = fx.sglang.generate_log().len();
@@ -273,7 +297,7 @@ async fn serve_crash_death_and_hang_fail_one_request_each() {
         serve_settled(&fx).await;
         expect_served(&fx, leg, &format!("after-{corr}"), stream).await;
     }
-    let fence = settled_fence_check(&fx.gw).await;
+    let fence = settled_fence_check(&fx.gw, 2).await;
     assert!(fence.violations.is_empty(), "{:?}", fence.violations);
     alive(&mut m);
     serve_settled(&fx).await;
@@ -477,7 +501,7 @@ async fn cancel_floods_duplicates_and_unknown_corr_ids_leave_no_stuck_slot() {
     for (_, corr) in kept {
         assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
     }
-    let fence = settled_fence_check(&fx.gw).await;
+    let fence = settled_fence_check(&fx.gw, sent).await;
     assert!(fence.violations.is_empty(), "{:?}", fence.violations);
     for (_, corr) in cancelled {
         assert!(fx.gw.frames_for(corr).iter().all(|f| f.kind() == "chunk"));
@@ -601,8 +625,8 @@ async fn random_cancels_over_500_requests_leak_nothing() {
 
     // Nothing for a corr_id once its cancel took effect; at most one response each, and
     // no error (a cancelled request is silent, the others were served).
-    let fence = settled_fence_check(&fx.gw).await;
-    assert_eq!(fence.cancelled, N);
+    let fence = settled_fence_check(&fx.gw, N).await;
+    assert_eq!((fence.cancel_frames, fence.cancelled), (N, N));
     assert!(fence.violations.is_empty(), "{:?}", fence.violations);
     let mut responses: HashMap<String, usize> = HashMap::new();
     for f in fx.gw.frames() {
@@ -654,6 +678,179 @@ async fn random_cancels_over_500_requests_leak_nothing() {
         N - responses.len(),
         hwm_kb
     );
+    assert!(hwm_kb < 150 * 1024, "peak RSS {hwm_kb} kB");
+    terminate_idle(m).await;
+}
+
+/// Serve `request` through the gateway double's routing once some leg has room (legs may
+/// be down and re-dialing).
+async fn submit_when_room(
+    gw: &engy_devnet::gateway::GatewayDouble,
+    request: &Value,
+    stream: bool,
+) -> (u64, String) {
+    loop {
+        if let Some(x) = gw.submit(request.clone(), stream) {
+            return x;
+        }
+        let mut first = true;
+        gw.wait_for(T, |_, _| {
+            let go = !first;
+            first = false;
+            go.then_some(())
+        })
+        .await
+        .expect("a leg with room");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legs_dropped_at_random_moments_under_load() {
+    const N: usize = 300;
+    const LEGS: usize = 4;
+    const MAX_INFLIGHT: usize = 16;
+    let seed: u64 = std::env::var("ENGY_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::thread_rng().gen());
+    println!("random drops: seed {seed} (replay with ENGY_FAULT_SEED={seed})");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // (stream, max_tokens, drop a random leg right after submitting it: 0 none, 1 drop
+    // without a close frame, 2 `reconnect`)
+    let plans: Vec<(bool, u64, u8, usize)> = (0..N)
+        .map(|_| {
+            // ~12 leg ends: a leg ended again within 10 s of its last dial re-dials after
+            // a doubled pause (0.5, 1, 2, 4 s …), so more drops mostly add waiting.
+            let kill = match rng.gen_range(0..100) {
+                0..=2 => 1,
+                3 => 2,
+                _ => 0,
+            };
+            (
+                rng.gen_bool(0.5),
+                rng.gen_range(1..=48),
+                kill,
+                rng.gen_range(0..LEGS),
+            )
+        })
+        .collect();
+    let fx = Fixture::new(HIDDEN, LEGS, SglangConfig::default()).await;
+    let m = fx.miner(&[
+        NO_PERIODIC_HEARTBEAT,
+        ("MAX_INFLIGHT", &MAX_INFLIGHT.to_string()),
+    ]);
+    let pid = m.child.id();
+    fx.gw.wait_legs(LEGS, T).await.unwrap();
+    fx.sglang
+        .set_fault(Some(Fault::Slow(Duration::from_millis(2))));
+    let started = Instant::now();
+    let gw = &fx.gw;
+    let served: Vec<(u64, String)> = futures_util::stream::iter(plans.iter().enumerate())
+        .map(|(i, &(stream, max_tokens, kill, victim))| async move {
+            let req = chat(&format!("Request {i}: go on."), max_tokens);
+            let (conn, corr) = submit_when_room(gw, &req, stream).await;
+            if kill > 0 {
+                let live = gw.live_legs();
+                if let Some(l) = live.get(victim % live.len().max(1)) {
+                    if kill == 1 {
+                        gw.drop_conn(l.id);
+                    } else {
+                        gw.reconnect(l.id);
+                    }
+                }
+            }
+            // Settled: answered, or its leg is gone (nothing can come for it any more).
+            let mut seen = 0;
+            gw.wait_for(T, |frames, conns| {
+                let start = seen.min(frames.len());
+                seen = frames.len();
+                let answered = frames[start..].iter().any(|f| {
+                    f.dir == Dir::FromMiner && f.kind() == "response" && f.corr_id() == corr
+                });
+                let gone = conns.iter().any(|c| c.id == conn && !c.alive);
+                (answered || gone).then_some(())
+            })
+            .await
+            .unwrap_or_else(|| panic!("{corr}: neither answered nor its leg gone"));
+            (conn, corr)
+        })
+        .buffer_unordered(MAX_INFLIGHT)
+        .collect()
+        .await;
+    let driven = started.elapsed();
+
+    // Every frame of a request came on the leg it was served on; at most one response, and
+    // every response is a success (a dropped leg's requests are silently abandoned).
+    let frames = fx.gw.frames();
+    let mut answered = 0;
+    let on: HashMap<&str, u64> = served.iter().map(|(c, k)| (k.as_str(), *c)).collect();
+    let mut responses: HashMap<&str, usize> = HashMap::new();
+    for f in &frames {
+        if f.dir != Dir::FromMiner || f.corr_id().is_empty() {
+            continue;
+        }
+        assert_eq!(on.get(f.corr_id()), Some(&f.conn), "{}", f.value);
+        if f.kind() == "response" {
+            assert_ok(&f.value);
+            *responses.entry(f.corr_id()).or_default() += 1;
+            answered += 1;
+        }
+    }
+    assert!(responses.values().all(|&n| n == 1), "duplicate responses");
+    let dead: HashSet<u64> = fx
+        .gw
+        .conns()
+        .iter()
+        .filter(|c| !c.alive)
+        .map(|c| c.id)
+        .collect();
+    for (conn, corr) in &served {
+        assert!(
+            responses.contains_key(corr.as_str()) || dead.contains(conn),
+            "{corr} unanswered on a live leg"
+        );
+    }
+    // The orphans' serve calls were aborted; the rest finished.
+    let (calls, aborted) = every_call_finished_or_aborted(&fx).await;
+    fx.sglang.set_fault(None);
+    // Every worker has a live leg again, idle, and a full batch is served.
+    let legs = fx
+        .gw
+        .wait_for(T, |_, conns| {
+            let live: Vec<_> = conns
+                .iter()
+                .filter(|c| c.alive && c.hello.is_some())
+                .cloned()
+                .collect();
+            (live.len() == LEGS).then_some(live)
+        })
+        .await
+        .expect("every leg re-dialed");
+    for l in &legs {
+        wait_idle(&fx.gw, l.id).await;
+    }
+    let batch: Vec<String> = (0..MAX_INFLIGHT)
+        .map(|i| {
+            fx.gw
+                .submit(chat(&format!("Fresh {i}?"), 8), i % 2 == 0)
+                .expect("capacity")
+                .1
+        })
+        .collect();
+    for corr in &batch {
+        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
+    }
+    let hwm_kb = vm_hwm_kb(pid).expect("VmHWM");
+    println!(
+        "random drops: {N} requests in {driven:.1?}, {} legs ended, {answered} answered, {} abandoned, {calls} serve calls, {aborted} aborted; VmHWM {hwm_kb} kB",
+        dead.len(),
+        N - answered,
+    );
+    assert!(
+        !dead.is_empty() && aborted > 0,
+        "drops hit requests in flight"
+    );
+    // Same bound as `random_cancels_over_500_requests_leak_nothing`.
     assert!(hwm_kb < 150 * 1024, "peak RSS {hwm_kb} kB");
     terminate_idle(m).await;
 }

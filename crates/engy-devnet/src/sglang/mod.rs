@@ -21,7 +21,7 @@
 //! Faults ([`Fault`]) reproduce what a real serve does under concurrency or failure: the
 //! batch-offset prefill bug (§2.6.3: empty element 0, foreign rows), retraction (§2.6.5),
 //! slow and hung serves, dying mid-stream, 5xx, malformed JSON, hidden states disabled or
-//! diverted, a connection torn on abort (§3), a final SSE line that stalls half-written, and
+//! diverted, a connection torn on abort (§3), a final SSE line or a JSON body that stalls half-written, and
 //! a 200 whose body is arbitrary bytes ([`Fault::Raw`]: non-JSON, cut or wrongly shaped
 //! replies). [`SglangDouble::kill`] stops the whole serve at once as a crashed process
 //! would (every reply torn mid-body, the port refusing connections) and
@@ -87,6 +87,9 @@ pub enum Fault {
     /// Stream: write half of the final event line, then stall until aborted (the
     /// connection is then torn) or the client leaves.
     StallFinalLine,
+    /// Non-stream: send the status line and half of the JSON body, then stall until
+    /// aborted (the connection is then torn), killed, or the client leaves.
+    StallBody,
     /// On abort, tear the connection down with no body (engy's live observation, §3).
     TornOnAbort,
     /// A 200 whose body is exactly these bytes (`application/json` without `stream`,
@@ -913,6 +916,10 @@ impl Generation {
             ev
         };
         let bytes = Bytes::from(text.into_bytes());
+        let stall = matches!(
+            (&self.fault, self.req.stream),
+            (Some(Fault::StallFinalLine), true) | (Some(Fault::StallBody), false)
+        );
         match self.fault {
             Some(Fault::DieAfterEvents(_)) if !self.req.stream => {
                 let half = bytes.slice(..bytes.len() / 2);
@@ -922,7 +929,7 @@ impl Generation {
             Some(Fault::DieAfterEvents(k)) if events_sent >= k => {
                 let _ = self.tx.send(Out::Tear).await;
             }
-            Some(Fault::StallFinalLine) if self.req.stream => {
+            _ if stall => {
                 let half = bytes.slice(..bytes.len() / 2);
                 if self.tx.send(Out::Data(half)).await.is_err() {
                     return;

@@ -277,6 +277,8 @@ pub fn cancel_fenced(gw: &GatewayDouble, conn: u64, corr: &str) -> bool {
 /// What [`cancel_fence_check`] found.
 #[derive(Debug, Default)]
 pub struct FenceCheck {
+    /// `cancel` frames sent (recorded) so far.
+    pub cancel_frames: usize,
     /// Cancelled corr_ids.
     pub cancelled: usize,
     /// Cancels whose fence heartbeat is not recorded yet.
@@ -295,10 +297,12 @@ pub fn cancel_fence_check(frames: &[Frame]) -> FenceCheck {
     // corr → (conn, ordinal of the fencing ping)
     let mut cancels: HashMap<&str, (u64, usize)> = HashMap::new();
     let mut last_from_miner: HashMap<&str, usize> = HashMap::new();
+    let mut cancel_frames = 0;
     for (i, f) in frames.iter().enumerate() {
         match (f.dir, f.kind()) {
             (Dir::ToMiner, "ping") => *pings.entry(f.conn).or_default() += 1,
             (Dir::ToMiner, "cancel") => {
+                cancel_frames += 1;
                 let k = pings.get(&f.conn).copied().unwrap_or(0);
                 cancels.entry(f.corr_id()).or_insert((f.conn, k));
             }
@@ -310,6 +314,7 @@ pub fn cancel_fence_check(frames: &[Frame]) -> FenceCheck {
         }
     }
     let mut out = FenceCheck {
+        cancel_frames,
         cancelled: cancels.len(),
         ..FenceCheck::default()
     };
@@ -332,19 +337,19 @@ pub fn cancel_fence_check(frames: &[Frame]) -> FenceCheck {
     out
 }
 
-/// Wait until every cancel's fence heartbeat is recorded, then return the check.
-pub async fn settled_fence_check(gw: &GatewayDouble) -> FenceCheck {
+/// Wait until the `sent` cancel frames and every cancel's fence heartbeat are recorded
+/// (the double records a frame when its connection task sends it), then return the check.
+pub async fn settled_fence_check(gw: &GatewayDouble, sent: usize) -> FenceCheck {
     gw.wait_for(T, |frames, _| {
         let c = cancel_fence_check(frames);
-        c.unfenced.is_empty().then_some(c)
+        (c.cancel_frames >= sent && c.unfenced.is_empty()).then_some(c)
     })
     .await
     .unwrap_or_else(|| {
         let c = cancel_fence_check(&gw.frames());
         panic!(
-            "no heartbeat behind {} cancel(s): {:?}",
-            c.unfenced.len(),
-            c.unfenced
+            "{} of {sent} cancels recorded; no heartbeat behind {:?}",
+            c.cancel_frames, c.unfenced
         )
     })
 }
