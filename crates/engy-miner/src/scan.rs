@@ -446,6 +446,11 @@ async fn scan_meta<S: ReplySource>(
                     HiddenMode::Skip => false,
                 };
                 if parse {
+                    // A second `hidden_states` (a repeated key, or a second `meta_info`)
+                    // would hand the sink rows that `Rows` does not count: refuse it.
+                    if r.rows.is_some() {
+                        return Err(c.err("a single hidden_states (the key repeats)"));
+                    }
                     r.rows = Some(scan_hidden(c, sink).await?);
                 } else {
                     c.skip_value().await?;
@@ -617,7 +622,7 @@ fn push_row(rows: &mut Rows, sink: &mut dyn RowSink, element: usize, row: &[u16]
 enum Fast {
     /// Consumed the row's `]`.
     RowEnd,
-    /// Fewer than [`MAX_NUMBER`] bytes left in the window.
+    /// Fewer than [`LOOKAHEAD`] bytes left in the window.
     NeedMore,
     /// After a number, at something other than `,` or `]` (e.g. whitespace).
     AfterNumber,
@@ -628,14 +633,14 @@ enum Fast {
 }
 
 /// Parse the floats of a row from `b[*i..]` while a whole number surely fits in the window
-/// (≥ [`MAX_NUMBER`] bytes left), appending bf16 bits to `out`; `*i` ends after the last
+/// (≥ [`LOOKAHEAD`] bytes left), appending bf16 bits to `out`; `*i` ends after the last
 /// value or separator consumed. A plain function over a slice, so the hot loop keeps its
 /// state in registers.
 #[inline]
 fn floats_fast(b: &[u8], i: &mut usize, out: &mut Vec<u16>) -> Fast {
     let mut j = *i;
     let stop = loop {
-        let Some(rest) = b.get(j..).filter(|r| r.len() >= MAX_NUMBER) else {
+        let Some(rest) = b.get(j..).filter(|r| r.len() >= LOOKAHEAD) else {
             break Fast::NeedMore;
         };
         // JSON numbers only: fast-float2 would also accept "inf"/"nan".
@@ -674,6 +679,12 @@ fn floats_fast(b: &[u8], i: &mut usize, out: &mut Vec<u16>) -> Fast {
 
 /// Longest number text accepted in `hidden_states` (orjson writes at most ~24 bytes).
 const MAX_NUMBER: usize = 64;
+
+/// Bytes buffered before a hidden value is parsed (unless the input ends sooner): the
+/// longest accepted number plus an exponent marker and its sign, so that a number cut by
+/// the window's end never parses as a shorter one (`…0e` | `5` would read as `…0` and
+/// then fail differently from the whole reply). Found by the `hidden_rows` fuzz target.
+const LOOKAHEAD: usize = MAX_NUMBER + 2;
 
 /// A cursor over a window of the reply's bytes, refilled from the source as it is used up.
 /// `b[i..]` is unread; everything before `i` may be dropped on the next refill.
@@ -959,8 +970,8 @@ impl<S: ReplySource> Cur<S> {
             return Ok(());
         }
         loop {
-            if self.avail() < MAX_NUMBER && !self.eof {
-                self.fill_to(MAX_NUMBER).await?;
+            if self.avail() < LOOKAHEAD && !self.eof {
+                self.fill_to(LOOKAHEAD).await?;
             }
             // Fast path: a plain loop over the buffered window, as orjson writes rows.
             match floats_fast(&self.b, &mut self.i, out) {
@@ -1017,19 +1028,24 @@ impl<S: ReplySource> Cur<S> {
     }
 
     /// The error for a bad hidden value at window offset `at`: [`ScanError::Malformed`]
-    /// when its text runs into the end of the input or of an SSE line (a reply cut
-    /// short), else [`ScanError::BadHidden`].
+    /// when its text (shorter than [`MAX_NUMBER`]) runs into the end of the input or of an
+    /// SSE line (a reply cut short), else [`ScanError::BadHidden`]. It looks at most
+    /// [`LOOKAHEAD`] bytes, which the window holds (or the input ends), so the answer does
+    /// not depend on how the bytes arrived.
     fn bad_number(&self, at: usize) -> ScanError {
         let run = self.b.get(at..).unwrap_or(&[]);
-        let end = run
+        let len = run
             .iter()
-            .position(|x| !matches!(x, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'));
-        match end.map(|k| run.get(k)) {
-            None | Some(Some(b'\n')) if self.eof || end.is_some() => ScanError::Malformed {
+            .take(MAX_NUMBER)
+            .take_while(|x| matches!(x, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'))
+            .count();
+        if len < MAX_NUMBER && matches!(run.get(len), None | Some(b'\n')) {
+            ScanError::Malformed {
                 at: self.base + at,
                 what: "a number; the reply ends here",
-            },
-            _ => ScanError::BadHidden { at: self.base + at },
+            }
+        } else {
+            ScanError::BadHidden { at: self.base + at }
         }
     }
 

@@ -619,3 +619,61 @@ async fn write_fuzz_seeds() {
         );
     }
 }
+
+/// `scan_reply` fuzz target (crossover of two sglang double replies): a reply with
+/// `hidden_states` twice handed the sink the rows of both while `Rows` counted only the
+/// last, so a proof could cover rows the alignment checks never saw. It is refused now,
+/// however the bytes arrive.
+#[test]
+fn regression_repeated_hidden_states_is_refused() {
+    let bodies = [
+        r#"{"meta_info":{"hidden_states":[[1,2],[3,4]],"x":0,"hidden_states":[[5,6]]}}"#,
+        r#"{"meta_info":{"hidden_states":[[1,2]]},"meta_info":{"hidden_states":[[5,6]]}}"#,
+    ];
+    for body in bodies {
+        let whole = scan_reply(body.as_bytes(), HiddenMode::Always, false);
+        assert!(
+            matches!(whole, Err(ScanError::Malformed { .. })),
+            "{body}: {whole:?}"
+        );
+        for step in [1, 3, 7] {
+            assert_eq!(
+                scan_chunked(body.as_bytes(), &[step], HiddenMode::Always, usize::MAX),
+                whole
+            );
+        }
+    }
+    // Skipped (not parsed) hidden_states may repeat: nothing reaches a sink.
+    let r = scan_reply(bodies[0].as_bytes(), HiddenMode::Skip, false).unwrap();
+    assert!(r.rows.is_none());
+}
+
+/// `hidden_rows` fuzz target: a hidden value longer than any float orjson writes, whose
+/// first 63 bytes end just before an exponent (`-0.0495600…0e666…`), read 1 byte at a time,
+/// parsed as the 63-byte prefix (the window ended at the `e`) and failed as malformed JSON
+/// further on, while the whole reply refused the value itself. Both now say `BadHidden` at
+/// the value, however the bytes arrive.
+#[test]
+fn regression_long_number_cut_before_its_exponent() {
+    let mantissa = format!("-0.0{}", "0".repeat(59));
+    assert_eq!(mantissa.len(), 63);
+    for tail in ["e666666", "e+5", "E-1", "e"] {
+        let body = format!(r#"{{"meta_info":{{"hidden_states":[[0.5,{mantissa}{tail},1.0]]}}}}"#);
+        let whole = scan_reply(body.as_bytes(), HiddenMode::Always, false);
+        // A bare `e` is not an exponent: the 63-byte number is read, then `e` is malformed.
+        let want_bad = tail != "e";
+        assert_eq!(
+            matches!(whole, Err(ScanError::BadHidden { .. })),
+            want_bad,
+            "{tail}: {whole:?}"
+        );
+        assert!(whole.is_err());
+        for step in 1..=9 {
+            assert_eq!(
+                scan_chunked(body.as_bytes(), &[step], HiddenMode::Always, usize::MAX),
+                whole,
+                "{tail}, step {step}"
+            );
+        }
+    }
+}
