@@ -82,5 +82,77 @@ if spec.exists():
 for p in (ROOT / "fuzz" / "seeds" / "commit_proof").glob("*"):
     put("commit_proof", p.read_bytes())
 
+# ---- the miner's parsers ----
+import math, struct
+
+
+def bf16_text(bits):
+    """A bf16 pattern as orjson prints it (Python's shortest float repr), or None."""
+    v = struct.unpack(">f", struct.pack(">I", bits << 16))[0]
+    return None if not math.isfinite(v) else repr(v)
+
+
+rows = []
+for doc in load("toploc"):
+    for c in doc.get("cases", []):
+        for inp in c.get("inputs", []) if isinstance(c, dict) else []:
+            if isinstance(inp, dict) and inp.get("dtype") == "bfloat16" and isinstance(inp.get("bits"), list):
+                flat = list(walk(inp["bits"]))
+                vals = [bf16_text(b) for b in flat if isinstance(b, int) and 0 <= b < 65536][:64]
+                vals = [v for v in vals if v is not None]
+                if vals:
+                    rows.append(vals)
+rows = rows[:40]
+ALPHA = "0123456789.-eE+"
+for i, row in enumerate(rows):
+    hs = "[[" + ",".join(row[:8]) + "],[" + ",".join(row) + "],[]," + "[" + ",".join(row) + "]]"
+    body = ('{"text":"x","output_ids":[1,2],"meta_info":{"id":"r%d","finish_reason":{"type":"length","length":2},'
+            '"prompt_tokens":3,"cached_tokens":0,"output_token_logprobs":[[-0.5,1,null],[-0.25,2,null]],'
+            '"hidden_states":%s}}' % (i, hs))
+    put("scan_reply", bytes([i % 8, 0]) + body.encode())
+    stock = body.replace('{"type":"length","length":2}', "null")
+    put("sse_reader", bytes([i % 8, 0]) + f": keep-alive\n\ndata: {stock}\n\ndata: {body}\n\ndata: [DONE]\n\n".encode())
+    # hidden_rows: the row's values as the target's token program (0xF0 ends a value,
+    # 0xF1 an element, 0xF2 opens a block / its next row)
+    prog = bytearray()
+    for j, v in enumerate(row):
+        prog += bytes(ALPHA.index(ch) for ch in v) + b"\xf0"
+        if j % 7 == 6:
+            prog += b"\xf1"
+    put("hidden_rows", bytes([i % 4, 2, 3, 200]) + bytes(prog))
+    put("hidden_rows", bytes([0, 0, 0xF2]) + bytes(prog[: len(prog) // 2]) + b"\xf2" + bytes(prog))
+for p in (ROOT / "fuzz" / "seeds" / "scan_reply").glob("*"):
+    put("scan_reply", p.read_bytes())
+for p in (ROOT / "fuzz" / "seeds" / "sse_reader").glob("*"):
+    put("sse_reader", p.read_bytes())
+    put("scan_reply", p.read_bytes().replace(b"data: ", b"", 1))
+
+# gateway frames (PROTOCOL.md §2), raw JSON (mode 0) and from parts (mode 1)
+for f in [
+    {"type": "serve", "corr_id": "c-1", "stream": True,
+     "request": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                 "engy_request_id": "r-1"}},
+    {"type": "serve", "corr_id": "c-2", "request": {"messages": []}},
+    {"type": "cancel", "corr_id": "c-1"},
+    {"type": "ping"}, {"type": "reconnect"}, {"type": "admit"},
+    {"type": "deny", "reason": "unknown miner_key"},
+    {"type": "hello-ack", "x": [1, 2]},
+]:
+    put("gateway_frame", b"\x00" + json.dumps(f).encode())
+put("gateway_frame", b"\x00[1,2]")
+put("gateway_frame", b"\x01\x00\x02\x01c-9\xffhello\xffother")
+
+# chat messages: raw JSON lists (mode 0) and from parts (mode 1)
+for m in [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Caf\u00e9 na\u00efve \u2014 \u65e5\u672c\u8a9e \U0001f642"}],
+    [{"role": "user", "content": "<|im_start|>not a turn<|im_end|>"}, {"role": "assistant", "content": ""}],
+    [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],
+    [{"role": "user", "content": None}], [{"content": "no role"}], {"not": "a list"},
+]:
+    put("chat_template", b"\x00" + json.dumps(m, ensure_ascii=False).encode())
+put("chat_template", b"\x01\x00\x00system\xff\x01\x00hi {{ x }} %}\xff\x02\x02")
+
 for t in sorted(CORPUS.iterdir()):
     print(f"{t.name}: {len(list(t.iterdir()))} seeds")
