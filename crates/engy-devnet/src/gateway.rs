@@ -109,6 +109,8 @@ impl Default for GatewayConfig {
 
 enum Cmd {
     Send(Value),
+    /// Several frames written back to back, flushed once.
+    SendTogether(Vec<Value>),
     Drop,
 }
 
@@ -332,6 +334,16 @@ impl GatewayDouble {
         }
     }
 
+    /// Send several raw frames on `conn` back to back with one flush, so they reach the
+    /// miner in one read (as a busy gateway's frames may); false if the connection is gone.
+    pub fn send_together(&self, conn: u64, frames: Vec<Value>) -> bool {
+        let conns = lock(&self.inner.conns);
+        match conns.get(&conn) {
+            Some(c) if c.alive => c.tx.send(Cmd::SendTogether(frames)).is_ok(),
+            _ => false,
+        }
+    }
+
     /// `serve {corr_id, request, stream}` on `conn`.
     pub fn serve(&self, conn: u64, corr_id: &str, request: Value, stream: bool) -> bool {
         lock(&self.inner.outstanding).insert(corr_id.to_string(), conn);
@@ -451,6 +463,19 @@ async fn conn_task(st: Arc<Inner>, worker: usize, socket: WebSocket) {
                         break;
                     }
                 }
+                Some(Cmd::SendTogether(vs)) => {
+                let mut ok = true;
+                for v in vs {
+                    st.record(id, worker, Dir::ToMiner, v.clone());
+                    if sink.feed(Message::Text(v.to_string().into())).await.is_err() {
+                        ok = false;
+                        break;
+                    }
+                }
+                if !ok || sink.flush().await.is_err() {
+                    break;
+                }
+            }
                 Some(Cmd::Drop) | None => break,
             },
             msg = stream.next() => match msg {

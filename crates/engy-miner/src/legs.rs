@@ -5,7 +5,7 @@
 //! so a request task never touches the socket and can never block the leg's reads or its
 //! heartbeats. A request's frames pass [`Job::if_live`], atomically with `cancel`, so nothing
 //! reaches the channel for a corr_id after its cancel was handled.
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -275,11 +275,7 @@ impl Hub {
     pub fn cancel(&self, corr_id: &str, why: &str) {
         let job = self.jobs().get(corr_id).cloned();
         match job {
-            Some(job) => {
-                let rids = job.cancel();
-                tracing::info!(corr_id, aborting = rids.len(), why, "cancelled");
-                self.engine.abort_rids(rids);
-            }
+            Some(job) => self.cancel_job(corr_id, &job, why),
             None => {
                 let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
                 q.push_back(corr_id.to_string());
@@ -288,6 +284,21 @@ impl Hub {
                 }
                 tracing::info!(corr_id, why, "cancel for an unknown or finished request");
             }
+        }
+    }
+
+    fn cancel_job(&self, corr_id: &str, job: &Job, why: &str) {
+        let rids = job.cancel();
+        tracing::info!(corr_id, aborting = rids.len(), why, "cancelled");
+        self.engine.abort_rids(rids);
+    }
+
+    /// Unregister `job` when it ended, unless `corr_id` was served again meanwhile (a
+    /// corr_id served again after its cancel is a new job, and stays cancellable).
+    fn forget(&self, corr_id: &str, job: &Arc<Job>) {
+        let mut jobs = self.jobs();
+        if jobs.get(corr_id).is_some_and(|j| Arc::ptr_eq(j, job)) {
+            jobs.remove(corr_id);
         }
     }
 
@@ -365,7 +376,8 @@ type Ws =
 struct LegState {
     inflight: AtomicUsize,
     last_busy: Mutex<Instant>,
-    corr_ids: Mutex<HashSet<String>>,
+    /// The leg's running jobs by corr_id.
+    corr_ids: Mutex<HashMap<String, Arc<Job>>>,
 }
 
 impl LegState {
@@ -406,7 +418,7 @@ async fn session(
     let leg = Arc::new(LegState {
         inflight: AtomicUsize::new(0),
         last_busy: Mutex::new(Instant::now()),
-        corr_ids: Mutex::new(HashSet::new()),
+        corr_ids: Mutex::new(HashMap::new()),
     });
     let hello = json!({
         "type": "hello",
@@ -485,13 +497,13 @@ async fn session(
         }
     };
     // Requests of this leg can no longer be answered: stop them (and their serve calls).
-    let orphans: Vec<String> = leg
+    let orphans: Vec<(String, Arc<Job>)> = leg
         .corr_ids
         .lock()
-        .map(|s| s.iter().cloned().collect())
+        .map(|s| s.iter().map(|(c, j)| (c.clone(), Arc::clone(j))).collect())
         .unwrap_or_default();
-    for c in orphans {
-        hub.cancel(&c, "leg ended");
+    for (c, job) in orphans {
+        hub.cancel_job(&c, &job, "leg ended");
     }
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
@@ -567,7 +579,7 @@ fn on_serve(
     hub.inflight.fetch_add(1, Ordering::SeqCst);
     leg.inflight.fetch_add(1, Ordering::SeqCst);
     if let Ok(mut s) = leg.corr_ids.lock() {
-        s.insert(corr_id.clone());
+        s.insert(corr_id.clone(), Arc::clone(&job));
     }
     let hub = Arc::clone(hub);
     let leg = Arc::clone(leg);
@@ -613,9 +625,11 @@ fn on_serve(
         if let Some(f) = frame {
             job.if_live(|| tx.send(Message::Text(f.to_string().into())));
         }
-        hub.jobs().remove(&corr_id);
+        hub.forget(&corr_id, &job);
         if let Ok(mut s) = leg.corr_ids.lock() {
-            s.remove(&corr_id);
+            if s.get(&corr_id).is_some_and(|j| Arc::ptr_eq(j, &job)) {
+                s.remove(&corr_id);
+            }
         }
         if let Ok(mut t) = leg.last_busy.lock() {
             *t = Instant::now();

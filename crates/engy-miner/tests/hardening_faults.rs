@@ -20,6 +20,8 @@
 //! writes its own through one FIFO, so the heartbeat answering a `ping` sent right behind a
 //! `cancel` is queued after the cancel was handled (`common::cancel_fenced`); periodic
 //! heartbeats are off in these tests so the n-th heartbeat of a leg answers its n-th ping.
+//! A corr_id served again right behind its own cancel stays cancellable (a miner bug this
+//! file found: the first job's clean-up unregistered the second).
 //! A leaked slot is observable twice: a leg's heartbeat `inflight`, and the miner's own
 //! drain line on SIGTERM (`inflight=0`, no drain timeout).
 mod common;
@@ -852,5 +854,108 @@ async fn legs_dropped_at_random_moments_under_load() {
     );
     // Same bound as `random_cancels_over_500_requests_leak_nothing`.
     assert!(hwm_kb < 150 * 1024, "peak RSS {hwm_kb} kB");
+    terminate_idle(m).await;
+}
+
+/// Frames the miner sent for `corr` after the fence of the `n`-th (0-based) cancel of
+/// `corr` (see `common::cancel_fenced`); `None` until that fence is recorded.
+fn after_nth_cancel_fence(
+    frames: &[engy_devnet::gateway::Frame],
+    corr: &str,
+    n: usize,
+) -> Option<Vec<Value>> {
+    let at = frames
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.dir == Dir::ToMiner && f.kind() == "cancel" && f.corr_id() == corr)
+        .nth(n)?
+        .0;
+    let conn = frames[at].conn;
+    let k = frames[..at]
+        .iter()
+        .filter(|f| f.conn == conn && f.dir == Dir::ToMiner && f.kind() == "ping")
+        .count();
+    let fence = frames
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.conn == conn && f.dir == Dir::FromMiner && f.kind() == "heartbeat")
+        .nth(k)?
+        .0;
+    Some(
+        frames[fence..]
+            .iter()
+            .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr)
+            .map(|f| f.value.clone())
+            .collect(),
+    )
+}
+
+/// Regression (found by this file): a corr_id served again right behind its cancel is a new
+/// job. The first job's clean-up used to unregister the second one, so its cancel (or its
+/// leg's end) no longer reached it: it kept streaming after the cancel and its serve call
+/// ran on unaborted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corr_id_served_again_after_its_cancel_can_be_cancelled_again() {
+    let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
+    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT]);
+    let mut leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    fx.sglang
+        .set_fault(Some(Fault::Slow(Duration::from_millis(5))));
+    for i in 0..6 {
+        let corr = format!("again-{i}");
+        let from = frame_count(&fx.gw).await;
+        // First life: streaming, then cancelled and served again right behind the cancel,
+        // in one write: the leg reads all three before the first life's task runs again.
+        assert!(fx.gw.serve(leg, &corr, chat("First life.", 300), true));
+        wait_frame_of(&fx.gw, &corr, from, &["chunk"], T)
+            .await
+            .expect("first life streaming");
+        let n = fx.sglang.generate_log().len();
+        assert!(fx.gw.send_together(
+            leg,
+            vec![
+                json!({"type": "cancel", "corr_id": corr}),
+                json!({"type": "serve", "corr_id": corr,
+                       "request": chat("Second life.", 300), "stream": true}),
+                json!({"type": "ping"}),
+            ]
+        ));
+        // The second life's serve call.
+        let rid = fx
+            .sglang
+            .wait_until(T, |recs, _, _| recs.get(n).map(|r| r.rid.clone()))
+            .await
+            .expect("second life generating");
+        if i < 5 {
+            // Its cancel stops it like any other.
+            assert!(cancel_fenced(&fx.gw, leg, &corr));
+            wait_idle(&fx.gw, leg).await;
+            let after = fx
+                .gw
+                .wait_for(T, |frames, _| after_nth_cancel_fence(frames, &corr, 1))
+                .await
+                .expect("fence recorded");
+            assert!(after.is_empty(), "{corr}: sent after its cancel: {after:?}");
+            wait_abort_of(&fx, &rid).await;
+        } else {
+            // Its leg's end stops it too.
+            assert!(fx.gw.drop_conn(leg));
+            wait_abort_of(&fx, &rid).await;
+            let old = leg;
+            leg = fx
+                .gw
+                .wait_for(T, |_, conns| {
+                    conns
+                        .iter()
+                        .find(|c| c.id > old && c.alive && c.hello.is_some())
+                        .map(|c| c.id)
+                })
+                .await
+                .expect("re-dialed");
+        }
+    }
+    fx.sglang.set_fault(None);
+    every_call_finished_or_aborted(&fx).await;
+    wait_idle(&fx.gw, leg).await;
     terminate_idle(m).await;
 }
