@@ -9,7 +9,10 @@
 //! stay up, say the chain is unreachable and when it retries, and leave the state file
 //! byte-identical; after the restart (chopsticks comes back from its seeded state, head
 //! #202, no weights stored, `LastUpdate` at registration) the new epoch lands once, reads
-//! back from `Weights`, and the state advances exactly once.
+//! back from `Weights`, and the state advances exactly once. Then the same with the node
+//! killed while the daemon's `set_weights` sits in its pool (manual block building,
+//! `author_pendingExtrinsics` non-empty): the submit FAILS by name, the state is unchanged,
+//! and after the restart that epoch lands exactly once.
 //!
 //! Runs when chain tests are requested (`ENGY_SUBTENSOR_URL` set, as `tests/run.sh` does);
 //! unset → a visible skip, like `chain.rs`. The harness script missing → a visible skip;
@@ -57,6 +60,21 @@ struct OwnChain {
 impl OwnChain {
     fn url(&self) -> String {
         format!("ws://127.0.0.1:{}", self.port)
+    }
+
+    /// A JSON-RPC call over HTTP; panics on an RPC error. Returns `result`.
+    async fn rpc(&self, method: &str, params: serde_json::Value) -> serde_json::Value {
+        let r: serde_json::Value = reqwest::Client::new()
+            .post(format!("http://127.0.0.1:{}", self.port))
+            .json(&serde_json::json!({"id":1,"jsonrpc":"2.0","method":method,"params":params}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(r.get("error").is_none(), "{method}: {r}");
+        r.get("result").cloned().unwrap_or_default()
     }
 
     /// `start-subtensor.sh PORT --restart`: a node from genesis, seeded (head #202).
@@ -425,6 +443,99 @@ async fn chain_killed_mid_tick_and_restarted() {
     assert_eq!(
         lines.seen.matches("landed in block #").count(),
         2,
+        "{}",
+        lines.seen
+    );
+
+    drop(chain);
+
+    // -- the node dies with the extrinsic in its pool (submitted, not yet in a block): the
+    //    node is switched to manual block building, so the daemon's set_weights waits for an
+    //    inclusion that never comes until the node is killed under it
+    let e2 = e1 + 1;
+    let v2: Vec<(String, u16)> = vec![
+        (key(FERDIE_SEED).ss58(), 65535),
+        (key(DAVE_SEED).ss58(), 100),
+    ];
+    p.hold_fetches(true);
+    let n = p.fetches();
+    fetch_started(&p, n, &lines.seen).await;
+    own.rpc("dev_setBlockBuildMode", serde_json::json!(["Manual"]))
+        .await;
+    p.publish(e2, &v2);
+    p.hold_fetches(false);
+    let t = Instant::now();
+    while own
+        .rpc("author_pendingExtrinsics", serde_json::json!([]))
+        .await
+        .as_array()
+        .is_none_or(Vec::is_empty)
+    {
+        assert!(
+            t.elapsed() < LINE_LIMIT,
+            "set_weights never reached the pool:\n{}",
+            lines.seen
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    own.kill().await;
+    let line = lines
+        .next_matching("the failed submit", |l| l.contains(&format!("epoch {e2}")))
+        .await;
+    assert!(
+        line.contains(&format!(
+            "epoch {e2} verified (new epoch): set_weights of 2 uids FAILED: "
+        )) && line.contains("state unchanged, retry next poll in 1 s"),
+        "{}",
+        lines.seen
+    );
+    assert_eq!(std::fs::read(env.state_file()).unwrap(), s1);
+    let line = lines.next_tick().await;
+    assert!(
+        line.contains(&format!("epoch {e2} verified: chain unreachable (")),
+        "{}",
+        lines.seen
+    );
+    assert_eq!(std::fs::read(env.state_file()).unwrap(), s1);
+
+    p.hold_fetches(true);
+    let n = p.fetches();
+    fetch_started(&p, n, &lines.seen).await;
+    own.start().await;
+    let chain = Chain::connect(&own.url()).await.unwrap();
+    assert_eq!(chain.weights(NETUID, uid).await.unwrap(), vec![]);
+    let released = engy_validator::liveness::unix_now();
+    p.hold_fetches(false);
+    let line = lines
+        .next_matching("the landing of e2", |l| l.contains("landed in block #"))
+        .await;
+    assert!(
+        line.contains(&format!(
+            "epoch {e2} verified (new epoch): set_weights of 2 uids from payload landed in block #203"
+        )),
+        "{}",
+        lines.seen
+    );
+    let st2 = env.state();
+    assert_eq!(st2.last_applied, Some(e2));
+    assert_eq!(st2.last_submit_block, Some(charlie(&chain).await.1));
+    assert!(st2.last_submit_ts >= Some(released));
+    assert_eq!(st2.cached_weights.as_deref(), Some(v2.as_slice()));
+    assert_eq!(
+        chain.weights(NETUID, uid).await.unwrap(),
+        stored(&chain, &v2).await
+    );
+    let s2 = std::fs::read(env.state_file()).unwrap();
+    let line = lines.next_tick().await;
+    assert!(
+        line.contains("(pre-gate, chain not contacted)"),
+        "{}",
+        lines.seen
+    );
+    assert_eq!(std::fs::read(env.state_file()).unwrap(), s2);
+    assert_eq!(
+        lines.seen.matches("landed in block #").count(),
+        3,
         "{}",
         lines.seen
     );
