@@ -5,7 +5,8 @@
 //!   dying mid-body, hanging without a byte, or answering garbage (non-JSON, cut JSON,
 //!   wrong shapes), streamed and not: each request gets exactly one `response` error frame
 //!   of PROTOCOL.md §2's shape; the process and its leg stay up and the next request is
-//!   served and proven normally;
+//!   served and proven normally (also with 16 requests in flight over 4 legs when the serve
+//!   crashes); SIGTERM with a hung call drains, aborts it and exits 0;
 //! * gateway legs dropped (or told to reconnect) with requests in flight, once and at
 //!   random moments under load (300 requests, seeded), and cancel floods (duplicates,
 //!   unknown corr_ids, malformed cancels, a cancel ahead of its serve): the legs re-dial,
@@ -958,4 +959,87 @@ async fn a_corr_id_served_again_after_its_cancel_can_be_cancelled_again() {
     every_call_finished_or_aborted(&fx).await;
     wait_idle(&fx.gw, leg).await;
     terminate_idle(m).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_crash_under_load_fails_every_request_in_flight_once() {
+    let mut fx = Fixture::new(HIDDEN, 4, SglangConfig::default()).await;
+    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("MAX_INFLIGHT", "16")]);
+    let legs = fx.gw.wait_legs(4, T).await.unwrap();
+    fx.sglang
+        .set_fault(Some(Fault::Slow(Duration::from_millis(10))));
+    let corrs: Vec<String> = (0..16)
+        .map(|i| {
+            fx.gw
+                .submit(chat(&format!("Crash {i}?"), 300), i % 2 == 0)
+                .expect("capacity")
+                .1
+        })
+        .collect();
+    fx.sglang
+        .wait_until(T, |recs, _, live| {
+            (recs.len() == 16 && live == 16).then_some(())
+        })
+        .await
+        .expect("all 16 generating");
+    fx.sglang.kill().await;
+    for corr in &corrs {
+        let resp = fx
+            .gw
+            .wait_response(corr, T)
+            .await
+            .unwrap_or_else(|| panic!("{corr}: no response"));
+        assert_error_frame(&resp, corr);
+        assert_one_terminal(&fx, corr);
+    }
+    fx.sglang.restart().await.unwrap();
+    fx.sglang.set_fault(None);
+    for l in &legs {
+        wait_idle(&fx.gw, l.id).await;
+    }
+    let live: Vec<u64> = fx.gw.live_legs().iter().map(|l| l.id).collect();
+    assert_eq!(live, legs.iter().map(|l| l.id).collect::<Vec<_>>());
+    let batch: Vec<String> = (0..16)
+        .map(|i| {
+            fx.gw
+                .submit(chat(&format!("Back {i}?"), 10), i % 2 == 1)
+                .expect("capacity")
+                .1
+        })
+        .collect();
+    for corr in &batch {
+        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
+    }
+    terminate_idle(m).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero() {
+    let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
+    let mut m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("ENGY_DRAIN_S", "1")]);
+    let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    fx.sglang.push_fault(Fault::Hang);
+    assert!(fx.gw.serve(leg, "stuck", chat("Never.", 8), true));
+    let rid = fx
+        .sglang
+        .wait_until(T, |recs, _, _| recs.first().map(|r| r.rid.clone()))
+        .await
+        .expect("serve call started");
+    let t0 = Instant::now();
+    let (code, log) = tokio::task::spawn_blocking(move || {
+        let c = m.terminate().and_then(|s| s.code());
+        (c, m.log_text())
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(0), "{log}");
+    // The drain (1 s) plus closing the legs; well under the 20 s `terminate` allows.
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(log.contains("drain timed out"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    wait_abort_of(&fx, &rid).await;
+    assert!(
+        fx.gw.frames_for("stuck").is_empty(),
+        "nothing after a shutdown cancel"
+    );
 }
