@@ -668,12 +668,14 @@ async fn random_cancels_over_500_requests_leak_nothing() {
     for corr in &batch {
         assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
     }
-    // Peak RSS bound. The miner holds the tokenizer and chat template (~10 MB for this
-    // checkpoint), two HTTP clients and 4 legs; per request at most one proof batch of rows
-    // (32 × 128 bf16) and one SSE event (< 200 kB here), × 16 in flight. Measured around
-    // 30-40 MB for this debug build; 150 MB leaves room for allocator slack while still
-    // catching a per-request leak (500 requests × a few hundred kB of retained rows or
-    // frames would exceed it).
+    // Peak RSS bound, for leaks (speed/memory targets live in the benches). Measured VmHWM:
+    // 23-27 MB for this debug build (tokenizer and chat template, two HTTP clients, 4 legs,
+    // 16 requests in flight; a request holds at most one proof batch of rows, 32 × 128
+    // bf16, and one reply window). The replies add up to tens of MB in this run (event k of
+    // a stream repeats all k hidden rows, sglang-native-api.md §2.7: ~1-3 MB per 24-48
+    // token stream), so keeping even part of each reply, or ~250 kB of state per request,
+    // crosses 150 MB; the ~6× slack covers allocator arenas and thread stacks on a machine
+    // with more cores (one runtime worker per core).
     let hwm_kb = vm_hwm_kb(pid).expect("VmHWM");
     println!(
         "random cancels: {N} requests in {driven:.1?}, {} answered, {} silent after cancel, {calls} serve calls, {aborted} aborted; VmHWM {} kB",
@@ -1042,4 +1044,52 @@ async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero
         fx.gw.frames_for("stuck").is_empty(),
         "nothing after a shutdown cancel"
     );
+}
+
+/// Regression (same fix): a gateway that re-sends a request under the same corr_id on
+/// another leg before the miner has seen the first leg end. The first leg's end must stop
+/// the first job only (the miner used to cancel by corr_id, hitting the re-sent one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corr_id_resent_on_another_leg_survives_the_first_legs_end() {
+    let fx = Fixture::new(HIDDEN, 2, SglangConfig::default()).await;
+    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("MAX_INFLIGHT", "4")]);
+    let legs = fx.gw.wait_legs(2, T).await.unwrap();
+    let (a, b) = (legs[0].id, legs[1].id);
+    fx.sglang
+        .set_fault(Some(Fault::Slow(Duration::from_millis(5))));
+    assert!(fx.gw.serve(a, "resent", chat("On leg A.", 300), true));
+    let first = fx
+        .sglang
+        .wait_until(T, |recs, _, _| recs.first().map(|r| r.rid.clone()))
+        .await
+        .expect("first call started");
+    assert!(fx.gw.serve(b, "resent", chat("On leg B.", 40), true));
+    fx.sglang
+        .wait_until(T, |recs, _, _| (recs.len() == 2).then_some(()))
+        .await
+        .expect("second call started");
+    assert!(fx.gw.drop_conn(a));
+    wait_abort_of(&fx, &first).await;
+    let resp = fx
+        .gw
+        .wait_response("resent", T)
+        .await
+        .expect("answered on B");
+    assert_ok(&resp);
+    assert!(fx
+        .gw
+        .frames_for("resent")
+        .iter()
+        .all(|f| f.conn == a && f.kind() == "chunk" || f.conn == b));
+    assert_eq!(
+        fx.gw
+            .frames_for("resent")
+            .iter()
+            .filter(|f| f.kind() == "response")
+            .count(),
+        1
+    );
+    fx.sglang.set_fault(None);
+    every_call_finished_or_aborted(&fx).await;
+    terminate_idle(m).await;
 }
