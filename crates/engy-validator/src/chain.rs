@@ -717,7 +717,7 @@ impl Chain {
                 }
             }
             Err(SubmitError::NotIncluded(
-                "the node closed the status subscription".into(),
+                "the node closed the status subscription before inclusion (node stopped or restarted?); the extrinsic may still land".into(),
             ))
         };
         match tokio::time::timeout(INCLUSION_TIMEOUT, run).await {

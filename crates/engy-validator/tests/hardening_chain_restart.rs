@@ -489,6 +489,13 @@ async fn chain_killed_mid_tick_and_restarted() {
         "{}",
         lines.seen
     );
+    // the socket dies under the status subscription: said as such (or as a transport error)
+    assert!(
+        line.contains("the node closed the status subscription before inclusion")
+            || line.contains("FAILED: chain transport"),
+        "{}",
+        lines.seen
+    );
     assert_eq!(std::fs::read(env.state_file()).unwrap(), s1);
     let line = lines.next_tick().await;
     assert!(
