@@ -677,3 +677,47 @@ fn regression_long_number_cut_before_its_exponent() {
         }
     }
 }
+
+/// `scan_reply` and `sse_reader` fuzz targets: an integer field padded with zeros past the
+/// 64-byte window (`"cached_tokens":000…0017`) parsed whole when the reply arrived at once
+/// but failed when it arrived in small pieces (the window cut the digits). A run of 64
+/// digits or more is now refused however the bytes arrive, and shorter ones parse the same.
+#[test]
+fn regression_zero_padded_integer_longer_than_the_window() {
+    for zeros in [10, 62, 63, 64, 80] {
+        let body = format!(
+            r#"{{"text":"x","meta_info":{{"prompt_tokens":{}17,"cached_tokens":2}}}}"#,
+            "0".repeat(zeros)
+        );
+        let whole = scan_reply(body.as_bytes(), HiddenMode::Always, true);
+        if zeros + 2 < 64 {
+            assert_eq!(whole.as_ref().unwrap().prompt_tokens, Some(17), "{zeros}");
+        } else {
+            assert!(
+                matches!(whole, Err(ScanError::Malformed { .. })),
+                "{zeros}: {whole:?}"
+            );
+        }
+        for step in [1, 2, 5, 64, 65] {
+            assert_eq!(
+                scan_chunked(body.as_bytes(), &[step], HiddenMode::Always, usize::MAX),
+                whole,
+                "{zeros} zeros, step {step}"
+            );
+        }
+        let stream = format!("data: {body}\n\ndata: [DONE]\n\n");
+        let whole = events(
+            SliceSource::new(stream.as_bytes()),
+            usize::MAX,
+            HiddenMode::Always,
+            stream.len(),
+        );
+        let cut = events(
+            Chunked::new(stream.as_bytes(), &[1]),
+            usize::MAX,
+            HiddenMode::Always,
+            stream.len(),
+        );
+        assert_eq!(cut, whole, "{zeros} zeros, SSE");
+    }
+}
