@@ -860,39 +860,6 @@ async fn legs_dropped_at_random_moments_under_load() {
     terminate_idle(m).await;
 }
 
-/// Frames the miner sent for `corr` after the fence of the `n`-th (0-based) cancel of
-/// `corr` (see `common::cancel_fenced`); `None` until that fence is recorded.
-fn after_nth_cancel_fence(
-    frames: &[engy_devnet::gateway::Frame],
-    corr: &str,
-    n: usize,
-) -> Option<Vec<Value>> {
-    let at = frames
-        .iter()
-        .enumerate()
-        .filter(|(_, f)| f.dir == Dir::ToMiner && f.kind() == "cancel" && f.corr_id() == corr)
-        .nth(n)?
-        .0;
-    let conn = frames[at].conn;
-    let k = frames[..at]
-        .iter()
-        .filter(|f| f.conn == conn && f.dir == Dir::ToMiner && f.kind() == "ping")
-        .count();
-    let fence = frames
-        .iter()
-        .enumerate()
-        .filter(|(_, f)| f.conn == conn && f.dir == Dir::FromMiner && f.kind() == "heartbeat")
-        .nth(k)?
-        .0;
-    Some(
-        frames[fence..]
-            .iter()
-            .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr)
-            .map(|f| f.value.clone())
-            .collect(),
-    )
-}
-
 /// Regression (found by this file): a corr_id served again right behind its cancel is a new
 /// job. The first job's clean-up used to unregister the second one, so its cancel (or its
 /// leg's end) no longer reached it: it kept streaming after the cancel and its serve call

@@ -271,14 +271,14 @@ async fn radix_cache_hit_folds_tokens_into_the_prompt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_before_start_mid_stream_and_inside_a_giant_final_line() {
     let fx = Fixture::new(256, 1, SglangConfig::default()).await;
-    let _m = fx.miner(&[]);
+    let _m = fx.miner(&[NO_PERIODIC_HEARTBEAT]);
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
 
     // 1. Cancel right behind the serve frame: the job may not have started.
     fx.sglang.push_fault(Fault::Hang);
     let n0 = fx.sglang.generate_log().len();
     assert!(fx.gw.serve(leg, "early", chat("Never mind.", 50), false));
-    assert!(fx.gw.cancel(leg, "early"));
+    assert!(cancel_fenced(&fx.gw, leg, "early"));
     wait_idle(&fx.gw, leg).await;
     for rec in fx.sglang.generate_log().iter().skip(n0) {
         // Any serve call it made was aborted.
@@ -309,10 +309,10 @@ async fn cancel_before_start_mid_stream_and_inside_a_giant_final_line() {
         .await
         .unwrap();
     let rid = fx.sglang.generate_log().last().unwrap().rid.clone();
-    assert!(fx.gw.cancel(leg, "mid"));
+    assert!(cancel_fenced(&fx.gw, leg, "mid"));
     wait_abort_of(&fx, &rid).await;
     wait_idle(&fx.gw, leg).await;
-    assert!(frames_after_cancel(&fx, "mid").is_empty());
+    assert!(frames_after_cancel(&fx, "mid").await.is_empty());
     fx.sglang.set_fault(None);
     fx.sglang
         .wait_until(T, |_, _, live| (live == 0).then_some(()))
@@ -331,10 +331,10 @@ async fn cancel_before_start_mid_stream_and_inside_a_giant_final_line() {
         })
         .await
         .expect("final event being written");
-    assert!(fx.gw.cancel(leg, "giant"));
+    assert!(cancel_fenced(&fx.gw, leg, "giant"));
     wait_abort_of(&fx, &rid).await;
     wait_idle(&fx.gw, leg).await;
-    assert!(frames_after_cancel(&fx, "giant").is_empty());
+    assert!(frames_after_cancel(&fx, "giant").await.is_empty());
     assert!(fx
         .gw
         .frames_for("giant")

@@ -238,18 +238,43 @@ pub fn assert_ok(resp: &Value) -> (&Value, &Value) {
     (&resp["commitment"], &resp["output"])
 }
 
-/// Frames the miner sent for `corr` after the gateway's cancel frame.
-pub fn frames_after_cancel(fx: &Fixture, corr: &str) -> Vec<Value> {
-    let frames = fx.gw.frames();
-    let cancel_at = frames
+/// Frames the miner sent for `corr` after the fence of the `n`-th (0-based) cancel of
+/// `corr` (see [`cancel_fenced`]); `None` until that fence is recorded.
+pub fn after_nth_cancel_fence(frames: &[Frame], corr: &str, n: usize) -> Option<Vec<Value>> {
+    let at = frames
         .iter()
-        .position(|f| f.dir == Dir::ToMiner && f.kind() == "cancel" && f.corr_id() == corr)
-        .expect("cancel sent");
-    frames[cancel_at..]
+        .enumerate()
+        .filter(|(_, f)| f.dir == Dir::ToMiner && f.kind() == "cancel" && f.corr_id() == corr)
+        .nth(n)?
+        .0;
+    let conn = frames[at].conn;
+    let k = frames[..at]
         .iter()
-        .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr)
-        .map(|f| f.value.clone())
-        .collect()
+        .filter(|f| f.conn == conn && f.dir == Dir::ToMiner && f.kind() == "ping")
+        .count();
+    let fence = frames
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.conn == conn && f.dir == Dir::FromMiner && f.kind() == "heartbeat")
+        .nth(k)?
+        .0;
+    Some(
+        frames[fence..]
+            .iter()
+            .filter(|f| f.dir == Dir::FromMiner && f.corr_id() == corr)
+            .map(|f| f.value.clone())
+            .collect(),
+    )
+}
+
+/// Frames the miner sent for `corr` after it handled the gateway's first cancel of it, sent
+/// with [`cancel_fenced`] to a miner started with [`NO_PERIODIC_HEARTBEAT`]; waits (bounded)
+/// for the fence.
+pub async fn frames_after_cancel(fx: &Fixture, corr: &str) -> Vec<Value> {
+    fx.gw
+        .wait_for(T, |frames, _| after_nth_cancel_fence(frames, corr, 0))
+        .await
+        .unwrap_or_else(|| panic!("{corr}: no cancel, or no heartbeat behind it"))
 }
 
 /// Wait for an `/abort_request` naming `rid`.
