@@ -30,6 +30,11 @@ pub(crate) fn spawn_server_joinable(
 ) {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
+        // TCP_NODELAY on every accepted socket, as the real parts do (uvicorn under sglang:
+        // asyncio sets it; the gateway): a small frame or SSE event is sent at once.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = rx.await;

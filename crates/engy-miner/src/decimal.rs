@@ -25,8 +25,8 @@ const POW10: [f64; 23] = [
     1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
 ];
 
-/// `10^k` for `k` in `0..=14`, as integers.
-const POW10_U64: [u64; 15] = [
+/// `10^k` for `k` in `0..=17`, as integers.
+const POW10_U64: [u64; 18] = [
     1,
     10,
     100,
@@ -42,6 +42,9 @@ const POW10_U64: [u64; 15] = [
     1_000_000_000_000,
     10_000_000_000_000,
     100_000_000_000_000,
+    1_000_000_000_000_000,
+    10_000_000_000_000_000,
+    100_000_000_000_000_000,
 ];
 
 /// Eight ASCII `0` bytes.
@@ -131,7 +134,7 @@ fn digits_value(x: u64, n: usize) -> u64 {
 pub fn parse_bf16(b: &[u8]) -> Option<(u16, usize)> {
     let neg = b.first() == Some(&b'-');
     let s = usize::from(neg);
-    // The shape of nearly every hidden value: one integer digit, `.`, up to 14 fraction
+    // The shape of nearly every hidden value: one integer digit, `.`, up to 17 fraction
     // digits (`-0.1640625`, `1.25`), read as one run of digits from two words with the
     // `.` taken as a `0` digit. No branch depends on how many digits there are (that
     // varies from value to value and would be mispredicted about every other value).
@@ -149,6 +152,19 @@ pub fn parse_bf16(b: &[u8]) -> Option<(u16, usize)> {
             // move it to 10^frac. m < 10^15 < 2^53.
             let m = m - 9 * (w1 & 0x0F) * POW10_U64[frac];
             return finish(b, s + n1 + n2, m, -(frac as i32), neg);
+        }
+        if n2 == 8 {
+            // 15..=17 fraction digits (small values: `0.00194549560546875`): a third word,
+            // ≤ 19 digit bytes in all so m < 10^19.
+            let w3 = load8(b, s + 16);
+            let n3 = digit_run(w3);
+            if n3 <= 3 {
+                let frac = 14 + n3;
+                let m = digits_value(w1, 8) * SCALE[8] + digits_value(w2, 8);
+                let m = m * SCALE[n3] + digits_value(w3, n3);
+                let m = m - 9 * (w1 & 0x0F) * POW10_U64[frac];
+                return finish(b, s + 16 + n3, m, -(frac as i32), neg);
+            }
         }
     }
     parse_general(b, neg)

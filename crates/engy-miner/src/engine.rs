@@ -567,9 +567,18 @@ impl Engine {
                     }
                 }
                 // Parsed as it arrives: the body is never held whole (issue 7).
-                scan_reply_from(BodySource { resp }, HiddenMode::Always, false, cap, rows)
-                    .await
-                    .map_err(|e| scan_fail(serve, e, false, cap))
+                scan_reply_from(
+                    BodySource {
+                        resp,
+                        pacer: Pacer::default(),
+                    },
+                    HiddenMode::Always,
+                    false,
+                    cap,
+                    rows,
+                )
+                .await
+                .map_err(|e| scan_fail(serve, e, false, cap))
             }
             Some(sink) => read_sse(serve, resp, cap, sink, skip_first, rows).await,
         }
@@ -677,12 +686,35 @@ fn scan_fail(serve: &str, e: ScanError, stream: bool, cap: usize) -> JobError {
 /// A non-stream `/generate` body as it arrives.
 struct BodySource {
     resp: reqwest::Response,
+    pacer: Pacer,
+}
+
+/// Bytes of a reply scanned between two yields to the runtime: about a millisecond of
+/// scanning, so a final reply of megabytes (hidden states) never holds a worker thread
+/// while other streams' events wait for their `chunk` frames (issue 7, latency).
+const YIELD_EVERY: usize = 1 << 20;
+
+/// Yields to the runtime after every [`YIELD_EVERY`] bytes handed to the scanner.
+#[derive(Default)]
+struct Pacer {
+    since_yield: usize,
+}
+
+impl Pacer {
+    async fn handed(&mut self, n: usize) {
+        self.since_yield += n;
+        if self.since_yield >= YIELD_EVERY {
+            self.since_yield = 0;
+            tokio::task::yield_now().await;
+        }
+    }
 }
 
 impl ReplySource for BodySource {
     async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
         match self.resp.chunk().await {
             Ok(Some(c)) => {
+                self.pacer.handed(c.len()).await;
                 buf.extend_from_slice(&c);
                 Ok(true)
             }
@@ -697,6 +729,7 @@ impl ReplySource for BodySource {
 struct SseSource<'a, 'b> {
     resp: reqwest::Response,
     sink: &'a mut StreamSink<'b>,
+    pacer: Pacer,
 }
 
 impl ReplySource for SseSource<'_, '_> {
@@ -707,6 +740,7 @@ impl ReplySource for SseSource<'_, '_> {
             match tokio::time::timeout(FLUSH_TICK, self.resp.chunk()).await {
                 Err(_) => (self.sink.emit)(""),
                 Ok(Ok(Some(c))) => {
+                    self.pacer.handed(c.len()).await;
                     buf.extend_from_slice(&c);
                     return Ok(true);
                 }
@@ -858,7 +892,14 @@ async fn read_sse(
     skip_first: bool,
     rows: &mut dyn RowSink,
 ) -> Result<Reply, JobError> {
-    let mut rd = SseReader::new(SseSource { resp, sink }, cap);
+    let mut rd = SseReader::new(
+        SseSource {
+            resp,
+            sink,
+            pacer: Pacer::default(),
+        },
+        cap,
+    );
     let mut last: Option<Reply> = None;
     let mut base: Option<usize> = if skip_first { None } else { Some(0) };
     let mut sent = 0usize;

@@ -339,7 +339,7 @@ pub async fn run_leg(
         }
         let t0 = Instant::now();
         let connect = tokio::select! {
-            r = tokio::time::timeout(Duration::from_secs(30), tokio_tungstenite::connect_async(url.as_str())) => r,
+            r = tokio::time::timeout(Duration::from_secs(30), dial(&url)) => r,
             _ = shutdown.cancelled() => return,
         };
         match connect {
@@ -508,6 +508,30 @@ async fn session(
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
     why
+}
+
+/// Largest gateway frame (and message) a leg accepts: a `serve` frame carries one chat
+/// request, far below this; anything larger is a broken or hostile gateway and ends the leg.
+const GW_MAX_MESSAGE: usize = 16 << 20;
+
+/// Open a leg's websocket with TCP_NODELAY (a `chunk` frame must not wait for the
+/// gateway's delayed ACK of the previous one: Nagle adds up to 40 ms per frame) and
+/// explicit frame and message caps.
+async fn dial(
+    url: &str,
+) -> Result<
+    (
+        tokio_tungstenite::WebSocketStream<
+            tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+        >,
+        tokio_tungstenite::tungstenite::handshake::client::Response,
+    ),
+    tokio_tungstenite::tungstenite::Error,
+> {
+    let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(Some(GW_MAX_MESSAGE))
+        .max_frame_size(Some(GW_MAX_MESSAGE));
+    tokio_tungstenite::connect_async_with_config(url, Some(config), true).await
 }
 
 /// Coalesces streamed deltas into at most one `chunk` frame per flush window (§2).

@@ -164,6 +164,19 @@ pub struct GenerateRecord {
     pub finish_reason: Value,
     /// True once the call has ended (reply sent, connection dropped, or refused).
     pub done: bool,
+    /// Stream: every intermediate SSE event, in order, when it was handed to the HTTP
+    /// body (the miner-added latency bench times the miner's `chunk` frames from these).
+    pub events: Vec<EventMark>,
+}
+
+/// When one intermediate SSE event left the double, and the length in bytes of the
+/// cumulative `text` it carried (§2.7).
+#[derive(Debug, Clone, Copy)]
+pub struct EventMark {
+    /// Just after the event was handed to the response body.
+    pub at: Instant,
+    /// `text.len()` of the event (UTF-8 bytes).
+    pub text_len: usize,
 }
 
 struct Live {
@@ -596,6 +609,7 @@ async fn generate(State(st): State<Arc<Inner>>, body: Bytes) -> Response {
             hidden_states: Vec::new(),
             finish_reason: Value::Null,
             done: false,
+            events: Vec::new(),
         });
         recs.len() - 1
     };
@@ -883,13 +897,38 @@ impl Generation {
                     return; // client left
                 }
                 events_sent += 1;
+                if self.st.cfg.record {
+                    let mark = EventMark {
+                        at: Instant::now(),
+                        text_len: self
+                            .st
+                            .backend
+                            .decode(&acc.output_ids)
+                            .map_or(0, |t| t.len()),
+                    };
+                    self.st.update_record(self.idx, |r| r.events.push(mark));
+                }
             } else if self.tx.is_closed() {
                 return;
             }
         }
-        // Final reply.
+        // Final reply, rendered off the runtime: at hidden 2048 it is megabytes of floats,
+        // and the other generations' events must not wait behind it.
         self.apply_row_faults(&mut acc);
-        let ev = self.render(&acc, &finish, events_sent == 0 || !self.req.stream, true);
+        let first = events_sent == 0 || !self.req.stream;
+        let fin = finish.clone();
+        let rendered = tokio::task::spawn_blocking(move || {
+            let ev = self.render(&acc, &fin, first, true);
+            (self, acc, ev)
+        })
+        .await;
+        if let Ok((this, acc, ev)) = rendered {
+            this.send_final(acc, finish, ev, events_sent).await;
+        }
+    }
+
+    /// Record the finished call and send its final reply (after [`Self::render`]).
+    async fn send_final(self, acc: Acc, finish: Value, ev: String, events_sent: usize) {
         if self.st.cfg.radix_cache {
             let mut seq = self.req.input_ids.clone();
             seq.extend_from_slice(
