@@ -137,6 +137,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Inner {
     fn record(&self, conn: u64, worker: usize, dir: Dir, value: Value) {
+        // Before any lock: the time the frame arrived, not when the log was free.
+        let at = Instant::now();
         if dir == Dir::FromMiner {
             match value.get("type").and_then(Value::as_str) {
                 Some("hello") => {
@@ -157,7 +159,7 @@ impl Inner {
             worker,
             dir,
             value,
-            at: Instant::now(),
+            at,
         });
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }

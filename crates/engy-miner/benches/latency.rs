@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo bench -p engy-miner --bench latency -- [--streams 64] [--tokens 200] [--hidden 2048]
-//!     [--interval-ms 15] [--workers 8]
+//!     [--interval-ms 15] [--workers 8] [--miner-nice N] [--miner-cpus LIST]
 //! ```
 //!
 //! The REAL `engy-miner` binary runs between the gateway double (`--workers` legs) and the
@@ -99,7 +99,27 @@ async fn main() -> anyhow::Result<()> {
     .await?;
 
     let log = std::fs::File::create(dir.path().join("miner.log"))?;
-    let mut miner = Command::new(env!("CARGO_BIN_EXE_engy-miner"))
+    // `--miner-nice N` runs the miner at niceness N (e.g. the bench under `nice -n 10` and
+    // `--miner-nice -10`); `--miner-cpus LIST` pins it (`taskset -c LIST`, the bench
+    // itself pinned elsewhere), as on a serve box where sglang has its own cores. Either
+    // keeps the doubles' CPU (they render every reply) out of the miner's latency on a
+    // small machine.
+    let opt = |name: &str| {
+        let args: Vec<String> = std::env::args().collect();
+        let i = args.iter().position(|a| a == name)?;
+        args.get(i + 1).cloned()
+    };
+    let mut argv: Vec<String> = Vec::new();
+    if let Some(cpus) = opt("--miner-cpus") {
+        argv.extend(["taskset".into(), "-c".into(), cpus]);
+    }
+    if let Some(n) = opt("--miner-nice") {
+        argv.extend(["nice".into(), "-n".into(), n]);
+    }
+    argv.push(env!("CARGO_BIN_EXE_engy-miner").into());
+    let mut cmd = Command::new(argv.first().context("no command")?);
+    cmd.args(argv.get(1..).unwrap_or_default());
+    let mut miner = cmd
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("RUST_LOG", "info")
@@ -125,11 +145,18 @@ async fn main() -> anyhow::Result<()> {
             let (_, corr) = gw.submit(req, true).context("no leg has room")?;
             corrs.push((corr, tokens + i));
         }
-        for (corr, _) in &corrs {
-            gw.wait_response(corr, t_out)
-                .await
-                .with_context(|| format!("no response for {corr}"))?;
-        }
+        // Count `response` frames incrementally: a full scan of the frame log on every
+        // recorded frame would hold the log's lock long enough to delay the recording.
+        let (mut seen, mut responses) = (0usize, 0usize);
+        gw.wait_for(t_out, |frames, _| {
+            for f in frames.get(seen..).unwrap_or_default() {
+                responses += usize::from(f.dir == Dir::FromMiner && f.kind() == "response");
+            }
+            seen = frames.len();
+            (responses >= streams).then_some(())
+        })
+        .await
+        .with_context(|| format!("{responses} of {streams} responses"))?;
         anyhow::Ok(corrs)
     };
     let corrs = run.await;

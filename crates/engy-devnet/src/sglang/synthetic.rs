@@ -293,7 +293,8 @@ impl Inner {
             }
             let mant = 128 + ((r >> 8) & 0x7f) as i32; // 128..=255
             let exp = ((r >> 16) % 14) as i32 - 17; // 2^-17 .. 2^-4 → |v| in [2^-10, 2^4)
-            let v = mant as f32 * (2.0f32).powi(exp);
+                                                    // 2^exp built from its bits (exact, and without a powi call per value).
+            let v = mant as f32 * f32::from_bits(((exp + 127) as u32) << 23);
             out.push(if (r >> 40) & 1 == 1 { -v } else { v });
         }
     }
