@@ -274,8 +274,10 @@ async fn cancel_before_start_mid_stream_and_inside_a_giant_final_line() {
     let _m = fx.miner(&[NO_PERIODIC_HEARTBEAT]);
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
 
-    // 1. Cancel right behind the serve frame: the job may not have started.
-    fx.sglang.push_fault(Fault::Hang);
+    // 1. Cancel right behind the serve frame: the job may not have started. The Hang is
+    // sticky, not queued: a job cancelled before its serve call would leave a queued
+    // fault for the next step's call.
+    fx.sglang.set_fault(Some(Fault::Hang));
     let n0 = fx.sglang.generate_log().len();
     assert!(fx.gw.serve(leg, "early", chat("Never mind.", 50), false));
     assert!(cancel_fenced(&fx.gw, leg, "early"));
@@ -289,7 +291,7 @@ async fn cancel_before_start_mid_stream_and_inside_a_giant_final_line() {
         "nothing at all for a cancelled request"
     );
     fx.sglang.set_fault(None);
-    // A Hang left in the queue would hit the next test step: drain it.
+    // A Hang call still waiting would hold a serve slot: let it end.
     let _ = fx
         .sglang
         .wait_until(T, |_, _, live| (live == 0).then_some(()))
