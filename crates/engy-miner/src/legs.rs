@@ -278,11 +278,25 @@ impl Hub {
             Some(job) => self.cancel_job(corr_id, &job, why),
             None => {
                 let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
-                q.push_back(corr_id.to_string());
-                while q.len() > 1024 {
+                // Bounded in entries and bytes: a gateway cannot grow it with long ids.
+                if corr_id.len() <= EARLY_CANCEL_BYTES {
+                    q.push_back(corr_id.to_string());
+                }
+                while q.len() > EARLY_CANCELS
+                    || q.iter().map(String::len).sum::<usize>() > EARLY_CANCEL_BYTES
+                {
                     q.pop_front();
                 }
-                tracing::info!(corr_id, why, "cancel for an unknown or finished request");
+                let shown = corr_id
+                    .char_indices()
+                    .nth(64)
+                    .and_then(|(i, _)| corr_id.get(..i))
+                    .unwrap_or(corr_id);
+                tracing::info!(
+                    corr_id = shown,
+                    why,
+                    "cancel for an unknown or finished request"
+                );
             }
         }
     }
@@ -310,6 +324,8 @@ impl Hub {
         }
     }
 
+    /// Whether a cancel arrived for `corr_id` before its `serve` (§2: "a cancel may arrive
+    /// before the job has started"); consumes it.
     fn take_early_cancel(&self, corr_id: &str) -> bool {
         let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
         match q.iter().position(|c| c == corr_id) {
@@ -509,6 +525,11 @@ async fn session(
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
     why
 }
+
+/// Cancels kept for requests not (yet) served, at most this many …
+const EARLY_CANCELS: usize = 1024;
+/// … and this many bytes of corr_ids in all (a longer corr_id is not kept).
+const EARLY_CANCEL_BYTES: usize = 64 << 10;
 
 /// Largest gateway frame (and message) a leg accepts: a `serve` frame carries one chat
 /// request, far below this; anything larger is a broken or hostile gateway and ends the leg.
