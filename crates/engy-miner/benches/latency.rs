@@ -17,29 +17,21 @@
 //! For every intermediate SSE event the sglang double records when it was handed to the
 //! HTTP body and the length of its cumulative `text`; the gateway double records when each
 //! `chunk` frame arrived. A frame is matched to the first event whose text length equals
-//! the frame's cumulative delta length; latency = frame arrival − event hand-off. Prints
+//! the frame's cumulative delta length; latency = frame arrival − event hand-off (a frame
+//! whose text came with the final event has no mark: counted as `unmatched`). Prints
 //! one JSON line `{"streams":…,"samples":…,"p50_ms":…,"p90_ms":…,"p99_ms":…,"max_ms":…}`.
 //! Both doubles share the machine with the miner, so the numbers include their CPU.
 //! `ENGY_LATENCY_DUMP=<file>` writes every sample (`event_ms latency_ms stream event`).
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use engy_devnet::gateway::{Dir, GatewayConfig, GatewayDouble};
-use engy_devnet::sglang::synthetic::{
-    write_checkpoint, CheckpointSpec, SyntheticBackend, SyntheticConfig,
-};
-use engy_devnet::sglang::{Fault, SglangConfig, SglangDouble};
+use engy_devnet::gateway::Dir;
+use engy_devnet::sglang::Fault;
 use serde_json::{json, Value};
 
-fn arg(name: &str) -> Option<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-}
+mod harness;
+use harness::{arg, Doubles};
 
 /// User + system CPU seconds of process `pid` so far (`/proc/<pid>/stat`, 100 Hz ticks).
 fn cpu_seconds(pid: u32) -> f64 {
@@ -73,30 +65,13 @@ async fn main() -> anyhow::Result<()> {
     let workers = arg("--workers").unwrap_or(8);
     let t_out = Duration::from_secs(600);
 
-    let dir = tempfile::tempdir()?;
-    let ckpt = dir.path().join("ckpt");
-    write_checkpoint(
-        &ckpt,
-        &CheckpointSpec {
-            hidden_size: hidden,
-            vocab_size: 500,
-        },
-    )?;
-    let backend = SyntheticBackend::from_checkpoint(&ckpt, SyntheticConfig::default())?;
-    let sglang = SglangDouble::start(
-        Arc::new(backend),
-        SglangConfig {
-            engy_trimmed: true,
-            ..SglangConfig::default()
-        },
-    )
-    .await?;
+    let Doubles {
+        dir,
+        ckpt,
+        sglang,
+        gw,
+    } = Doubles::start(hidden, workers).await?;
     sglang.set_fault(Some(Fault::Slow(interval)));
-    let gw = GatewayDouble::start(GatewayConfig {
-        workers,
-        meta: true,
-    })
-    .await?;
 
     let log = std::fs::File::create(dir.path().join("miner.log"))?;
     // `--miner-nice N` runs the miner at niceness N (e.g. the bench under `nice -n 10` and

@@ -15,24 +15,13 @@
 //! "user_s":…,"sys_s":…,"cpu_s":…,"wall_s":…}`. Idle CPU (start-up, tokenizer load) is in
 //! `cpu_s` too: run with `--requests 0` to measure it alone and subtract.
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use engy_devnet::gateway::{GatewayConfig, GatewayDouble};
-use engy_devnet::sglang::synthetic::{
-    write_checkpoint, CheckpointSpec, SyntheticBackend, SyntheticConfig,
-};
-use engy_devnet::sglang::{SglangConfig, SglangDouble};
 use serde_json::json;
 
-fn arg(name: &str) -> Option<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-}
+mod harness;
+use harness::{arg, Doubles};
 
 fn status_mb(pid: u32, key: &str) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -74,29 +63,12 @@ async fn main() -> anyhow::Result<()> {
     let stream = std::env::args().any(|a| a == "--stream");
     let t_out = Duration::from_secs(600);
 
-    let dir = tempfile::tempdir()?;
-    let ckpt = dir.path().join("ckpt");
-    write_checkpoint(
-        &ckpt,
-        &CheckpointSpec {
-            hidden_size: hidden,
-            vocab_size: 500,
-        },
-    )?;
-    let backend = SyntheticBackend::from_checkpoint(&ckpt, SyntheticConfig::default())?;
-    let sglang = SglangDouble::start(
-        Arc::new(backend),
-        SglangConfig {
-            engy_trimmed: true,
-            ..SglangConfig::default()
-        },
-    )
-    .await?;
-    let gw = GatewayDouble::start(GatewayConfig {
-        workers: 1,
-        meta: true,
-    })
-    .await?;
+    let Doubles {
+        dir,
+        ckpt,
+        sglang,
+        gw,
+    } = Doubles::start(hidden, 1).await?;
 
     let report = dir.path().join("time.txt");
     let log = std::fs::File::create(dir.path().join("miner.log"))?;

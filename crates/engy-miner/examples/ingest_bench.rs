@@ -24,8 +24,11 @@ use engy_core::toploc::Params;
 use engy_miner::engine::ProofAcc;
 use engy_miner::scan::{scan_reply_from, HiddenMode, ReplySource, ScanError, SseReader};
 
+#[path = "../benches/harness/mod.rs"]
+mod harness;
 #[path = "../benches/support/mod.rs"]
 mod support;
+use harness::arg;
 
 /// The generated reply, read chunk by chunk.
 struct Gen<'a>(support::Chunks<'a>);
@@ -34,14 +37,6 @@ impl ReplySource for Gen<'_> {
     async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
         Ok(self.0.fill(buf))
     }
-}
-
-fn arg(name: &str) -> Option<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
 }
 
 fn status_kb(key: &str) -> f64 {
