@@ -135,8 +135,8 @@ pub fn parse_bf16(b: &[u8]) -> Option<(u16, usize)> {
     let neg = b.first() == Some(&b'-');
     let s = usize::from(neg);
     // The shape of nearly every hidden value: one integer digit, `.`, up to 17 fraction
-    // digits (`-0.1640625`, `1.25`), read as one run of digits from two words with the
-    // `.` taken as a `0` digit. No branch depends on how many digits there are (that
+    // digits (`-0.1640625`, `1.25`), read as one run of digits from two words (three for
+    // 15 or more fraction digits) with the `.` taken as a `0` digit. No branch depends on how many digits there are (that
     // varies from value to value and would be mispredicted about every other value).
     let w1 = load8(b, s);
     if (w1 >> 8) & 0xFF == u64::from(b'.') {
