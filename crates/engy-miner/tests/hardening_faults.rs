@@ -31,7 +31,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::*;
-use engy_devnet::gateway::Dir;
+use engy_devnet::gateway::{Dir, GatewayDouble};
 use engy_devnet::sglang::{Fault, GenerateRecord, SglangConfig};
 use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
@@ -177,6 +177,31 @@ async fn every_call_finished_or_aborted(fx: &Fixture) -> (usize, usize) {
             .collect();
         panic!("serve calls neither finished nor aborted: {bad:?}")
     })
+}
+
+/// Route `n` fresh chat requests (`"<label> <i>?"`, `max_tokens` each; streamed when `i`
+/// is even and `stream_even`, or odd and not) as the gateway does, and assert every one
+/// is answered with a success `response`.
+async fn serve_batch(
+    gw: &GatewayDouble,
+    label: &str,
+    n: usize,
+    max_tokens: u64,
+    stream_even: bool,
+) {
+    let batch: Vec<String> = (0..n)
+        .map(|i| {
+            gw.submit(
+                chat(&format!("{label} {i}?"), max_tokens),
+                (i % 2 == 0) == stream_even,
+            )
+            .expect("the gateway has capacity for the batch")
+            .1
+        })
+        .collect();
+    for corr in &batch {
+        assert_ok(&gw.wait_response(corr, T).await.unwrap());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -430,17 +455,7 @@ async fn legs_dropped_with_requests_in_flight_redial_and_abort_their_calls() {
     for l in &fresh {
         wait_idle(&fx.gw, l.id).await;
     }
-    let batch: Vec<String> = (0..16)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("Again {i}?"), 10), i % 2 == 1)
-                .expect("capacity after the drops")
-                .1
-        })
-        .collect();
-    for corr in &batch {
-        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
-    }
+    serve_batch(&fx.gw, "Again", 16, 10, false).await;
     let log = m.log_text();
     assert_eq!(log.matches("session ended; re-dialing").count(), 3, "{log}");
     terminate_idle(m).await;
@@ -520,17 +535,7 @@ async fn cancel_floods_duplicates_and_unknown_corr_ids_leave_no_stuck_slot() {
     alive(&mut m);
     let live: Vec<u64> = fx.gw.live_legs().iter().map(|l| l.id).collect();
     assert_eq!(live, legs, "no leg dropped under the flood");
-    let batch: Vec<String> = (0..8)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("After {i}?"), 10), i % 2 == 1)
-                .expect("capacity")
-                .1
-        })
-        .collect();
-    for corr in &batch {
-        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
-    }
+    serve_batch(&fx.gw, "After", 8, 10, false).await;
     // A cancel ahead of its serve: the serve is never started, nothing is sent (last: the
     // gateway double keeps counting it as outstanding).
     let n0 = fx.sglang.generate_log().len();
@@ -657,17 +662,7 @@ async fn random_cancels_over_500_requests_leak_nothing() {
         wait_idle(&fx.gw, l.id).await;
     }
     assert_eq!(fx.gw.live_legs().len(), LEGS, "no leg dropped");
-    let batch: Vec<String> = (0..MAX_INFLIGHT)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("Fresh {i}?"), 8), i % 2 == 0)
-                .expect("capacity")
-                .1
-        })
-        .collect();
-    for corr in &batch {
-        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
-    }
+    serve_batch(&fx.gw, "Fresh", MAX_INFLIGHT, 8, true).await;
     // Peak RSS bound, for leaks (speed/memory targets live in the benches). Measured VmHWM:
     // 23-27 MB for this debug build (tokenizer and chat template, two HTTP clients, 4 legs,
     // 16 requests in flight; a request holds at most one proof batch of rows, 32 × 128
@@ -834,17 +829,7 @@ async fn legs_dropped_at_random_moments_under_load() {
     for l in &legs {
         wait_idle(&fx.gw, l.id).await;
     }
-    let batch: Vec<String> = (0..MAX_INFLIGHT)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("Fresh {i}?"), 8), i % 2 == 0)
-                .expect("capacity")
-                .1
-        })
-        .collect();
-    for corr in &batch {
-        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
-    }
+    serve_batch(&fx.gw, "Fresh", MAX_INFLIGHT, 8, true).await;
     let hwm_kb = vm_hwm_kb(pid).expect("VmHWM");
     println!(
         "random drops: {N} requests in {driven:.1?}, {} legs ended, {answered} answered, {} abandoned, {calls} serve calls, {aborted} aborted; VmHWM {hwm_kb} kB",
@@ -968,17 +953,7 @@ async fn serve_crash_under_load_fails_every_request_in_flight_once() {
     }
     let live: Vec<u64> = fx.gw.live_legs().iter().map(|l| l.id).collect();
     assert_eq!(live, legs.iter().map(|l| l.id).collect::<Vec<_>>());
-    let batch: Vec<String> = (0..16)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("Back {i}?"), 10), i % 2 == 1)
-                .expect("capacity")
-                .1
-        })
-        .collect();
-    for corr in &batch {
-        assert_ok(&fx.gw.wait_response(corr, T).await.unwrap());
-    }
+    serve_batch(&fx.gw, "Back", 16, 10, false).await;
     terminate_idle(m).await;
 }
 
