@@ -552,24 +552,27 @@ async fn configuration_errors_and_a_second_instance() {
     assert!(!first.log_text().contains(KEY));
 }
 
+/// `engy-miner check` against the fixture's serve and gateway, run off the runtime.
+async fn run_check(fx: &Fixture) -> std::process::Output {
+    let (ckpt, serve, gw) = (fx.ckpt(), fx.sglang.url(), fx.gw.url());
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_engy-miner"))
+            .arg("check")
+            .env_clear()
+            .env("CHECKPOINT", ckpt)
+            .env("SERVE_URL", serve)
+            .env("GW", gw)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_preflight_passes_and_fails_with_the_fix() {
     let fx = Fixture::new(HIDDEN, 2, SglangConfig::default()).await;
-    let out = tokio::task::spawn_blocking({
-        let (ckpt, serve, gw) = (fx.ckpt(), fx.sglang.url(), fx.gw.url());
-        move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_engy-miner"))
-                .arg("check")
-                .env_clear()
-                .env("CHECKPOINT", ckpt)
-                .env("SERVE_URL", serve)
-                .env("GW", gw)
-                .output()
-                .unwrap()
-        }
-    })
-    .await
-    .unwrap();
+    let out = run_check(&fx).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(text.contains("all checks passed"), "{text}");
@@ -584,21 +587,7 @@ async fn check_preflight_passes_and_fails_with_the_fix() {
         },
     )
     .await;
-    let out = tokio::task::spawn_blocking({
-        let (ckpt, serve, gw) = (bad.ckpt(), bad.sglang.url(), bad.gw.url());
-        move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_engy-miner"))
-                .arg("check")
-                .env_clear()
-                .env("CHECKPOINT", ckpt)
-                .env("SERVE_URL", serve)
-                .env("GW", gw)
-                .output()
-                .unwrap()
-        }
-    })
-    .await
-    .unwrap();
+    let out = run_check(&bad).await;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
