@@ -150,3 +150,24 @@ impl Env {
         }
     }
 }
+
+/// The runtime stores weights max-upscaled (largest → 65535) in I32F32 fixed point
+/// (exact port of the harness's `lib.js:maxUpscale`).
+pub fn max_upscale(ws: &[u16]) -> Vec<u16> {
+    let max = ws.iter().copied().max().unwrap_or(0) as u128;
+    if max == 0 {
+        return ws.iter().map(|_| 0).collect();
+    }
+    let (one, half, u) = (1u128 << 32, 1u128 << 31, 65535u128);
+    ws.iter()
+        .map(|&e| {
+            let e = e as u128;
+            let fx = if max > 32768 {
+                e * ((u << 32) / max)
+            } else {
+                ((e * u) << 32) / max
+            };
+            ((fx + half) / one) as u16
+        })
+        .collect()
+}
