@@ -15,6 +15,14 @@ pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.matmul(&w.t()?)
 }
 
+/// `x · Wᵀ` from the transposed weight `wt` `[in, out]` ([`Weights::projection_t`]).
+///
+/// # Errors
+/// A candle error on mismatched widths.
+pub fn linear_t(x: &Tensor, wt: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(wt)
+}
+
 /// RMSNorm whose weight multiplies (Llama / Qwen3 / GLM): `x * rsqrt(mean(x²) + eps) * w`
 /// over the last dimension.
 ///
@@ -78,11 +86,11 @@ pub fn swiglu(
     hidden: usize,
     inter: usize,
 ) -> Result<Tensor, ModelError> {
-    let g = w.projection(&format!("{module}.gate_proj"), inter, hidden)?;
-    let u = w.projection(&format!("{module}.up_proj"), inter, hidden)?;
-    let d = w.projection(&format!("{module}.down_proj"), hidden, inter)?;
-    let h = (silu(&linear(x, &g)?)? * linear(x, &u)?)?;
-    Ok(linear(&h, &d)?)
+    let g = w.projection_t(&format!("{module}.gate_proj"), inter, hidden)?;
+    let u = w.projection_t(&format!("{module}.up_proj"), inter, hidden)?;
+    let d = w.projection_t(&format!("{module}.down_proj"), hidden, inter)?;
+    let h = (silu(&linear_t(x, &g)?)? * linear_t(x, &u)?)?;
+    Ok(linear_t(&h, &d)?)
 }
 
 /// The additive causal mask `[t, off + t]` for `t` new positions after `off` cached ones (0

@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::ops::{self, linear};
+use super::ops::{self, linear_t};
 use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
 use crate::ModelError;
 
@@ -183,7 +183,7 @@ impl Qwen3_5Moe {
             }
             match (proj, shape) {
                 (true, &[o, i]) => w
-                    .projection(name.trim_end_matches(".weight"), o, i)
+                    .projection_t(name.trim_end_matches(".weight"), o, i)
                     .map(drop),
                 _ => w.tensor_shaped(&name, shape).map(drop),
             }
@@ -277,11 +277,11 @@ impl Qwen3_5Moe {
         let cd = self.conv_dim();
         let w = &*self.w;
         let qkv =
-            linear(h, &w.projection(&format!("{a}.in_proj_qkv"), cd, d)?)?.to_vec2::<f32>()?;
-        let z =
-            linear(h, &w.projection(&format!("{a}.in_proj_z"), nv * dv, d)?)?.to_vec2::<f32>()?;
-        let bb = linear(h, &w.matrix(&format!("{a}.in_proj_b"), nv, d)?)?.to_vec2::<f32>()?;
-        let aa = linear(h, &w.matrix(&format!("{a}.in_proj_a"), nv, d)?)?.to_vec2::<f32>()?;
+            linear_t(h, &w.projection_t(&format!("{a}.in_proj_qkv"), cd, d)?)?.to_vec2::<f32>()?;
+        let z = linear_t(h, &w.projection_t(&format!("{a}.in_proj_z"), nv * dv, d)?)?
+            .to_vec2::<f32>()?;
+        let bb = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_b"), nv, d)?)?.to_vec2::<f32>()?;
+        let aa = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_a"), nv, d)?)?.to_vec2::<f32>()?;
         let conv_w = w
             .tensor(&format!("{a}.conv1d.weight"))?
             .flatten_all()?
@@ -378,7 +378,10 @@ impl Qwen3_5Moe {
             }
         }
         let core = Tensor::from_vec(out, (t, nv * dv), &Device::Cpu)?;
-        let y = linear(&core, &w.projection(&format!("{a}.out_proj"), d, nv * dv)?)?;
+        let y = linear_t(
+            &core,
+            &w.projection_t(&format!("{a}.out_proj"), d, nv * dv)?,
+        )?;
         let cache = LayerCache(vec![
             Tensor::from_vec(conv_state, (hist, cd), &Device::Cpu)?,
             Tensor::from_vec(state, (nv, dk, dv), &Device::Cpu)?,
@@ -399,19 +402,16 @@ impl Qwen3_5Moe {
         let (nh, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let w = &*self.w;
         let eps = self.cfg.rms_norm_eps;
-        let qg = linear(h, &w.projection(&format!("{a}.q_proj"), nh * hd * 2, d)?)?.reshape((
-            t,
-            nh,
-            2 * hd,
-        ))?;
+        let qg = linear_t(h, &w.projection_t(&format!("{a}.q_proj"), nh * hd * 2, d)?)?
+            .reshape((t, nh, 2 * hd))?;
         let q = qg.narrow(2, 0, hd)?;
         let gate = qg.narrow(2, hd, hd)?.contiguous()?.reshape((t, nh * hd))?;
         let q = ops::rms_norm_1p(&q, &w.tensor(&format!("{a}.q_norm.weight"))?, eps)?;
-        let k =
-            linear(h, &w.projection(&format!("{a}.k_proj"), kv * hd, d)?)?.reshape((t, kv, hd))?;
+        let k = linear_t(h, &w.projection_t(&format!("{a}.k_proj"), kv * hd, d)?)?
+            .reshape((t, kv, hd))?;
         let k = ops::rms_norm_1p(&k, &w.tensor(&format!("{a}.k_norm.weight"))?, eps)?;
-        let v =
-            linear(h, &w.projection(&format!("{a}.v_proj"), kv * hd, d)?)?.reshape((t, kv, hd))?;
+        let v = linear_t(h, &w.projection_t(&format!("{a}.v_proj"), kv * hd, d)?)?
+            .reshape((t, kv, hd))?;
         let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, self.rot_dim, off, t)?;
         let q = ops::rope_half(&q.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
         let k = ops::rope_half(&k.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
@@ -423,7 +423,7 @@ impl Qwen3_5Moe {
         let mask = ops::causal_mask(t, off)?;
         let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref())?;
         let y = (y * ops::sigmoid(&gate)?)?;
-        let y = linear(&y, &w.projection(&format!("{a}.o_proj"), d, nh * hd)?)?;
+        let y = linear_t(&y, &w.projection_t(&format!("{a}.o_proj"), d, nh * hd)?)?;
         Ok((y, LayerCache(vec![k, v])))
     }
 
@@ -431,8 +431,8 @@ impl Qwen3_5Moe {
         let d = self.cfg.hidden_size;
         let m = format!("{p}.mlp");
         let w = &*self.w;
-        let router = w.matrix(&format!("{m}.gate"), self.experts, d)?;
-        let probs = candle_nn::ops::softmax_last_dim(&linear(h, &router)?)?.to_vec2::<f32>()?;
+        let router = w.matrix_t(&format!("{m}.gate"), self.experts, d)?;
+        let probs = candle_nn::ops::softmax_last_dim(&linear_t(h, &router)?)?.to_vec2::<f32>()?;
         let choice: Vec<Vec<(usize, f32)>> = probs
             .iter()
             .map(|row| {
@@ -446,9 +446,9 @@ impl Qwen3_5Moe {
         })?;
         if self.shared_inter > 0 {
             let shared = ops::swiglu(w, &format!("{m}.shared_expert"), h, d, self.shared_inter)?;
-            let g = ops::sigmoid(&linear(
+            let g = ops::sigmoid(&linear_t(
                 h,
-                &w.matrix(&format!("{m}.shared_expert_gate"), 1, d)?,
+                &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
             )?)?;
             out = (out + shared.broadcast_mul(&g)?)?;
         }
@@ -514,13 +514,12 @@ impl Architecture for Qwen3_5Moe {
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
         let name = if self.cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
+            "model.embed_tokens"
         } else {
-            "lm_head.weight"
+            "lm_head"
         };
-        Ok(linear(
-            &hidden.to_dtype(DType::F32)?,
-            &self.w.tensor(name)?,
-        )?)
+        let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let wt = self.w.matrix_t(name, v, d)?;
+        Ok(linear_t(&hidden.to_dtype(DType::F32)?, &wt)?)
     }
 }

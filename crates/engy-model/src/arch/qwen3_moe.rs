@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::ops::{self, linear};
+use super::ops::{self, linear_t};
 use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
 use crate::{Compute, ModelError};
 
@@ -117,7 +117,7 @@ impl Qwen3Moe {
             }
             match (proj, shape.as_slice()) {
                 (true, &[o, i]) => w
-                    .projection(name.trim_end_matches(".weight"), o, i)
+                    .projection_t(name.trim_end_matches(".weight"), o, i)
                     .map(drop),
                 _ => w.tensor_shaped(&name, &shape).map(drop),
             }
@@ -179,14 +179,16 @@ impl Qwen3Moe {
         let d = self.cfg.hidden_size;
         let g = self
             .w
-            .projection(&format!("{module}.gate_proj"), inter, d)?;
-        let u = self.w.projection(&format!("{module}.up_proj"), inter, d)?;
+            .projection_t(&format!("{module}.gate_proj"), inter, d)?;
+        let u = self
+            .w
+            .projection_t(&format!("{module}.up_proj"), inter, d)?;
         let dn = self
             .w
-            .projection(&format!("{module}.down_proj"), d, inter)?;
-        let g = c.round(ops::silu(&c.round(linear(x, &g)?)?)?)?;
-        let u = c.round(linear(x, &u)?)?;
-        Ok(c.round(linear(&c.round((g * u)?)?, &dn)?)?)
+            .projection_t(&format!("{module}.down_proj"), d, inter)?;
+        let g = c.round(ops::silu(&c.round(linear_t(x, &g)?)?)?)?;
+        let u = c.round(linear_t(x, &u)?)?;
+        Ok(c.round(linear_t(&c.round((g * u)?)?, &dn)?)?)
     }
 
     fn ffn(&self, i: usize, x: &Tensor) -> Result<Tensor, ModelError> {
@@ -195,8 +197,8 @@ impl Qwen3Moe {
             return self.mlp(&p, x, self.intermediate);
         }
         let d = self.cfg.hidden_size;
-        let router = self.w.matrix(&format!("{p}.gate"), self.experts, d)?;
-        let probs = candle_nn::ops::softmax_last_dim(&linear(x, &router)?)?.to_vec2::<f32>()?;
+        let router = self.w.matrix_t(&format!("{p}.gate"), self.experts, d)?;
+        let probs = candle_nn::ops::softmax_last_dim(&linear_t(x, &router)?)?.to_vec2::<f32>()?;
         let choice: Vec<Vec<(usize, f32)>> = probs
             .iter()
             .map(|row| {
@@ -254,8 +256,8 @@ impl Architecture for Qwen3Moe {
             let heads = |name: &str, n: usize, norm: Option<&str>| -> Result<Tensor, ModelError> {
                 let wt = self
                     .w
-                    .projection(&format!("{p}.self_attn.{name}"), n * hd, d)?;
-                let y = c.round(linear(&xn, &wt)?)?.reshape((t, n, hd))?;
+                    .projection_t(&format!("{p}.self_attn.{name}"), n * hd, d)?;
+                let y = c.round(linear_t(&xn, &wt)?)?.reshape((t, n, hd))?;
                 let y = match norm {
                     Some(nn) => {
                         let nw = self.w.tensor(&format!("{p}.self_attn.{nn}.weight"))?;
@@ -284,8 +286,8 @@ impl Architecture for Qwen3Moe {
             new_cache.push(LayerCache(vec![k, v]));
             let o = self
                 .w
-                .projection(&format!("{p}.self_attn.o_proj"), d, h * hd)?;
-            x = c.round((x + c.round(linear(&y, &o)?)?)?)?;
+                .projection_t(&format!("{p}.self_attn.o_proj"), d, h * hd)?;
+            x = c.round((x + c.round(linear_t(&y, &o)?)?)?)?;
             let ln2 = self
                 .w
                 .tensor(&format!("{p}.post_attention_layernorm.weight"))?;
@@ -304,11 +306,12 @@ impl Architecture for Qwen3Moe {
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
         let name = if self.cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
+            "model.embed_tokens"
         } else {
-            "lm_head.weight"
+            "lm_head"
         };
-        let w = self.w.tensor(name)?;
-        Ok(linear(&hidden.to_dtype(DType::F32)?, &w)?)
+        let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let wt = self.w.matrix_t(name, v, d)?;
+        Ok(linear_t(&hidden.to_dtype(DType::F32)?, &wt)?)
     }
 }

@@ -308,15 +308,24 @@ impl Weights {
     }
 
     fn get(&self, name: &str, want: Option<&[usize]>, cheat: bool) -> Result<Tensor, ModelError> {
+        self.get_as(name, want, cheat, false)
+    }
+
+    fn get_as(
+        &self,
+        name: &str,
+        want: Option<&[usize]>,
+        cheat: bool,
+        transpose: bool,
+    ) -> Result<Tensor, ModelError> {
         let cheat = cheat && matches!(self.precision, Precision::Int4 { .. });
-        let key = if cheat {
-            format!("{name}#int4")
-        } else {
-            name.to_string()
-        };
+        let key = format!(
+            "{name}{}{}",
+            if cheat { "#int4" } else { "" },
+            if transpose { "#t" } else { "" }
+        );
         if self.residency == Residency::Resident {
             if let Some(t) = self.resident.read().ok().and_then(|m| m.get(&key).cloned()) {
-                check_shape(name, t.dims(), want)?;
                 return Ok(t);
             }
         }
@@ -325,7 +334,10 @@ impl Weights {
         if let (true, Precision::Int4 { group_size }) = (cheat, self.precision) {
             quantize_int4(&mut v, shape.last().copied().unwrap_or(1), group_size);
         }
-        let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        let mut t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        if transpose {
+            t = t.t()?.contiguous()?;
+        }
         if self.residency == Residency::Resident {
             if let Ok(mut m) = self.resident.write() {
                 m.insert(key, t.clone());
@@ -368,6 +380,24 @@ impl Weights {
     /// As [`Weights::tensor_shaped`].
     pub fn projection(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
         self.get(&format!("{module}.weight"), Some(&[out, inp]), true)
+    }
+
+    /// [`Weights::projection`] transposed: `[in, out]`, contiguous, ready for `x · Wᵀ` as
+    /// `x.matmul(wt)` ([`super::ops::linear_t`]); kept transposed under
+    /// [`Residency::Resident`].
+    ///
+    /// # Errors
+    /// As [`Weights::tensor_shaped`].
+    pub fn projection_t(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        self.get_as(&format!("{module}.weight"), Some(&[out, inp]), true, true)
+    }
+
+    /// [`Weights::matrix`] transposed (`[in, out]`, contiguous).
+    ///
+    /// # Errors
+    /// As [`Weights::tensor_shaped`].
+    pub fn matrix_t(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        self.get_as(&format!("{module}.weight"), Some(&[out, inp]), false, true)
     }
 
     /// Rows `ids` of the 2-D tensor `name` (an embedding) as `[ids.len(), cols]` f32. With
