@@ -120,6 +120,15 @@ fn load(case: &Path) -> GlmMoeDsa {
     GlmMoeDsa::load(cfg, Arc::new(w), &LoadOptions::default()).unwrap()
 }
 
+/// The case's tolerance for a row block whose largest |value| is `max_ref`: 20 × the reference's
+/// own eager-vs-sdpa floor (`case.json` `tolerance.<field>`), at least 2e-5 × `max_ref`.
+fn tolerance(case: &Path, field: &str, max_ref: f32) -> f32 {
+    let c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(case.join("case.json")).unwrap()).unwrap();
+    let floor = c["tolerance"][field].as_f64().unwrap_or(1e-5) as f32;
+    (20.0 * floor).max(2e-5 * max_ref)
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -169,7 +178,13 @@ fn glm_layers_experts_and_dsa_selection_match_transformers() {
                         assert_eq!(e, &w, "{ex} row {i}");
                     }
                 }
-                assert!(err < 1e-4, "{} layer {l} seq {k}: {err}", case.display());
+                let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let tol = tolerance(&case, "eager_vs_sdpa_fp32_max_abs_layers", max_ref);
+                assert!(
+                    err <= tol,
+                    "{} layer {l} seq {k}: {err} > {tol}",
+                    case.display()
+                );
             }
             let (want, _) = r.f32s(&format!("hidden_{k}"));
             let got: Vec<f32> = out
@@ -181,7 +196,9 @@ fn glm_layers_experts_and_dsa_selection_match_transformers() {
                 .unwrap();
             let err = max_abs(&got, &want);
             eprintln!("{} seq {k} hidden: max abs {err:.3e}", case.display());
-            assert!(err < 1e-4);
+            let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let tol = tolerance(&case, "eager_vs_sdpa_fp32_max_abs_hidden", max_ref);
+            assert!(err <= tol, "{} seq {k}: {err} > {tol}", case.display());
         }
     }
 }
@@ -246,7 +263,9 @@ fn glm_cached_decode_matches_the_teacher_forced_pass() {
         .map(|(a, b)| max_abs(a, b))
         .fold(0.0, f32::max);
     eprintln!("cached decode vs teacher-forced: max abs {err:.3e}");
-    assert!(err < 1e-4, "{err}");
+    // Same arithmetic on the same rows: prefill and step-by-step decode agree to the bit today;
+    // allow f32 noise should a backend ever block the matmul by row count.
+    assert!(err <= 1e-5, "{err}");
     assert_eq!(
         tr.attended, attended,
         "DSA selection differs between the two passes"

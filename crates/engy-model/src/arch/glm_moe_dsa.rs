@@ -39,7 +39,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-use super::ops::{self, linear};
+use super::ops::{self, linear_t};
 use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
 use crate::ModelError;
 
@@ -538,7 +538,15 @@ impl GlmMoeDsa {
         let (d, v) = (c.hidden_size, c.vocab_size);
         let w = &*self.w;
         let streaming = w.residency() == Residency::Streaming;
-        let need = |name: String, shape: Vec<usize>, proj: bool| -> Result<(), ModelError> {
+        // What each tensor is fetched as in the forward pass (so that, resident, the decoded
+        // form the forward pass asks for is the one cached).
+        #[derive(Clone, Copy)]
+        enum As {
+            Plain,
+            Projection,
+            Matrix,
+        }
+        let need = |name: String, shape: Vec<usize>, how: As| -> Result<(), ModelError> {
             if streaming {
                 return if w.has(&name) {
                     Ok(())
@@ -546,17 +554,17 @@ impl GlmMoeDsa {
                     Err(ModelError::MissingTensor(w.resolve(&name)))
                 };
             }
-            match (proj, shape.as_slice()) {
-                (true, &[o, i]) => w
-                    .projection(name.trim_end_matches(".weight"), o, i)
-                    .map(drop),
+            let module = name.trim_end_matches(".weight");
+            match (how, shape.as_slice()) {
+                (As::Projection, &[o, i]) => w.projection_t(module, o, i).map(drop),
+                (As::Matrix, &[o, i]) => w.matrix_t(module, o, i).map(drop),
                 _ => w.tensor_shaped(&name, &shape).map(drop),
             }
         };
-        need("model.embed_tokens.weight".into(), vec![v, d], false)?;
-        need("model.norm.weight".into(), vec![d], false)?;
+        need("model.embed_tokens.weight".into(), vec![v, d], As::Plain)?;
+        need("model.norm.weight".into(), vec![d], As::Plain)?;
         if !c.tie_word_embeddings {
-            need("lm_head.weight".into(), vec![v, d], false)?;
+            need("lm_head.weight".into(), vec![v, d], As::Matrix)?;
         }
         let (nh, nkv, dn, dr, dv, qr, kvr) = (
             c.num_attention_heads,
@@ -571,60 +579,80 @@ impl GlmMoeDsa {
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let a = format!("{p}.self_attn");
-            need(format!("{p}.input_layernorm.weight"), vec![d], false)?;
+            need(format!("{p}.input_layernorm.weight"), vec![d], As::Plain)?;
             need(
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![d],
-                false,
+                As::Plain,
             )?;
-            need(format!("{a}.q_a_proj.weight"), vec![qr, d], true)?;
-            need(format!("{a}.q_a_layernorm.weight"), vec![qr], false)?;
+            need(format!("{a}.q_a_proj.weight"), vec![qr, d], As::Projection)?;
+            need(format!("{a}.q_a_layernorm.weight"), vec![qr], As::Plain)?;
             need(
                 format!("{a}.q_b_proj.weight"),
                 vec![nh * (dn + dr), qr],
-                true,
+                As::Projection,
             )?;
             need(
                 format!("{a}.kv_a_proj_with_mqa.weight"),
                 vec![kvr + dr, d],
-                true,
+                As::Projection,
             )?;
-            need(format!("{a}.kv_a_layernorm.weight"), vec![kvr], false)?;
+            need(format!("{a}.kv_a_layernorm.weight"), vec![kvr], As::Plain)?;
             need(
                 format!("{a}.kv_b_proj.weight"),
                 vec![nkv * (dn + dv), kvr],
-                true,
+                As::Projection,
             )?;
-            need(format!("{a}.o_proj.weight"), vec![d, nh * dv], true)?;
+            need(
+                format!("{a}.o_proj.weight"),
+                vec![d, nh * dv],
+                As::Projection,
+            )?;
             if c.attention_bias {
-                need(format!("{a}.q_a_proj.bias"), vec![qr], false)?;
+                need(format!("{a}.q_a_proj.bias"), vec![qr], As::Plain)?;
                 need(
                     format!("{a}.kv_a_proj_with_mqa.bias"),
                     vec![kvr + dr],
-                    false,
+                    As::Plain,
                 )?;
-                need(format!("{a}.o_proj.bias"), vec![d], false)?;
+                need(format!("{a}.o_proj.bias"), vec![d], As::Plain)?;
             }
             if c.indexer_types[l] == IndexerType::Full {
                 let ix = format!("{a}.indexer");
-                need(format!("{ix}.wq_b.weight"), vec![ni * di, qr], true)?;
-                need(format!("{ix}.wk.weight"), vec![di, d], true)?;
-                need(format!("{ix}.k_norm.weight"), vec![di], false)?;
-                need(format!("{ix}.k_norm.bias"), vec![di], false)?;
-                need(format!("{ix}.weights_proj.weight"), vec![ni, d], false)?;
+                need(
+                    format!("{ix}.wq_b.weight"),
+                    vec![ni * di, qr],
+                    As::Projection,
+                )?;
+                need(format!("{ix}.wk.weight"), vec![di, d], As::Projection)?;
+                need(format!("{ix}.k_norm.weight"), vec![di], As::Plain)?;
+                need(format!("{ix}.k_norm.bias"), vec![di], As::Plain)?;
+                need(format!("{ix}.weights_proj.weight"), vec![ni, d], As::Matrix)?;
             }
             let mlp = |q: String, inter: usize| -> Result<(), ModelError> {
-                need(format!("{q}.gate_proj.weight"), vec![inter, d], true)?;
-                need(format!("{q}.up_proj.weight"), vec![inter, d], true)?;
-                need(format!("{q}.down_proj.weight"), vec![d, inter], true)
+                need(
+                    format!("{q}.gate_proj.weight"),
+                    vec![inter, d],
+                    As::Projection,
+                )?;
+                need(
+                    format!("{q}.up_proj.weight"),
+                    vec![inter, d],
+                    As::Projection,
+                )?;
+                need(
+                    format!("{q}.down_proj.weight"),
+                    vec![d, inter],
+                    As::Projection,
+                )
             };
             if c.sparse_mlp[l] {
                 let ne = c.n_routed_experts;
-                need(format!("{p}.mlp.gate.weight"), vec![ne, d], false)?;
+                need(format!("{p}.mlp.gate.weight"), vec![ne, d], As::Matrix)?;
                 need(
                     format!("{p}.mlp.gate.e_score_correction_bias"),
                     vec![ne],
-                    false,
+                    As::Plain,
                 )?;
                 for e in 0..ne {
                     mlp(format!("{p}.mlp.experts.{e}"), c.moe_intermediate_size)?;
@@ -653,7 +681,7 @@ impl GlmMoeDsa {
     }
 
     fn linear_b(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-        let y = linear(x, w)?;
+        let y = linear_t(x, w)?;
         match b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -783,15 +811,17 @@ impl GlmMoeDsa {
             return Err(cfg_err("glm_moe_dsa: the cache does not match its length"));
         }
         // Query latent and queries [nh, t, dqk].
-        let q_a = self.w.projection(&format!("{a}.q_a_proj"), qr, hd)?;
+        let q_a = self.w.projection_t(&format!("{a}.q_a_proj"), qr, hd)?;
         let q_a_b = self.bias(&format!("{a}.q_a_proj.bias"), qr)?;
         let q_resid = ops::rms_norm(
             &Self::linear_b(h, &q_a, q_a_b.as_ref())?,
             &self.norm(&format!("{a}.q_a_layernorm.weight"), qr)?,
             LATENT_NORM_EPS,
         )?;
-        let q_b = self.w.projection(&format!("{a}.q_b_proj"), nh * dqk, qr)?;
-        let mut q = linear(&q_resid, &q_b)?.flatten_all()?.to_vec1::<f32>()?;
+        let q_b = self
+            .w
+            .projection_t(&format!("{a}.q_b_proj"), nh * dqk, qr)?;
+        let mut q = linear_t(&q_resid, &q_b)?.flatten_all()?.to_vec1::<f32>()?;
         rope_inplace(&self.inv_freq, &mut q, nh, dqk, dn, off);
         let q = Tensor::from_vec(q, (t, nh, dqk), &dev)?
             .transpose(0, 1)?
@@ -799,7 +829,7 @@ impl GlmMoeDsa {
         // Keys [nkv, t, dqk] (one rope head shared by all) and values [nkv, t, dv].
         let kv_a = self
             .w
-            .projection(&format!("{a}.kv_a_proj_with_mqa"), kvr + dr, hd)?;
+            .projection_t(&format!("{a}.kv_a_proj_with_mqa"), kvr + dr, hd)?;
         let kv_a_b = self.bias(&format!("{a}.kv_a_proj_with_mqa.bias"), kvr + dr)?;
         let ckv = Self::linear_b(h, &kv_a, kv_a_b.as_ref())?;
         let latent = ops::rms_norm(
@@ -816,8 +846,8 @@ impl GlmMoeDsa {
         let k_rot = Tensor::from_vec(k_rot, (1, t, dr), &dev)?;
         let kv_b = self
             .w
-            .projection(&format!("{a}.kv_b_proj"), nkv * (dn + dv), kvr)?;
-        let kv = linear(&latent, &kv_b)?
+            .projection_t(&format!("{a}.kv_b_proj"), nkv * (dn + dv), kvr)?;
+        let kv = linear_t(&latent, &kv_b)?
             .reshape((t, nkv, dn + dv))?
             .transpose(0, 1)?; // [nkv, t, dn + dv]
         let k_new = Tensor::cat(
@@ -858,7 +888,7 @@ impl GlmMoeDsa {
         let mask = Tensor::from_vec(mask, (t, total), &dev)?;
         let scale = 1.0 / (dqk as f64).sqrt();
         let y = ops::attention(&q, &k_all, &v_all, scale, Some(&mask))?; // [t, nh * dv]
-        let o = self.w.projection(&format!("{a}.o_proj"), hd, nh * dv)?;
+        let o = self.w.projection_t(&format!("{a}.o_proj"), hd, nh * dv)?;
         let o_b = self.bias(&format!("{a}.o_proj.bias"), hd)?;
         let out = Self::linear_b(&y, &o, o_b.as_ref())?;
         let mut lc = vec![k_all, v_all];
@@ -890,13 +920,13 @@ impl GlmMoeDsa {
             c.q_lora_rank,
         );
         let ix = format!("{a}.indexer");
-        let wq = self.w.projection(&format!("{ix}.wq_b"), ni * di, qr)?;
-        let mut qi = linear(q_resid, &wq)?.flatten_all()?.to_vec1::<f32>()?;
+        let wq = self.w.projection_t(&format!("{ix}.wq_b"), ni * di, qr)?;
+        let mut qi = linear_t(q_resid, &wq)?.flatten_all()?.to_vec1::<f32>()?;
         rope_inplace(&self.inv_freq, &mut qi, ni, di, 0, off);
         let qi = Tensor::from_vec(qi, (t, ni, di), &dev)?;
-        let wk = self.w.projection(&format!("{ix}.wk"), di, hd)?;
+        let wk = self.w.projection_t(&format!("{ix}.wk"), di, hd)?;
         let ki = ops::layer_norm(
-            &linear(h, &wk)?,
+            &linear_t(h, &wk)?,
             &self.norm(&format!("{ix}.k_norm.weight"), di)?,
             &self.norm(&format!("{ix}.k_norm.bias"), di)?,
             INDEXER_NORM_EPS,
@@ -913,9 +943,9 @@ impl GlmMoeDsa {
                 "glm_moe_dsa: the indexer key cache does not match the sequence",
             ));
         }
-        let ww = self.w.matrix(&format!("{ix}.weights_proj"), ni, hd)?;
-        let w = (linear(h, &ww)? * (ni as f64).powf(-0.5))?; // [t, ni]
-                                                             // scores [t, ni, total] = relu(q·k · di^-0.5); index [t, total] = Σ_h w_h · scores_h.
+        let ww = self.w.matrix_t(&format!("{ix}.weights_proj"), ni, hd)?;
+        let w = (linear_t(h, &ww)? * (ni as f64).powf(-0.5))?; // [t, ni]
+                                                               // scores [t, ni, total] = relu(q·k · di^-0.5); index [t, total] = Σ_h w_h · scores_h.
         let kt = ki_all
             .t()?
             .contiguous()?
@@ -950,12 +980,12 @@ impl GlmMoeDsa {
         let hd = c.hidden_size;
         let (ne, mi) = (c.n_routed_experts, c.moe_intermediate_size);
         let m = format!("{p}.mlp");
-        let router = self.w.matrix(&format!("{m}.gate"), ne, hd)?;
+        let router = self.w.matrix_t(&format!("{m}.gate"), ne, hd)?;
         let bias = self
             .w
             .tensor_shaped(&format!("{m}.gate.e_score_correction_bias"), &[ne])?
             .to_vec1::<f32>()?;
-        let logits = linear(h, &router)?.to_vec2::<f32>()?;
+        let logits = linear_t(h, &router)?.to_vec2::<f32>()?;
         let per_group = ne / c.n_group;
         let mut routes: Vec<Vec<(usize, f32)>> = Vec::with_capacity(logits.len());
         for row in &logits {
@@ -1029,12 +1059,12 @@ impl Architecture for GlmMoeDsa {
     fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
         let (v, hd) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let name = if self.cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
+            "model.embed_tokens"
         } else {
-            "lm_head.weight"
+            "lm_head"
         };
-        let w = self.w.tensor_shaped(name, &[v, hd])?;
-        Ok(linear(&hidden.to_dtype(DType::F32)?, &w)?)
+        let wt = self.w.matrix_t(name, v, hd)?;
+        Ok(linear_t(&hidden.to_dtype(DType::F32)?, &wt)?)
     }
 }
 
