@@ -291,3 +291,20 @@ fn glm_cached_decode_matches_the_teacher_forced_pass() {
         .collect();
     assert_eq!(tf_tokens, seq[prompt.len()..].to_vec());
 }
+
+/// Processing the query rows in blocks (to bound the score tensors' memory at long context)
+/// changes no value: one-row blocks give the same bits as the whole sequence at once.
+#[test]
+fn glm_row_blocking_changes_nothing() {
+    let case = glm_cases().into_iter().next().expect("a glm case");
+    let r = Reference::open(&case);
+    let ids = r.ids(r.sequences() - 1);
+    let whole = load(&case);
+    let blocked = load(&case).with_score_budget(1);
+    let a = whole.forward(&ids, &mut whole.new_cache(), None).unwrap();
+    let b = blocked
+        .forward(&ids, &mut blocked.new_cache(), None)
+        .unwrap();
+    let (a, b) = (a.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap());
+    assert_eq!(a, b);
+}

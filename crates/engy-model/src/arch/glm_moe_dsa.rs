@@ -434,7 +434,11 @@ pub struct GlmMoeDsa {
     cfg: GlmMoeDsaConfig,
     w: Arc<Weights>,
     inv_freq: Vec<f32>,
+    score_budget: usize,
 }
+
+/// Default [`GlmMoeDsa::with_score_budget`]: 2^24 f32 (64 MiB) per score block.
+pub const DEFAULT_SCORE_BUDGET: usize = 1 << 24;
 
 impl std::fmt::Debug for GlmMoeDsa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -500,6 +504,38 @@ fn rope_inplace(
     }
 }
 
+/// The routing of one token (transformers' `route_tokens_to_experts`): `s = sigmoid(logits)`,
+/// choice `s + bias`; with `n_group > 1` only the `topk_group` groups with the largest sum of
+/// their top-2 choices compete (the others are set to −inf); the top `num_experts_per_tok`
+/// experts by choice get weight `s` (not the choice), divided by the sum of the chosen `s`
+/// (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. Returns `(expert, weight)` in
+/// choice order.
+fn route(c: &GlmMoeDsaConfig, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)> {
+    let per_group = c.n_routed_experts / c.n_group;
+    let s: Vec<f32> = logits.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect();
+    let mut choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
+    if c.n_group > 1 {
+        let group_scores: Vec<f32> = choice
+            .chunks(per_group)
+            .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+            .collect();
+        let keep = top_k(&group_scores, c.topk_group);
+        for (gi, g) in choice.chunks_mut(per_group).enumerate() {
+            if !keep.contains(&gi) {
+                g.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            }
+        }
+    }
+    let chosen = top_k(&choice, c.num_experts_per_tok);
+    let mut w: Vec<f32> = chosen.iter().map(|&e| s[e]).collect();
+    if c.norm_topk_prob {
+        let denom = w.iter().sum::<f32>() + 1e-20;
+        w.iter_mut().for_each(|x| *x /= denom);
+    }
+    w.iter_mut().for_each(|x| *x *= c.routed_scaling_factor);
+    chosen.into_iter().zip(w).collect()
+}
+
 impl GlmMoeDsa {
     /// Reads the `glm_moe_dsa` fields of `text` ([`GlmMoeDsaConfig::from_json`] on its raw
     /// text config) and checks every tensor the forward pass uses (decoding them now under
@@ -522,9 +558,24 @@ impl GlmMoeDsa {
             cfg,
             w,
             inv_freq,
+            score_budget: DEFAULT_SCORE_BUDGET,
         };
         m.check_tensors()?;
         Ok(m)
+    }
+
+    /// Caps the attention and indexer score blocks at about `floats` f32 values (`[heads, rows,
+    /// keys]`) by processing the query rows in blocks: at GLM-5's 64 heads and 8k keys a
+    /// whole-sequence score tensor would be 16 GiB. Blocking does not change any value (each
+    /// row is computed alone); 0 is treated as 1 row per block.
+    pub fn with_score_budget(mut self, floats: usize) -> Self {
+        self.score_budget = floats;
+        self
+    }
+
+    /// Query rows per score block of `heads × keys` values each (at least 1).
+    fn row_block(&self, heads: usize, keys: usize) -> usize {
+        (self.score_budget / (heads * keys).max(1)).max(1)
     }
 
     /// The `glm_moe_dsa` settings.
@@ -887,7 +938,19 @@ impl GlmMoeDsa {
         }
         let mask = Tensor::from_vec(mask, (t, total), &dev)?;
         let scale = 1.0 / (dqk as f64).sqrt();
-        let y = ops::attention(&q, &k_all, &v_all, scale, Some(&mask))?; // [t, nh * dv]
+        let blk = self.row_block(nh, total);
+        let mut ys = Vec::with_capacity(t.div_ceil(blk));
+        for r0 in (0..t).step_by(blk) {
+            let n = blk.min(t - r0);
+            ys.push(ops::attention(
+                &q.narrow(1, r0, n)?,
+                &k_all,
+                &v_all,
+                scale,
+                Some(&mask.narrow(0, r0, n)?),
+            )?);
+        }
+        let y = Tensor::cat(&ys, 0)?; // [t, nh * dv]
         let o = self.w.projection_t(&format!("{a}.o_proj"), hd, nh * dv)?;
         let o_b = self.bias(&format!("{a}.o_proj.bias"), hd)?;
         let out = Self::linear_b(&y, &o, o_b.as_ref())?;
@@ -944,19 +1007,27 @@ impl GlmMoeDsa {
             ));
         }
         let ww = self.w.matrix_t(&format!("{ix}.weights_proj"), ni, hd)?;
-        let w = (linear_t(h, &ww)? * (ni as f64).powf(-0.5))?; // [t, ni]
-                                                               // scores [t, ni, total] = relu(q·k · di^-0.5); index [t, total] = Σ_h w_h · scores_h.
-        let kt = ki_all
-            .t()?
-            .contiguous()?
-            .unsqueeze(0)?
-            .broadcast_as((t, di, total))?;
-        let scores = (qi.matmul(&kt)? * (di as f64).powf(-0.5))?.relu()?;
-        let index = w
-            .unsqueeze(1)?
-            .matmul(&scores)?
-            .squeeze(1)?
-            .to_vec2::<f32>()?;
+        let w = (linear_t(h, &ww)? * (ni as f64).powf(-0.5))?;
+        // w [t, ni]. Per block of query rows: scores [n, ni, total] = relu(q·k · di^-0.5), then
+        // index [n, total] = Σ_h w_h · scores_h (rows are independent, so blocking changes
+        // nothing but the memory held).
+        let kt = ki_all.t()?.contiguous()?.unsqueeze(0)?; // [1, di, total]
+        let blk = self.row_block(ni, total);
+        let mut index: Vec<Vec<f32>> = Vec::with_capacity(t);
+        for r0 in (0..t).step_by(blk) {
+            let n = blk.min(t - r0);
+            let scores = (qi
+                .narrow(0, r0, n)?
+                .matmul(&kt.broadcast_as((n, di, total))?)?
+                * (di as f64).powf(-0.5))?
+            .relu()?;
+            let rows = w
+                .narrow(0, r0, n)?
+                .unsqueeze(1)?
+                .matmul(&scores)?
+                .squeeze(1)?;
+            index.extend(rows.to_vec2::<f32>()?);
+        }
         let sel = index
             .iter()
             .enumerate()
@@ -986,32 +1057,8 @@ impl GlmMoeDsa {
             .tensor_shaped(&format!("{m}.gate.e_score_correction_bias"), &[ne])?
             .to_vec1::<f32>()?;
         let logits = linear_t(h, &router)?.to_vec2::<f32>()?;
-        let per_group = ne / c.n_group;
-        let mut routes: Vec<Vec<(usize, f32)>> = Vec::with_capacity(logits.len());
-        for row in &logits {
-            let s: Vec<f32> = row.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect();
-            let mut choice: Vec<f32> = s.iter().zip(&bias).map(|(a, b)| a + b).collect();
-            if c.n_group > 1 {
-                let group_scores: Vec<f32> = choice
-                    .chunks(per_group)
-                    .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
-                    .collect();
-                let keep = top_k(&group_scores, c.topk_group);
-                for (gi, g) in choice.chunks_mut(per_group).enumerate() {
-                    if !keep.contains(&gi) {
-                        g.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-                    }
-                }
-            }
-            let chosen = top_k(&choice, c.num_experts_per_tok);
-            let mut w: Vec<f32> = chosen.iter().map(|&e| s[e]).collect();
-            if c.norm_topk_prob {
-                let denom = w.iter().sum::<f32>() + 1e-20;
-                w.iter_mut().for_each(|x| *x /= denom);
-            }
-            w.iter_mut().for_each(|x| *x *= c.routed_scaling_factor);
-            routes.push(chosen.into_iter().zip(w).collect());
-        }
+        let routes: Vec<Vec<(usize, f32)>> =
+            logits.iter().map(|row| route(c, row, &bias)).collect();
         let routed = ops::moe_dispatch(h, &routes, |e, rows| {
             ops::swiglu(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi)
         })?;
@@ -1179,6 +1226,33 @@ mod tests {
             let (want_re, want_im) = (re * a.cos() - im * a.sin(), re * a.sin() + im * a.cos());
             assert!((y[i] - want_re).abs() < 1e-6 && (y[2 + i] - want_im).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn routing_uses_bias_for_the_choice_and_groups_limit_it() {
+        let mut j = tiny_json();
+        j["n_group"] = serde_json::json!(4);
+        j["topk_group"] = serde_json::json!(2);
+        let mut c = GlmMoeDsaConfig::from_json(&j).unwrap();
+        let logits = [0.0f32, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0];
+        let s5 = 1.0 / (1.0 + (-1.0f32).exp());
+        let bias = [0.2, 0.1, 0.5, -0.25, 0.3, 0.6, 0.1, 0.1];
+        // choices 0.7 0.6 | 1.0 0.25 | 0.8 s5+0.6 | 0.6 0.6: groups 2 and 0 have the largest
+        // top-2 sums, so expert 2 (choice 1.0) is out and 5, 4 win.
+        let r = route(&c, &logits, &bias);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![5, 4]);
+        // weights are the sigmoid scores, renormalised, times routed_scaling_factor (2.5).
+        let (w5, w4) = (r[0].1, r[1].1);
+        assert!((w5 - s5 / (s5 + 0.5) * 2.5).abs() < 1e-6, "{w5}");
+        assert!((w4 - 0.5 / (s5 + 0.5) * 2.5).abs() < 1e-6, "{w4}");
+        // Without groups expert 2 (choice 1.0) beats 4 (0.8).
+        c.n_group = 1;
+        c.topk_group = 1;
+        let r = route(&c, &logits, &bias);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![5, 2]);
+        c.norm_topk_prob = false;
+        let r = route(&c, &logits, &bias);
+        assert!((r[0].1 - s5 * 2.5).abs() < 1e-6 && (r[1].1 - 1.25).abs() < 1e-6);
     }
 
     #[test]
