@@ -36,9 +36,7 @@ use subxt::ext::scale_decode::DecodeAsType;
 use subxt::utils::{AccountId32, MultiAddress, MultiSignature};
 use subxt::OnlineClient;
 
-use crate::commit_reveal::{
-    CommitCall, CommitRevealState, EpochSchedule, DEFAULT_BLOCK_TIME_MS,
-};
+use crate::commit_reveal::{CommitCall, CommitRevealState, EpochSchedule, DEFAULT_BLOCK_TIME_MS};
 
 /// Mortality period of a `set_weights` extrinsic in blocks (~12.8 min on finney).
 pub const MORTAL_PERIOD: u64 = 64;
@@ -820,8 +818,7 @@ impl Chain {
         } else {
             None
         };
-        let schedule = if self.has_entry("LastEpochBlock") && self.has_entry("SubnetEpochIndex")
-        {
+        let schedule = if self.has_entry("LastEpochBlock") && self.has_entry("SubnetEpochIndex") {
             let pending = if self.has_entry("PendingEpochAt") {
                 Self::fetch_value::<u64>(&s, "PendingEpochAt", k()).await?
             } else {
@@ -908,7 +905,11 @@ fn tx_params(
 }
 
 /// `Err(MissingCall)` unless `pallet.call` is in `metadata`.
-pub fn ensure_call(metadata: &subxt::Metadata, pallet: &str, call: &str) -> Result<(), SubmitError> {
+pub fn ensure_call(
+    metadata: &subxt::Metadata,
+    pallet: &str,
+    call: &str,
+) -> Result<(), SubmitError> {
     let found = metadata
         .pallet_by_name(pallet)
         .and_then(|p| p.call_variant_by_name(call))

@@ -393,7 +393,8 @@ mod tests {
     #[test]
     fn commit_reveal_stateful_schedule_table() {
         // (last, pending, index, since, block, period) → (commit epoch, reveal block, blocks)
-        let table: &[((u64, u64, u64, u64, u64, u64), (u64, u64, u64))] = &[
+        type Row = ((u64, u64, u64, u64, u64, u64), (u64, u64, u64));
+        let table: &[Row] = &[
             ((1000, 0, 50, 10, 1010, 1), (50, 1360, 353)),
             ((1000, 0, 50, 10, 1100, 1), (50, 1360, 263)),
             // the inclusion block 1360 fires the epoch: keyed by the next epoch

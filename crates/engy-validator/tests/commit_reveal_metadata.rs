@@ -50,12 +50,11 @@ fn key() -> Hotkey {
 /// Decodes `bytes` as one extrinsic (errors on leftover bytes) and returns its pallet,
 /// call and fields.
 fn decode_back(bytes: Vec<u8>, metadata: subxt::Metadata) -> (String, String, Composite<u32>) {
-    let xts =
-        subxt::ext::subxt_core::blocks::Extrinsics::<SubtensorConfig>::decode_from(
-            vec![bytes],
-            metadata,
-        )
-        .expect("decodes with the same metadata, no bytes left over");
+    let xts = subxt::ext::subxt_core::blocks::Extrinsics::<SubtensorConfig>::decode_from(
+        vec![bytes],
+        metadata,
+    )
+    .expect("decodes with the same metadata, no bytes left over");
     let xt = xts.iter().next().expect("one extrinsic");
     assert!(xt.is_signed(), "signed");
     let fields = xt.field_values().expect("call fields decode");
@@ -78,12 +77,19 @@ fn field<'a>(fields: &'a Composite<u32>, name: &str) -> &'a Value<u32> {
     }
 }
 
+/// The bytes of a `Vec<u8>` value, looking through single-field wrappers (`BoundedVec`).
 fn bytes_of(v: &Value<u32>) -> Vec<u8> {
     match &v.value {
-        ValueDef::Composite(c) => c
-            .values()
-            .map(|b| b.as_u128().expect("a byte") as u8)
-            .collect(),
+        ValueDef::Composite(c) => {
+            let items: Vec<&Value<u32>> = c.values().collect();
+            match items.as_slice() {
+                [only] if matches!(only.value, ValueDef::Composite(_)) => bytes_of(only),
+                _ => items
+                    .iter()
+                    .map(|b| b.as_u128().expect("a byte") as u8)
+                    .collect(),
+            }
+        }
         other => panic!("not a byte sequence: {other:?}"),
     }
 }
@@ -115,7 +121,11 @@ fn commit_reveal_signed_extrinsics_decode_back_with_real_metadata() {
         let xt = build(&set_weights_call(53, &[2, 3], &[65535, 7], 0))
             .unwrap_or_else(|e| panic!("{name}: set_weights: {e}"));
         let (pallet, call, fields) = decode_back(xt, metadata.clone());
-        assert_eq!((pallet.as_str(), call.as_str()), ("SubtensorModule", "set_weights"), "{name}");
+        assert_eq!(
+            (pallet.as_str(), call.as_str()),
+            ("SubtensorModule", "set_weights"),
+            "{name}"
+        );
         assert_eq!(field(&fields, "netuid").as_u128(), Some(53), "{name}");
 
         // the timelocked commit, whichever form the metadata has
@@ -131,19 +141,32 @@ fn commit_reveal_signed_extrinsics_decode_back_with_real_metadata() {
                 let xt = build(&commit_call(which, 53, &commit, 1000, 4))
                     .unwrap_or_else(|e| panic!("{name}: {}: {e}", which.name()));
                 let (pallet, call, fields) = decode_back(xt, metadata.clone());
-                assert_eq!((pallet.as_str(), call.as_str()), ("SubtensorModule", which.name()));
+                assert_eq!(
+                    (pallet.as_str(), call.as_str()),
+                    ("SubtensorModule", which.name())
+                );
                 assert_eq!(bytes_of(field(&fields, "commit")), commit, "{name}");
-                assert_eq!(field(&fields, "reveal_round").as_u128(), Some(1000), "{name}");
+                assert_eq!(
+                    field(&fields, "reveal_round").as_u128(),
+                    Some(1000),
+                    "{name}"
+                );
                 assert_eq!(field(&fields, "commit_reveal_version").as_u128(), Some(4));
                 if which == CommitCall::TimelockedMechanismWeights {
                     assert_eq!(field(&fields, "mecid").as_u128(), Some(0), "{name}");
                 }
                 commits_built += 1;
-                println!("{name}: set_weights and {} build, sign and decode back", which.name());
+                println!(
+                    "{name}: set_weights and {} build, sign and decode back",
+                    which.name()
+                );
             }
             None => {
                 // a runtime without CRv4: asking for the call is a named error
-                for which in [CommitCall::TimelockedMechanismWeights, CommitCall::TimelockedWeights] {
+                for which in [
+                    CommitCall::TimelockedMechanismWeights,
+                    CommitCall::TimelockedWeights,
+                ] {
                     let e = build(&commit_call(which, 53, &commit, 1000, 4)).unwrap_err();
                     assert_eq!(
                         e,
@@ -159,5 +182,8 @@ fn commit_reveal_signed_extrinsics_decode_back_with_real_metadata() {
             }
         }
     }
-    assert!(commits_built > 0, "no metadata file had a timelocked commit call");
+    assert!(
+        commits_built > 0,
+        "no metadata file had a timelocked commit call"
+    );
 }

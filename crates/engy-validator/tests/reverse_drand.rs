@@ -35,7 +35,8 @@ fn commit_reveal_matches_bittensor_drand_2_0() {
     let plain = payload.encode();
     let rust_ct = encrypt(&plain, 1000, rand::rngs::OsRng).unwrap();
     // (last, pending, index, tempo, since, block, period, block_time s)
-    let states: &[(u64, u64, u64, u16, u64, u64, u64, f64)] = &[
+    type StateRow = (u64, u64, u64, u16, u64, u64, u64, f64);
+    let states: &[StateRow] = &[
         (1000, 0, 50, 360, 10, 1010, 1, 12.0),
         (1000, 0, 50, 360, 10, 1359, 1, 12.0),
         (1000, 0, 50, 360, 10, 1361, 1, 12.0),
@@ -62,7 +63,10 @@ fn commit_reveal_matches_bittensor_drand_2_0() {
             "reveal_period": period, "block_time": bt,
         })).collect::<Vec<_>>(),
     });
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/reverse/drand_reference.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/reverse/drand_reference.py"
+    );
     let mut child = Command::new(&python)
         .arg(script)
         .stdin(Stdio::piped())
