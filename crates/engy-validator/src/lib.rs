@@ -8,6 +8,7 @@
 //! * [`provider`]: epoch fetch and heartbeat POST (§6).
 //! * [`chain`]: the subxt client, dynamic against the node's metadata (§7 steps 4, 8).
 //! * [`daemon`]: the tick loop; [`check`]: the operator preflight.
+//! * [`wallet`]: the hotkey file, decrypted with ENGY_SN53_WALLET_PASSWORD[_FILE].
 #![deny(unsafe_code)]
 
 pub mod chain;
@@ -18,3 +19,4 @@ pub mod liveness;
 pub mod provider;
 pub mod schedule;
 pub mod state;
+pub mod wallet;
