@@ -78,7 +78,7 @@ fn nonempty(v: Option<OsString>) -> Option<OsString> {
 
 /// Read the password source from the process environment (see the module docs).
 pub fn password_from_env() -> Result<Option<PasswordSource>, HotkeyError> {
-    password_from(|k| std::env::var_os(k))
+    password_from(std::env::var_os)
 }
 
 /// [`password_from_env`] with the environment given as a lookup (for tests).
@@ -86,7 +86,7 @@ pub fn password_from_env() -> Result<Option<PasswordSource>, HotkeyError> {
 /// Errors: [`HotkeyError::BothPasswordSources`], [`HotkeyError::PasswordFileUnreadable`],
 /// [`HotkeyError::PasswordFileEmpty`].
 pub fn password_from(
-    get: impl Fn(&str) -> Option<OsString>,
+    get: impl Fn(&'static str) -> Option<OsString>,
 ) -> Result<Option<PasswordSource>, HotkeyError> {
     match (
         nonempty(get(PASSWORD_ENV)),
@@ -111,7 +111,7 @@ pub fn password_from(
                 .iter()
                 .rposition(|b| *b != b'\n' && *b != b'\r')
                 .map_or(0, |i| i + 1);
-            zeroize_tail(&mut bytes, keep);
+            bytes.truncate(keep);
             if bytes.is_empty() {
                 return Err(HotkeyError::PasswordFileEmpty { path });
             }
@@ -121,14 +121,6 @@ pub fn password_from(
             }))
         }
     }
-}
-
-/// Truncate to `keep` bytes, overwriting what is cut first.
-fn zeroize_tail(bytes: &mut Vec<u8>, keep: usize) {
-    for b in bytes.iter_mut().skip(keep) {
-        *b = 0;
-    }
-    bytes.truncate(keep);
 }
 
 /// Load the hotkey `<wallet_path>/<wallet>/hotkeys/<wallet_hotkey>` of `s`, decrypting it
@@ -168,7 +160,7 @@ pub fn load_hotkey(s: &Settings) -> Result<LoadedHotkey, HotkeyError> {
 mod tests {
     use super::*;
 
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<OsString> + 'a {
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&'static str) -> Option<OsString> + 'a {
         move |k| {
             vars.iter()
                 .find(|(n, _)| *n == k)
