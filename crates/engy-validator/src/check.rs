@@ -68,7 +68,7 @@ pub async fn run(s: &Settings) -> Report {
     }
 
     // wallet
-    let hotkey = match engy_core::keys::load_hotkey(&s.wallet_path, &s.wallet, &s.wallet_hotkey) {
+    let hotkey = match crate::wallet::load_hotkey(s) {
         Ok(l) => {
             r.ok(format!(
                 "wallet {}/{} loads and matches its address {} ({}, from {})",
@@ -89,7 +89,7 @@ pub async fn run(s: &Settings) -> Report {
         }
         Err(e) => {
             r.fail(format!(
-                "wallet {}/{} under {}: {e}; fix: set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to an unencrypted bittensor hotkey file",
+                "wallet {}/{} under {}: {e}; fix: set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to a bittensor hotkey file (encrypted: ENGY_SN53_WALLET_PASSWORD or ENGY_SN53_WALLET_PASSWORD_FILE)",
                 s.wallet,
                 s.wallet_hotkey,
                 s.wallet_path.display()

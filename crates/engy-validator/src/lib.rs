@@ -11,6 +11,7 @@
 //! * [`timelock`]: the drand-timelocked weights payload (tlock via `timelock` + `w3f-bls`).
 //! * [`chain`]: the subxt client, dynamic against the node's metadata (§7 steps 4, 8).
 //! * [`daemon`]: the tick loop; [`check`]: the operator preflight.
+//! * [`wallet`]: the hotkey file, decrypted with ENGY_SN53_WALLET_PASSWORD[_FILE].
 #![deny(unsafe_code)]
 
 pub mod chain;
@@ -24,3 +25,4 @@ pub mod provider;
 pub mod schedule;
 pub mod state;
 pub mod timelock;
+pub mod wallet;
