@@ -17,8 +17,7 @@
 //! * TOPLOC proofs built from the reference rows audit with score 0.
 //!
 //! Nothing here is specific to the shipped set: cases, sequence counts and shapes are read
-//! from the folder. A case whose architecture is not implemented FAILS, unless its arch is
-//! listed in `ENGY_ARCH_EXPECT_UNIMPLEMENTED` (comma-separated; for development only).
+//! from the folder. A case whose architecture is not implemented FAILS.
 use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
@@ -233,12 +232,6 @@ fn audit_reference_rows(
 
 #[test]
 fn every_case_matches_transformers() {
-    let expect_unimplemented: Vec<String> = std::env::var("ENGY_ARCH_EXPECT_UNIMPLEMENTED")
-        .unwrap_or_default()
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect();
     let cases = cases();
     assert!(
         !cases.is_empty(),
@@ -249,15 +242,8 @@ fn every_case_matches_transformers() {
     for dir in &cases {
         let case: Value =
             serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
-        let arch = case["arch"].as_str().unwrap_or_default().to_string();
         match check_case(dir, &case) {
             Ok(r) => eprint!("{r}"),
-            Err(e) if expect_unimplemented.contains(&arch) && e.contains("is not implemented") => {
-                eprintln!(
-                    "{}: {arch} not implemented (expected while developing)",
-                    dir.display()
-                );
-            }
             Err(e) => failures.push(e),
         }
     }
