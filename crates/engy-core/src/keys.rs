@@ -24,6 +24,14 @@
 //!   must match `publicKey`, `accountId` and `ss58Address`, and it reads `privateKey` rather
 //!   than re-deriving from `secretPhrase` (so the `utf8seed` file bittensor-wallet 4.1.1
 //!   cannot read back loads here).
+//! * Encrypted hotkeys: NaCl (`$NACL`, what `btcli` writes when a password is set) decrypts
+//!   with [`load_hotkey_with_password`] ([`nacl`] gives the format and its source). The
+//!   older ansible-vault and legacy Fernet formats are refused with
+//!   [`WalletError::UnsupportedEncryption`]: bittensor-wallet 4.x only reads them back for
+//!   migration (and its Fernet path cannot decrypt at all: it opens the box with a freshly
+//!   generated key), so the fix is to re-save the hotkey with a current `btcli`.
+
+pub mod nacl;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -31,6 +39,8 @@ use std::path::{Path, PathBuf};
 use blake2::{Blake2b512, Digest};
 use schnorrkel::{ExpansionMode, MiniSecretKey, PublicKey, SecretKey, Signature};
 use zeroize::{Zeroize, Zeroizing};
+
+pub use nacl::{NaclError, WalletPassword};
 
 /// The SS58 prefix bittensor uses (generic Substrate, one byte; addresses start with `5`).
 pub const BITTENSOR_SS58_PREFIX: u16 = 42;
@@ -350,13 +360,46 @@ pub enum WalletError {
         #[source]
         source: std::io::Error,
     },
-    /// The hotkey file is encrypted; a daemon cannot prompt for a password.
-    #[error("hotkey file {path} is encrypted ({format}); the validator needs an unencrypted hotkey: regenerate it without encryption, e.g. `btcli wallet regen-hotkey --wallet.name <wallet> --wallet.hotkey <hotkey> --no-use-password` (or export an unencrypted copy)")]
-    Encrypted {
+    /// The hotkey file is encrypted in a format engy does not decrypt (ansible-vault,
+    /// legacy Fernet, or an unknown `$...` header); NaCl (`$NACL`) is decrypted instead.
+    #[error("hotkey file {path} is encrypted with {format}, which engy does not decrypt: re-save the hotkey with a current btcli, which writes NaCl ($NACL) when a password is set, e.g. `btcli wallet regen-hotkey --wallet.name <wallet> --wallet.hotkey <hotkey>` (or without a password: add --no-use-password)")]
+    UnsupportedEncryption {
         /// The file.
         path: PathBuf,
-        /// The format detected (`NaCl ($NACL)`, `ansible-vault`, `legacy Fernet`, ...).
+        /// The format detected (`ansible-vault`, `legacy Fernet`, ...).
         format: &'static str,
+    },
+    /// The hotkey file is NaCl-encrypted (`$NACL`) and no password was supplied.
+    #[error(
+        "hotkey file {path} is encrypted (NaCl, $NACL) and no password was supplied to decrypt it"
+    )]
+    PasswordRequired {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The password does not decrypt the NaCl hotkey file ([`NaclError::WrongPassword`]).
+    #[error("wrong password for hotkey file {path}: it does not decrypt the NaCl secretbox (a file altered or cut short after it was encrypted fails the same way; compare it with the wallet's copy)")]
+    WrongPassword {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A damaged NaCl hotkey file: shorter than its header, or it decrypts to something
+    /// that is not a keyfile.
+    #[error("hotkey file {path} is a damaged NaCl ($NACL) keyfile: {why}; restore it from the wallet's backup or regenerate the hotkey (`btcli wallet regen-hotkey`)")]
+    CorruptEncrypted {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong (never the content).
+        why: String,
+    },
+    /// The Argon2i key derivation could not run (memory; see [`NaclError`]).
+    #[error("cannot decrypt hotkey file {path}: {source}")]
+    KeyDerivation {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: NaclError,
     },
     /// The file is not a JSON object in bittensor's hotkey format.
     #[error("hotkey file {path} is not a bittensor keyfile (expected a JSON object with privateKey/publicKey/ss58Address): {why}; if it is encrypted, regenerate an unencrypted hotkey with `btcli wallet regen-hotkey`")]
@@ -402,6 +445,8 @@ pub struct LoadedHotkey {
     pub mode: Option<u32>,
     /// Which field the key came from: `privateKey` or `secretSeed`.
     pub source_field: &'static str,
+    /// `true` when the file was NaCl-encrypted and decrypted with the password.
+    pub decrypted: bool,
 }
 
 /// Largest hotkey file read (a real one is under 1 KiB).
@@ -444,11 +489,11 @@ fn check_name(what: &'static str, name: &str) -> Result<(), WalletError> {
     Ok(())
 }
 
-fn detect_encrypted(data: &[u8]) -> Option<&'static str> {
+/// An encrypted format engy does not decrypt, by its header (bittensor-wallet's
+/// `keyfile_data_encryption_method`, plus `$BTWL` and any other `$` header).
+fn unsupported_encryption(data: &[u8]) -> Option<&'static str> {
     let trimmed = data.trim_ascii_start();
-    if trimmed.starts_with(b"$NACL") {
-        Some("NaCl secretbox ($NACL)")
-    } else if trimmed.starts_with(b"$ANSIBLE_VAULT") {
+    if trimmed.starts_with(b"$ANSIBLE_VAULT") {
         Some("ansible-vault")
     } else if trimmed.starts_with(b"$BTWL") {
         Some("bittensor wallet ($BTWL)")
@@ -494,9 +539,11 @@ fn hex_field<const N: usize>(
 /// The key comes from `privateKey` (64-byte schnorrkel secret, see the keys README), else
 /// from `secretSeed` (32-byte mini secret). The derived public key must equal `publicKey`
 /// and `accountId` (when present) and `ss58Address` must encode it, else
-/// [`WalletError::KeyMismatch`]. Encrypted keyfiles (`$NACL`, ansible-vault, legacy Fernet)
-/// fail with [`WalletError::Encrypted`], which tells the operator how to fix it. A file
-/// readable by group/others loads, with [`LoadedHotkey::insecure_permissions`] set.
+/// [`WalletError::KeyMismatch`]. A NaCl-encrypted keyfile fails with
+/// [`WalletError::PasswordRequired`] (use [`load_hotkey_with_password`]); ansible-vault and
+/// legacy Fernet fail with [`WalletError::UnsupportedEncryption`], which tells the operator
+/// how to fix it. A file readable by group/others loads, with
+/// [`LoadedHotkey::insecure_permissions`] set.
 ///
 /// `secretPhrase` is not used (bittensor-wallet tries it first, but `privateKey` is the exact
 /// key and needs no BIP39); the `utf8seed` case (non-hex `secretSeed`) loads via `privateKey`.
@@ -505,15 +552,41 @@ pub fn load_hotkey(
     wallet: &str,
     hotkey: &str,
 ) -> Result<LoadedHotkey, WalletError> {
+    load_hotkey_with_password(wallet_path_root, wallet, hotkey, None)
+}
+
+/// [`load_hotkey`], decrypting a NaCl (`$NACL`) hotkey file with `password` as
+/// bittensor-wallet does (see [`nacl`]). The password is ignored for an unencrypted file.
+///
+/// Decryption errors: [`WalletError::PasswordRequired`] (encrypted, `password` is `None`),
+/// [`WalletError::WrongPassword`], [`WalletError::CorruptEncrypted`] (cut short before the
+/// ciphertext, or it decrypts to something that is not a keyfile),
+/// [`WalletError::KeyDerivation`]. The decrypted keyfile then passes the same checks as an
+/// unencrypted one. Decryption costs one Argon2i derivation: 512 MiB and seconds.
+pub fn load_hotkey_with_password(
+    wallet_path_root: &Path,
+    wallet: &str,
+    hotkey: &str,
+    password: Option<&WalletPassword>,
+) -> Result<LoadedHotkey, WalletError> {
     check_name("wallet", wallet)?;
     check_name("hotkey", hotkey)?;
     let root = expand_wallet_path(wallet_path_root)?;
     let path = root.join(wallet).join("hotkeys").join(hotkey);
-    load_hotkey_file(&path)
+    load_hotkey_file_with_password(&path, password)
 }
 
 /// Load a hotkey file by its path (see [`load_hotkey`] for the rules).
 pub fn load_hotkey_file(path: &Path) -> Result<LoadedHotkey, WalletError> {
+    load_hotkey_file_with_password(path, None)
+}
+
+/// Load a hotkey file by its path, decrypting it with `password` when it is NaCl-encrypted
+/// (see [`load_hotkey_with_password`] for the rules).
+pub fn load_hotkey_file_with_password(
+    path: &Path,
+    password: Option<&WalletPassword>,
+) -> Result<LoadedHotkey, WalletError> {
     if let Ok(meta) = std::fs::metadata(path) {
         if meta.len() > MAX_KEYFILE_BYTES {
             return Err(WalletError::NotKeyfile {
@@ -539,19 +612,60 @@ pub fn load_hotkey_file(path: &Path) -> Result<LoadedHotkey, WalletError> {
     })?);
     let (insecure_permissions, mode) = file_mode(path);
 
-    if let Some(format) = detect_encrypted(&data) {
-        return Err(WalletError::Encrypted {
+    // bittensor-wallet tests the header at byte 0; leading whitespace is tolerated here
+    // (the secretbox authenticates everything after the prefix anyway).
+    let encrypted = data.trim_ascii_start();
+    if encrypted.starts_with(nacl::NACL_PREFIX) {
+        let password = password.ok_or_else(|| WalletError::PasswordRequired {
+            path: path.to_path_buf(),
+        })?;
+        let plain = nacl::decrypt(encrypted, password).map_err(|e| match e {
+            NaclError::WrongPassword => WalletError::WrongPassword {
+                path: path.to_path_buf(),
+            },
+            NaclError::Truncated { .. } | NaclError::NotNacl => WalletError::CorruptEncrypted {
+                path: path.to_path_buf(),
+                why: e.to_string(),
+            },
+            NaclError::OutOfMemory | NaclError::KeyDerivation(_) => WalletError::KeyDerivation {
+                path: path.to_path_buf(),
+                source: e,
+            },
+        })?;
+        return parse_keyfile(path, &plain, insecure_permissions, mode, true).map_err(
+            |e| match e {
+                WalletError::NotKeyfile { path, why } => WalletError::CorruptEncrypted {
+                    path,
+                    why: format!("it decrypts, but the content is {why}"),
+                },
+                other => other,
+            },
+        );
+    }
+    if let Some(format) = unsupported_encryption(&data) {
+        return Err(WalletError::UnsupportedEncryption {
             path: path.to_path_buf(),
             format,
         });
     }
+    parse_keyfile(path, &data, insecure_permissions, mode, false)
+}
+
+/// Check and load the keyfile JSON `data` read from `path` (plain or decrypted).
+fn parse_keyfile(
+    path: &Path,
+    data: &[u8],
+    insecure_permissions: bool,
+    mode: Option<u32>,
+    decrypted: bool,
+) -> Result<LoadedHotkey, WalletError> {
     let not_keyfile = |why: &str| WalletError::NotKeyfile {
         path: path.to_path_buf(),
         why: why.to_string(),
     };
     // serde_json errors quote no input, but keep the message generic anyway.
     let mut value: serde_json::Value =
-        serde_json::from_slice(&data).map_err(|_| not_keyfile("not valid JSON"))?;
+        serde_json::from_slice(data).map_err(|_| not_keyfile("not valid JSON"))?;
     let result = (|| {
         let obj = value
             .as_object()
@@ -639,6 +753,7 @@ pub fn load_hotkey_file(path: &Path) -> Result<LoadedHotkey, WalletError> {
             insecure_permissions,
             mode,
             source_field,
+            decrypted,
         })
     })();
     zeroize_json(&mut value);

@@ -375,9 +375,19 @@ fn wallet_vectors() {
             );
         }
 
-        // Encrypted formats: refuse with the fix in the message.
+        // NaCl without a password: the error says a password is needed.
+        std::fs::write(
+            root.join(wallet).join("hotkeys").join("nacl"),
+            b"$NACL\x01\x02\x03 ciphertext",
+        )
+        .unwrap();
+        let err = load_hotkey(&root, wallet, "nacl").unwrap_err();
+        assert!(
+            matches!(err, WalletError::PasswordRequired { .. }),
+            "nacl: {err}"
+        );
+        // Formats engy does not decrypt: refuse with the fix in the message.
         for (name, content) in [
-            ("nacl", b"$NACL\x01\x02\x03 ciphertext".to_vec()),
             ("vault", b"$ANSIBLE_VAULT;1.1;AES256\n3133".to_vec()),
             ("fernet", b"gAAAAABk-legacy".to_vec()),
             ("btwl", b"$BTWL...".to_vec()),
@@ -385,7 +395,7 @@ fn wallet_vectors() {
             std::fs::write(root.join(wallet).join("hotkeys").join(name), content).unwrap();
             let err = load_hotkey(&root, wallet, name).unwrap_err();
             assert!(
-                matches!(err, WalletError::Encrypted { .. }),
+                matches!(err, WalletError::UnsupportedEncryption { .. }),
                 "{name}: {err}"
             );
             assert!(err.to_string().contains("regen-hotkey"), "{err}");

@@ -10,6 +10,7 @@
 //!   its TOPLOC proofs (PROTOCOL.md §3.10, §4, §5), giving `pass` / `cheat` / `unproven`.
 use std::path::{Path, PathBuf};
 
+pub mod arch;
 pub mod audit;
 pub mod config;
 pub mod corpus;
@@ -17,6 +18,7 @@ mod gen;
 mod model;
 mod rng;
 
+pub use arch::{Architecture, LoadOptions, Residency, TextConfig};
 pub use config::Qwen3Config;
 pub use gen::{
     gen_model, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
@@ -80,6 +82,12 @@ pub enum ModelError {
     /// No input tokens.
     #[error("empty input: at least one token is required")]
     EmptyInput,
+    /// The checkpoint's architecture is recognised but has no implementation in this build.
+    #[error("architecture {arch} is not implemented")]
+    Unimplemented {
+        /// The architecture family (`model_type` spelling).
+        arch: String,
+    },
     /// A tensor operation failed (a bug or resource exhaustion, not bad input).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
@@ -142,7 +150,7 @@ impl Checkpoint {
 
     /// Token ids that end a turn: `eos_token_id` (`<|im_end|>`) and `<|endoftext|>`.
     pub fn stop_ids(&self) -> Vec<u32> {
-        let mut v = vec![self.model.config().eos_token_id];
+        let mut v = self.model.config().eos_token_ids.clone();
         if let Some(id) = self.tokenizer.token_to_id(ENDOFTEXT) {
             if !v.contains(&id) {
                 v.push(id);

@@ -36,6 +36,8 @@ use subxt::ext::scale_decode::DecodeAsType;
 use subxt::utils::{AccountId32, MultiAddress, MultiSignature};
 use subxt::OnlineClient;
 
+use crate::commit_reveal::{CommitCall, CommitRevealState, EpochSchedule, DEFAULT_BLOCK_TIME_MS};
+
 /// Mortality period of a `set_weights` extrinsic in blocks (~12.8 min on finney).
 pub const MORTAL_PERIOD: u64 = 64;
 
@@ -265,6 +267,15 @@ pub enum SubmitError {
     /// cannot encode; reported by name at start-up).
     #[error("cannot build the extrinsic: {0}")]
     Build(String),
+    /// The runtime's metadata has no such call (e.g. a pre-CRv4 runtime asked for
+    /// `commit_timelocked_weights`).
+    #[error("the runtime has no call {pallet}.{call}")]
+    MissingCall {
+        /// The pallet.
+        pallet: String,
+        /// The call.
+        call: String,
+    },
     /// Transport or RPC failure while submitting or watching.
     #[error("chain transport: {0}")]
     Transport(String),
@@ -288,26 +299,58 @@ impl SubmitError {
     }
 }
 
-/// What `Custom(N)` from subtensor's transaction extension means. The numbering changed
-/// over time: spec ≤ ~220 (early 2025) used raw codes per call, later runtimes use
-/// `CustomTransactionError`.
-pub fn custom_hint(code: u8) -> Option<&'static str> {
-    Some(match code {
-        0 => "ColdkeyInSwapSchedule",
-        1 => "StakeAmountTooLow",
-        2 => "BalanceTooLow",
-        3 => "SubnetDoesntExist; on early-2025 runtimes: stake below WeightsMinStake",
-        4 => "HotkeyAccountDoesntExist",
-        5 => "NotEnoughStakeToWithdraw",
-        6 => "RateLimitExceeded",
-        7 => "InsufficientLiquidity",
-        8 => "SlippageTooHigh",
-        9 => "TransferDisallowed",
-        10 => "HotKeyNotRegisteredInNetwork",
-        14 => "TransactionPriorityTooLow",
-        255 => "BadRequest",
-        _ => return None,
-    })
+/// subtensor's `CustomTransactionError` (`common/src/transaction_error.rs`, spec 425): the
+/// `Custom(N)` code of a pool rejection, its variant name and what it means for a weights
+/// submission. Codes 0–13 and 255 kept their numbers since early 2025; 14–27 were added
+/// later (14 `ZeroMaxAmount`, 15 `InvalidRevealRound`, 19 `UidNotFound`, …).
+pub const CUSTOM_TRANSACTION_ERRORS: &[(u8, &str, &str)] = &[
+    (0, "ColdkeyInSwapSchedule", "the coldkey is scheduled for a swap (deprecated code)"),
+    (1, "StakeAmountTooLow", "stake amount below the minimum; on mid-2025 runtimes (spec 293): stake below StakeThreshold / WeightsMinStake"),
+    (2, "BalanceTooLow", "the account balance is below what the call needs"),
+    (3, "SubnetNotExists", "the netuid does not exist; on early-2025 runtimes (spec 218): stake below WeightsMinStake"),
+    (4, "HotkeyAccountDoesntExist", "the hotkey account does not exist on chain"),
+    (5, "NotEnoughStakeToWithdraw", "not enough stake to withdraw"),
+    (6, "RateLimitExceeded", "rate limited; retried on the next due tick"),
+    (7, "InsufficientLiquidity", "the subnet pool lacks liquidity"),
+    (8, "SlippageTooHigh", "price slippage above the limit"),
+    (9, "TransferDisallowed", "transfers are disallowed on this subnet"),
+    (10, "HotKeyNotRegisteredInNetwork", "the hotkey is not registered on this netuid; register it (btcli subnets register)"),
+    (11, "InvalidIpAddress", "invalid axon IP address"),
+    (12, "ServingRateLimitExceeded", "axon serving rate limit"),
+    (13, "InvalidPort", "invalid axon port"),
+    (14, "ZeroMaxAmount", "a zero max amount"),
+    (15, "InvalidRevealRound", "the commit's drand reveal round is older than Drand.LastStoredRound; the next commit picks a later round"),
+    (16, "CommitNotFound", "no matching commit to reveal"),
+    (17, "CommitBlockNotInRevealRange", "the reveal is outside the commit's reveal window"),
+    (18, "InputLengthsUnequal", "uids and values differ in length"),
+    (19, "UidNotFound", "the hotkey has no uid on this netuid"),
+    (20, "EvmKeyAssociateRateLimitExceeded", "EVM key association rate limit"),
+    (21, "ColdkeySwapDisputed", "the coldkey swap is disputed"),
+    (22, "InvalidRealAccount", "invalid proxied (real) account"),
+    (23, "FailedShieldedTxParsing", "a shielded transaction could not be parsed"),
+    (24, "InvalidShieldedTxPubKeyHash", "a shielded transaction names an unknown key"),
+    (25, "NonAssociatedColdKey", "the coldkey is not associated with the hotkey"),
+    (26, "DelegateTakeTooLow", "delegate take below the minimum"),
+    (27, "DelegateTakeTooHigh", "delegate take above the maximum"),
+    (255, "BadRequest", "malformed request"),
+];
+
+/// The `CustomTransactionError` variant name of pool code `code` (see
+/// [`CUSTOM_TRANSACTION_ERRORS`]), `None` for a code subtensor does not define.
+pub fn custom_error_name(code: u8) -> Option<&'static str> {
+    CUSTOM_TRANSACTION_ERRORS
+        .iter()
+        .find(|(c, _, _)| *c == code)
+        .map(|(_, name, _)| *name)
+}
+
+/// What pool code `code` means for a weights submission: `"Name: meaning"` from
+/// [`CUSTOM_TRANSACTION_ERRORS`], `None` for an unknown code.
+pub fn custom_hint(code: u8) -> Option<String> {
+    CUSTOM_TRANSACTION_ERRORS
+        .iter()
+        .find(|(c, _, _)| *c == code)
+        .map(|(_, name, meaning)| format!("{name}: {meaning}"))
 }
 
 /// Parses an RPC error text for a pool rejection: real nodes say
@@ -649,17 +692,9 @@ impl Chain {
         signer: &dyn Sr25519Signer,
     ) -> Result<Inclusion, SubmitError> {
         let signer = SubxtSigner(signer);
-        let params = (
-            (),
-            (),
-            (),
+        let params = tx_params(
             ext::CheckNonceParams::from_chain(),
-            (),
             ext::CheckMortalityParams::mortal(MORTAL_PERIOD),
-            ext::ChargeAssetTxPaymentParams::no_tip(),
-            ext::ChargeTransactionPaymentParams::no_tip(),
-            (),
-            (),
         );
         let run = async {
             let mut tx_client = self.api.tx();
@@ -739,6 +774,264 @@ impl Chain {
         let call = set_weights_call(netuid, dests, weights, version_key);
         self.submit(&call, signer).await
     }
+
+    /// The timelocked commit (`commit_timelocked_mechanism_weights` with mechanism 0, or
+    /// `commit_timelocked_weights`, see [`CommitCall`]) of the tlock ciphertext `commit`
+    /// locked to drand round `reveal_round`, signed by `signer`, waiting for inclusion.
+    /// A call the runtime lacks is [`SubmitError::MissingCall`].
+    pub async fn commit_timelocked(
+        &self,
+        call: CommitCall,
+        netuid: u16,
+        commit: &[u8],
+        reveal_round: u64,
+        version: u16,
+        signer: &dyn Sr25519Signer,
+    ) -> Result<Inclusion, SubmitError> {
+        let metadata = self.api.metadata();
+        ensure_call(&metadata, "SubtensorModule", call.name())?;
+        let payload = commit_call(call, netuid, commit, reveal_round, version);
+        self.submit(&payload, signer).await
+    }
+
+    /// The commit-reveal state of `netuid` at the latest block (see
+    /// [`crate::commit_reveal`]): `CommitRevealWeightsEnabled`, `CommitRevealWeightsVersion`,
+    /// `Tempo`, `RevealPeriodEpochs`, `Drand.LastStoredRound`, and, when the runtime has
+    /// them, `LastEpochBlock`, `PendingEpochAt`, `SubnetEpochIndex`, `BlocksSinceLastStep`.
+    pub async fn commit_reveal_state(&self, netuid: u16) -> Result<CommitRevealState, ChainError> {
+        let block = self.block_number().await?;
+        let s = self.storage_at_latest().await?;
+        let k = || vec![Value::u128(netuid.into())];
+        let metadata = self.api.metadata();
+        let version = if self.has_entry("CommitRevealWeightsVersion") {
+            Some(Self::fetch_value::<u16>(&s, "CommitRevealWeightsVersion", vec![]).await?)
+        } else {
+            None
+        };
+        let reveal_period_epochs = if self.has_entry("RevealPeriodEpochs") {
+            Self::fetch_value::<u64>(&s, "RevealPeriodEpochs", k()).await?
+        } else {
+            1
+        };
+        let last_stored_round = if has_storage(&metadata, "Drand", "LastStoredRound") {
+            Some(fetch_in::<u64>(&s, "Drand", "LastStoredRound", vec![]).await?)
+        } else {
+            None
+        };
+        let schedule = if self.has_entry("LastEpochBlock") && self.has_entry("SubnetEpochIndex") {
+            let pending = if self.has_entry("PendingEpochAt") {
+                Self::fetch_value::<u64>(&s, "PendingEpochAt", k()).await?
+            } else {
+                0
+            };
+            let since = if self.has_entry("BlocksSinceLastStep") {
+                Self::fetch_value::<u64>(&s, "BlocksSinceLastStep", k()).await?
+            } else {
+                0
+            };
+            Some(EpochSchedule {
+                last_epoch_block: Self::fetch_value(&s, "LastEpochBlock", k()).await?,
+                pending_epoch_at: pending,
+                subnet_epoch_index: Self::fetch_value(&s, "SubnetEpochIndex", k()).await?,
+                blocks_since_last_step: since,
+            })
+        } else {
+            None
+        };
+        Ok(CommitRevealState {
+            netuid,
+            block,
+            enabled: Self::fetch_value(&s, "CommitRevealWeightsEnabled", k()).await?,
+            version,
+            tempo: Self::fetch_value(&s, "Tempo", k()).await?,
+            reveal_period_epochs,
+            last_stored_round,
+            schedule,
+            commit_call: commit_call_in(&metadata),
+            block_time_ms: block_time_ms(&metadata),
+        })
+    }
+
+    /// This validator's queued timelocked commits on `netuid` (mechanism 0):
+    /// `(epoch key, commit block, reveal round)` of each entry of
+    /// `TimelockedWeightCommits(netuid, epoch)` whose account is `hotkey`, for `epochs`.
+    /// Empty on runtimes without the item.
+    pub async fn queued_commits(
+        &self,
+        netuid: u16,
+        hotkey: [u8; 32],
+        epochs: &[u64],
+    ) -> Result<Vec<(u64, u64, u64)>, ChainError> {
+        if !self.has_entry("TimelockedWeightCommits") {
+            return Ok(Vec::new());
+        }
+        let s = self.storage_at_latest().await?;
+        let mut out = Vec::new();
+        for &epoch in epochs {
+            let queue: Vec<(AccountId32, u64, Vec<u8>, u64)> = Self::fetch_value(
+                &s,
+                "TimelockedWeightCommits",
+                vec![Value::u128(netuid.into()), Value::u128(epoch.into())],
+            )
+            .await?;
+            out.extend(
+                queue
+                    .into_iter()
+                    .filter(|(who, ..)| who.0 == hotkey)
+                    .map(|(_, block, _, round)| (epoch, block, round)),
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// The transaction-extension params: nonce and mortality as given, no tip, data-less rest.
+fn tx_params(
+    nonce: ext::CheckNonceParams,
+    mortality: ext::CheckMortalityParams<SubtensorConfig>,
+) -> <SubtensorExtrinsicParams as ExtrinsicParams<SubtensorConfig>>::Params {
+    (
+        (),
+        (),
+        (),
+        nonce,
+        (),
+        mortality,
+        ext::ChargeAssetTxPaymentParams::no_tip(),
+        ext::ChargeTransactionPaymentParams::no_tip(),
+        (),
+        (),
+    )
+}
+
+/// `Err(MissingCall)` unless `pallet.call` is in `metadata`.
+pub fn ensure_call(
+    metadata: &subxt::Metadata,
+    pallet: &str,
+    call: &str,
+) -> Result<(), SubmitError> {
+    let found = metadata
+        .pallet_by_name(pallet)
+        .and_then(|p| p.call_variant_by_name(call))
+        .is_some();
+    if found {
+        Ok(())
+    } else {
+        Err(SubmitError::MissingCall {
+            pallet: pallet.to_owned(),
+            call: call.to_owned(),
+        })
+    }
+}
+
+/// The timelocked commit call `metadata` has (mechanism form preferred), if any.
+pub fn commit_call_in(metadata: &subxt::Metadata) -> Option<CommitCall> {
+    CommitCall::pick(|name| ensure_call(metadata, "SubtensorModule", name).is_ok())
+}
+
+fn has_storage(metadata: &subxt::Metadata, pallet: &str, entry: &str) -> bool {
+    metadata
+        .pallet_by_name(pallet)
+        .and_then(|p| p.storage())
+        .and_then(|s| s.entry_by_name(entry))
+        .is_some()
+}
+
+/// Block time from the metadata: `2 × Timestamp.MinimumPeriod` (ms), else
+/// [`DEFAULT_BLOCK_TIME_MS`].
+pub fn block_time_ms(metadata: &subxt::Metadata) -> u64 {
+    use subxt::ext::codec::Decode;
+    metadata
+        .pallet_by_name("Timestamp")
+        .and_then(|p| p.constant_by_name("MinimumPeriod"))
+        .and_then(|c| u64::decode(&mut c.value()).ok())
+        .map(|p| p.saturating_mul(2))
+        .filter(|ms| *ms > 0)
+        .unwrap_or(DEFAULT_BLOCK_TIME_MS)
+}
+
+async fn fetch_in<T: DecodeAsType>(
+    storage: &subxt::storage::Storage<SubtensorConfig, OnlineClient<SubtensorConfig>>,
+    pallet: &'static str,
+    entry: &'static str,
+    keys: Vec<Value>,
+) -> Result<T, ChainError> {
+    let addr = subxt::dynamic::storage(pallet, entry, keys);
+    let thunk = storage
+        .fetch_or_default(&addr)
+        .await
+        .map_err(read_err(format!("{pallet}.{entry}")))?;
+    thunk.as_type::<T>().map_err(|e| ChainError::Read {
+        what: format!("{pallet}.{entry}"),
+        reason: e.to_string(),
+    })
+}
+
+/// The dynamic timelocked commit call (mechanism 0 for the mechanism form).
+pub fn commit_call(
+    call: CommitCall,
+    netuid: u16,
+    commit: &[u8],
+    reveal_round: u64,
+    version: u16,
+) -> subxt::tx::DynamicPayload {
+    let mut fields = vec![Value::u128(netuid.into())];
+    if call == CommitCall::TimelockedMechanismWeights {
+        fields.push(Value::u128(0));
+    }
+    fields.extend([
+        Value::from_bytes(commit),
+        Value::u128(reveal_round.into()),
+        Value::u128(version.into()),
+    ]);
+    subxt::dynamic::tx("SubtensorModule", call.name(), fields)
+}
+
+/// A signed extrinsic built offline against `metadata` (no node): `call` signed by
+/// `signer` with `nonce`, mortal for [`MORTAL_PERIOD`] blocks from block `from` (number,
+/// hash), for a chain with `genesis` hash and `(spec, tx)` versions. Returns the encoded
+/// extrinsic (with its length prefix). A call the metadata lacks is
+/// [`SubmitError::MissingCall`]; an extension this client cannot encode is
+/// [`SubmitError::Build`].
+#[allow(clippy::too_many_arguments)]
+pub fn build_signed_offline(
+    metadata: subxt::Metadata,
+    genesis: [u8; 32],
+    versions: (u32, u32),
+    call: &subxt::tx::DynamicPayload,
+    signer: &dyn Sr25519Signer,
+    nonce: u64,
+    from: (u64, [u8; 32]),
+) -> Result<Vec<u8>, SubmitError> {
+    ensure_call(&metadata, call.pallet_name(), call.call_name())?;
+    let unsupported = unsupported_extensions(&metadata);
+    if !unsupported.is_empty() {
+        return Err(SubmitError::Build(format!(
+            "transaction extension(s) {} cannot be encoded",
+            unsupported.join(", ")
+        )));
+    }
+    let client = subxt::OfflineClient::<SubtensorConfig>::new(
+        subxt::utils::H256(genesis),
+        subxt::client::RuntimeVersion {
+            spec_version: versions.0,
+            transaction_version: versions.1,
+        },
+        metadata,
+    );
+    let params = tx_params(
+        ext::CheckNonceParams::with_nonce(nonce),
+        ext::CheckMortalityParams::mortal_from_unchecked(
+            MORTAL_PERIOD,
+            from.0,
+            subxt::utils::H256(from.1),
+        ),
+    );
+    let mut partial = client
+        .tx()
+        .create_partial_offline(call, params)
+        .map_err(classify)?;
+    Ok(partial.sign(&SubxtSigner(signer)).into_encoded())
 }
 
 /// The dynamic `SubtensorModule.set_weights` call.
@@ -779,7 +1072,12 @@ fn classify(e: subxt::Error) -> SubmitError {
 /// Maps a module error name of `set_weights` to the operator's fix (for logs and `check`).
 pub fn dispatch_hint(name: &str) -> Option<&'static str> {
     Some(match name {
-        "CommitRevealEnabled" => "commit-reveal is enabled on this subnet; plain set_weights is refused (timelocked commit is not implemented by this validator)",
+        "CommitRevealEnabled" => "commit-reveal is enabled on this subnet; plain set_weights is refused (the next tick commits timelocked instead)",
+        "CommitRevealDisabled" => "commit-reveal was switched off on this subnet; the next tick uses plain set_weights",
+        "IncorrectCommitRevealVersion" => "the chain expects another commit-reveal version than this validator builds (4); upgrade engy-validator",
+        "CommittingWeightsTooFast" => "inside weights_rate_limit since the last commit; retried on the next due tick",
+        "TooManyUnrevealedCommits" => "10 commits of this hotkey are already waiting for reveal in this epoch",
+        "InvalidRevealRound" => "the reveal round is older than Drand.LastStoredRound; check the host clock (NTP)",
         "SettingWeightsTooFast" => "inside weights_rate_limit since the last accepted set_weights; retried on the next due tick",
         "NeuronNoValidatorPermit" | "NoValidatorPermit" => "the hotkey holds no validator permit on this subnet; add stake until it ranks among max_allowed_validators",
         "HotKeyNotRegisteredInSubNet" => "the wallet hotkey is not registered on this netuid; register it (btcli subnets register)",
@@ -902,6 +1200,65 @@ mod tests {
             parse_pool_rejection("1010: Invalid Transaction: Transaction is outdated").unwrap();
         assert!(matches!(stale, SubmitError::Pool { custom: None, .. }));
         assert!(parse_pool_rejection("connection reset by peer").is_none());
+    }
+
+    /// Every code of subtensor's `CustomTransactionError` (spec 425,
+    /// `common/src/transaction_error.rs`, `impl From<CustomTransactionError> for u8`), in the
+    /// source's order; codes it does not define have no name.
+    #[test]
+    fn pool_custom_codes_follow_subtensor_custom_transaction_error() {
+        let source: &[(u8, &str)] = &[
+            (0, "ColdkeyInSwapSchedule"),
+            (1, "StakeAmountTooLow"),
+            (2, "BalanceTooLow"),
+            (3, "SubnetNotExists"),
+            (4, "HotkeyAccountDoesntExist"),
+            (5, "NotEnoughStakeToWithdraw"),
+            (6, "RateLimitExceeded"),
+            (7, "InsufficientLiquidity"),
+            (8, "SlippageTooHigh"),
+            (9, "TransferDisallowed"),
+            (10, "HotKeyNotRegisteredInNetwork"),
+            (11, "InvalidIpAddress"),
+            (12, "ServingRateLimitExceeded"),
+            (13, "InvalidPort"),
+            (255, "BadRequest"),
+            (14, "ZeroMaxAmount"),
+            (15, "InvalidRevealRound"),
+            (16, "CommitNotFound"),
+            (17, "CommitBlockNotInRevealRange"),
+            (18, "InputLengthsUnequal"),
+            (19, "UidNotFound"),
+            (20, "EvmKeyAssociateRateLimitExceeded"),
+            (21, "ColdkeySwapDisputed"),
+            (22, "InvalidRealAccount"),
+            (23, "FailedShieldedTxParsing"),
+            (24, "InvalidShieldedTxPubKeyHash"),
+            (25, "NonAssociatedColdKey"),
+            (26, "DelegateTakeTooLow"),
+            (27, "DelegateTakeTooHigh"),
+        ];
+        assert_eq!(CUSTOM_TRANSACTION_ERRORS.len(), source.len());
+        for code in 0..=u8::MAX {
+            let expected = source.iter().find(|(c, _)| *c == code).map(|(_, n)| *n);
+            assert_eq!(custom_error_name(code), expected, "Custom({code})");
+            for text in [
+                format!("RPC error: 1010: Invalid Transaction: Custom error: {code}"),
+                format!(r#"1010: {{"invalid":{{"custom":{code}}}}}"#),
+            ] {
+                let e = parse_pool_rejection(&text).unwrap();
+                assert_eq!(e.name(), format!("Custom({code})"), "{text}");
+                let shown = e.to_string();
+                match expected {
+                    Some(name) => assert!(
+                        shown.contains(&format!("Custom({code}) ({name}: ")),
+                        "{shown}"
+                    ),
+                    None => assert!(shown.ends_with(&format!("Custom({code})")), "{shown}"),
+                }
+            }
+        }
+        assert!(custom_hint(15).unwrap().contains("LastStoredRound"));
     }
 
     #[test]

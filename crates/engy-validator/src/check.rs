@@ -68,7 +68,7 @@ pub async fn run(s: &Settings) -> Report {
     }
 
     // wallet
-    let hotkey = match engy_core::keys::load_hotkey(&s.wallet_path, &s.wallet, &s.wallet_hotkey) {
+    let hotkey = match crate::wallet::load_hotkey(s) {
         Ok(l) => {
             r.ok(format!(
                 "wallet {}/{} loads and matches its address {} ({}, from {})",
@@ -89,7 +89,7 @@ pub async fn run(s: &Settings) -> Report {
         }
         Err(e) => {
             r.fail(format!(
-                "wallet {}/{} under {}: {e}; fix: set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to an unencrypted bittensor hotkey file",
+                "wallet {}/{} under {}: {e}; fix: set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to a bittensor hotkey file (encrypted: ENGY_SN53_WALLET_PASSWORD or ENGY_SN53_WALLET_PASSWORD_FILE)",
                 s.wallet,
                 s.wallet_hotkey,
                 s.wallet_path.display()
@@ -191,14 +191,37 @@ pub async fn run(s: &Settings) -> Report {
         }
     };
     if let Some(h) = &hp {
-        r.check(
-            !h.commit_reveal_weights_enabled,
-            if h.commit_reveal_weights_enabled {
-                format!("commit-reveal is ENABLED on netuid {}: plain set_weights is refused (CommitRevealEnabled) and this validator does not implement the timelocked commit; nothing it submits will land", s.netuid)
-            } else {
-                format!("commit-reveal disabled on netuid {}: plain set_weights accepted", s.netuid)
-            },
-        );
+        match chain.commit_reveal_state(s.netuid).await {
+            Ok(cr) => {
+                let now_ms = crate::liveness::unix_now().saturating_mul(1000);
+                match crate::commit_reveal::decide(&cr, now_ms) {
+                    Ok(crate::commit_reveal::Submission::SetWeights) => r.ok(format!(
+                        "commit-reveal disabled on netuid {}: a submission now takes plain set_weights",
+                        s.netuid
+                    )),
+                    Ok(crate::commit_reveal::Submission::Commit {
+                        call,
+                        version,
+                        reveal_round,
+                        plan,
+                    }) => r.ok(format!(
+                        "commit-reveal ENABLED on netuid {} (v{version}): a submission now takes {} locked to drand round {reveal_round} (Drand.LastStoredRound {}), revealed in chain epoch {} from block #{} ({:?} schedule, reveal period {} epoch(s))",
+                        s.netuid,
+                        call.name(),
+                        cr.last_stored_round.map_or("?".into(), |r| r.to_string()),
+                        plan.reveal_epoch,
+                        plan.reveal_block,
+                        plan.rule,
+                        cr.reveal_period_epochs
+                    )),
+                    Err(e) => r.fail(format!(
+                        "commit-reveal ENABLED on netuid {} and a commit could not be accepted: {e}",
+                        s.netuid
+                    )),
+                }
+            }
+            Err(e) => r.fail(format!("commit-reveal state of netuid {}: {e}", s.netuid)),
+        }
         r.check(
             version_key_ok(h.weights_version_key),
             format!(

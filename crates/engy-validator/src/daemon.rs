@@ -8,12 +8,23 @@ use std::time::Duration;
 use engy_core::keys::Hotkey;
 
 use crate::chain::{self, Chain, Sr25519Signer};
+use crate::commit_record::{self, CommitRecord};
+use crate::commit_reveal::{self, Submission};
 use crate::config::Settings;
 use crate::schedule::{self, Decision, EpochRelation, Plan, Source};
 use crate::state::{self, State};
+use crate::timelock::{self, WeightsTlockPayload};
 
 /// The `version_key` sent with `set_weights` (PROTOCOL.md §7 step 8).
 pub const VERSION_KEY: u64 = 0;
+
+/// Unix milliseconds now.
+fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
 
 /// The wallet hotkey as a chain signer.
 pub struct HotkeySigner<'a>(pub &'a Hotkey);
@@ -44,7 +55,7 @@ pub struct TickReport {
     /// The line (what happened; when the validator acts next).
     pub line: String,
     /// Short outcome word for tests and metrics: `submitted`, `skipped`, `failed`,
-    /// `nothing`, `replay`, `chain-down`.
+    /// `nothing`, `replay`, `chain-down`, `committed` (a timelocked commit, not yet revealed).
     pub outcome: &'static str,
 }
 
@@ -288,14 +299,35 @@ impl Daemon {
             }
         };
         let mut notes: Vec<String> = Vec::new();
-        if let Ok(h) = chain.hyperparams(s.netuid).await {
-            if h.commit_reveal_weights_enabled {
-                notes.push(format!(
-                    "commit-reveal is ENABLED on netuid {}: plain set_weights is refused and this validator does not implement the timelocked commit",
-                    s.netuid
-                ));
+        let mut level = Level::Info;
+        // commit-reveal: the path of this submission, and the reveal of the last commit
+        let submission = match chain.commit_reveal_state(s.netuid).await {
+            Ok(cr) => commit_reveal::decide(&cr, unix_now_ms()),
+            Err(e) => match chain.hyperparams(s.netuid).await {
+                Ok(h) if !h.commit_reveal_weights_enabled => Ok(Submission::SetWeights),
+                _ => {
+                    return warn(
+                        "chain-down",
+                        format!("{via} ({why}): commit-reveal state read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
+                    )
+                }
+            },
+        };
+        // its own log line (INFO revealed / ERROR not revealed), once per commit
+        let _ = self.check_reveal(&chain, block).await;
+        let submission = match submission {
+            Ok(sub) => sub,
+            Err(e) => {
+                return warn(
+                    "failed",
+                    format!(
+                        "{via} ({why}): commit-reveal is ENABLED on netuid {} and no commit can be accepted: {e}; nothing submitted, state unchanged; {}",
+                        s.netuid,
+                        self.retry()
+                    ),
+                )
             }
-        }
+        };
 
         // 5–7. uids, scaling, dropped hotkeys, burn, standby
         let cache = st.cached_weights.as_deref();
@@ -346,8 +378,98 @@ impl Daemon {
             format!(" [{}]", notes.join("; "))
         };
 
-        // 8. set_weights, waiting for inclusion
+        // 8. set_weights (or the timelocked commit), waiting for inclusion
         let signer = HotkeySigner(&self.hotkey);
+        if let Submission::Commit {
+            call,
+            version,
+            reveal_round,
+            plan,
+        } = submission
+        {
+            let payload = WeightsTlockPayload {
+                hotkey: self.hotkey.public_key(),
+                uids: resolved.uids.clone(),
+                values: resolved.weights.clone(),
+                version_key: VERSION_KEY,
+            };
+            let commit = match timelock::commit_bytes(&payload, reveal_round) {
+                Ok(c) => c,
+                Err(e) => {
+                    return warn(
+                        "failed",
+                        format!("{via} ({why}): timelock encryption FAILED: {e}; nothing submitted, state unchanged; {}{notes}", self.retry()),
+                    )
+                }
+            };
+            let result = chain
+                .commit_timelocked(call, s.netuid, &commit, reveal_round, version, &signer)
+                .await;
+            let inclusion = match result {
+                Ok(inc) => inc,
+                Err(e) => {
+                    let hint = chain::dispatch_hint(&e.name())
+                        .map(|h| format!(" — {h}"))
+                        .unwrap_or_default();
+                    return warn(
+                        "failed",
+                        format!(
+                            "{via} ({why}): {} of {} uids FAILED: {e}{hint}; state unchanged, {}{notes}",
+                            call.name(),
+                            resolved.uids.len(),
+                            self.retry()
+                        ),
+                    );
+                }
+            };
+            let record = CommitRecord {
+                epoch: v.epoch,
+                commit_epoch: plan.commit_epoch,
+                reveal_epoch: plan.reveal_epoch,
+                reveal_round,
+                commit_block: inclusion.block,
+                reveal_block: plan.reveal_block,
+                payload_sha256: payload.sha256_hex(),
+                uids: resolved.uids.clone(),
+                checked: false,
+            };
+            let recorded = match commit_record::write(&s.state_file, &record) {
+                Ok(()) => String::new(),
+                Err(e) => {
+                    level = Level::Warn;
+                    format!(" WARNING: the commit record was not written ({e}); its reveal will not be checked")
+                }
+            };
+            // the commit moves LastUpdate (subtensor `internal_commit_timelocked_weights`),
+            // so the resubmit schedule counts from it like from a set_weights
+            let saved = self.save_submission(
+                &st,
+                &v,
+                source,
+                Some(inclusion.block).filter(|b| *b > 0).or(block),
+                now,
+            );
+            if !saved.is_empty() {
+                level = Level::Warn;
+            }
+            return TickReport {
+                level,
+                outcome: "committed",
+                line: format!(
+                    "{via} ({why}): {} of {} uids from {} committed in block #{} (not landed yet): drand round {reveal_round}, reveals in chain epoch {} from block #{}, checked from block #{}; next resubmit in {} blocks (~{} s), {}{notes}{recorded}{saved}",
+                    call.name(),
+                    resolved.uids.len(),
+                    source.as_str(),
+                    inclusion.block,
+                    plan.reveal_epoch,
+                    plan.reveal_block,
+                    record.check_from(),
+                    s.resubmit_blocks,
+                    schedule::interval_s(s.resubmit_blocks),
+                    self.next_poll()
+                ),
+            };
+        }
         let result = chain
             .set_weights(
                 s.netuid,
@@ -380,29 +502,10 @@ impl Daemon {
         } else {
             block
         };
-        let mut next = State {
-            last_applied: Some(v.epoch),
-            last_submit_block: landed_block,
-            // the wall clock at inclusion, not at the tick's start: the fetch, connect and
-            // inclusion wait can take minutes, and the wall-clock fallback (§7 step 2) must
-            // count from the landing, as the chain's rate limit does
-            last_submit_ts: Some(crate::liveness::unix_now().max(now)),
-            cached_weights: st.cached_weights.clone(),
-            cached_digest: st.cached_digest.clone(),
-        };
-        if source == Source::Payload {
-            next.cached_weights = Some(v.weights.clone());
-            next.cached_digest = v.digest.clone();
+        let saved = self.save_submission(&st, &v, source, landed_block, now);
+        if !saved.is_empty() {
+            level = Level::Warn;
         }
-        let saved = match state::write(&s.state_file, &next) {
-            Ok(()) => String::new(),
-            Err(e) => format!(" WARNING: landed but the state file was not written ({e}); the next tick may resubmit early"),
-        };
-        let level = if saved.is_empty() {
-            Level::Info
-        } else {
-            Level::Warn
-        };
         TickReport {
             level,
             outcome: "submitted",
@@ -420,6 +523,80 @@ impl Daemon {
 }
 
 impl Daemon {
+    /// Writes the state after an accepted submission (§7 step 9); returns a warning
+    /// fragment when the write failed, empty otherwise.
+    fn save_submission(
+        &self,
+        st: &State,
+        v: &Vector,
+        source: Source,
+        landed_block: Option<u64>,
+        now: u64,
+    ) -> String {
+        let mut next = State {
+            last_applied: Some(v.epoch),
+            last_submit_block: landed_block,
+            // the wall clock at inclusion, not at the tick's start: the fetch, connect and
+            // inclusion wait can take minutes, and the wall-clock fallback (§7 step 2) must
+            // count from the landing, as the chain's rate limit does
+            last_submit_ts: Some(crate::liveness::unix_now().max(now)),
+            cached_weights: st.cached_weights.clone(),
+            cached_digest: st.cached_digest.clone(),
+        };
+        if source == Source::Payload {
+            next.cached_weights = Some(v.weights.clone());
+            next.cached_digest = v.digest.clone();
+        }
+        match state::write(&self.settings.state_file, &next) {
+            Ok(()) => String::new(),
+            Err(e) => format!(" WARNING: landed but the state file was not written ({e}); the next tick may resubmit early"),
+        }
+    }
+
+    /// Checks the reveal of the last recorded commit once its reveal block plus
+    /// [`commit_record::REVEAL_MARGIN_BLOCKS`] has passed and logs one line (INFO revealed,
+    /// ERROR not revealed with its likely cause): `(is_error, line)`, `None` when there is
+    /// nothing to check yet or storage could not be read (retried next tick). The record is
+    /// marked checked once judged.
+    async fn check_reveal(&self, chain: &Chain, block: Option<u64>) -> Option<(bool, String)> {
+        let s = &self.settings;
+        let mut record = commit_record::read(&s.state_file)?;
+        if record.checked || block? < record.check_from() {
+            return None;
+        }
+        let hk = self.hotkey.public_key();
+        let queued = chain
+            .queued_commits(s.netuid, hk, &[record.commit_epoch])
+            .await
+            .ok()?;
+        let still_queued = queued
+            .iter()
+            .any(|(_, b, r)| *b == record.commit_block && *r == record.reveal_round);
+        let uid = chain.neuron(s.netuid, hk).await.ok()??.uid;
+        let row: Vec<u16> = chain
+            .weights(s.netuid, uid)
+            .await
+            .ok()?
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect();
+        let last_stored = chain
+            .commit_reveal_state(s.netuid)
+            .await
+            .ok()
+            .and_then(|c| c.last_stored_round);
+        let check = commit_record::judge(&record, still_queued, &row, last_stored);
+        let out = commit_record::describe(&record, &check);
+        if out.0 {
+            tracing::error!("{}", out.1);
+        } else {
+            tracing::info!("{}", out.1);
+        }
+        record.checked = true;
+        let _ = commit_record::write(&s.state_file, &record);
+        Some(out)
+    }
+
     /// The best-effort provider heartbeat (PROTOCOL.md §6), after the tick's work, so it
     /// never delays a submit; a failure is appended to the tick's line and ignored.
     pub async fn provider_heartbeat(&self, mut report: TickReport) -> TickReport {

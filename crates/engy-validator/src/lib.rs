@@ -6,15 +6,23 @@
 //! * [`state`]: the atomic state file (§7 step 9).
 //! * [`liveness`]: heartbeat file, watchdog, health (§7 "Liveness").
 //! * [`provider`]: epoch fetch and heartbeat POST (§6).
+//! * [`commit_reveal`]: the pure commit-reveal v4 decision and drand reveal round.
+//! * [`commit_record`]: the last timelocked commit, kept apart from the state file.
+//! * [`timelock`]: the drand-timelocked weights payload (tlock via `timelock` + `w3f-bls`).
 //! * [`chain`]: the subxt client, dynamic against the node's metadata (§7 steps 4, 8).
 //! * [`daemon`]: the tick loop; [`check`]: the operator preflight.
+//! * [`wallet`]: the hotkey file, decrypted with ENGY_SN53_WALLET_PASSWORD[_FILE].
 #![deny(unsafe_code)]
 
 pub mod chain;
 pub mod check;
+pub mod commit_record;
+pub mod commit_reveal;
 pub mod config;
 pub mod daemon;
 pub mod liveness;
 pub mod provider;
 pub mod schedule;
 pub mod state;
+pub mod timelock;
+pub mod wallet;

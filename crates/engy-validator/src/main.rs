@@ -64,7 +64,7 @@ fn init_logging() {
 fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     init_logging();
     let s = args.node.settings()?;
-    let loaded = engy_core::keys::load_hotkey(&s.wallet_path, &s.wallet, &s.wallet_hotkey)
+    let loaded = engy_validator::wallet::load_hotkey(&s)
         .with_context(|| format!("wallet {}/{}", s.wallet, s.wallet_hotkey))?;
     if loaded.insecure_permissions {
         tracing::warn!(

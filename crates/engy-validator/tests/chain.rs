@@ -364,7 +364,8 @@ async fn validator_on_real_subtensor() {
     )
     .await;
 
-    // -- commit-reveal switched on: said plainly, refused by name, FAIL in check
+    // -- commit-reveal switched on: this runtime (spec 218) predates CRv4, so no commit can
+    //    be accepted: said plainly with the cause, nothing submitted, FAIL in check
     sudo(
         &chain,
         "sudo_set_commit_reveal_weights_enabled",
@@ -374,14 +375,18 @@ async fn validator_on_real_subtensor() {
     make_due(&url, &chain, &env, uid).await;
     let (ok, out) = env.tick().await;
     assert!(ok);
-    assert!(out.contains("SubtensorModule.CommitRevealEnabled"), "{out}");
     assert!(
-        out.contains("commit-reveal is ENABLED on netuid 53"),
+        out.contains("commit-reveal is ENABLED on netuid 53")
+            && out.contains(
+                "neither commit_timelocked_mechanism_weights nor commit_timelocked_weights"
+            )
+            && out.contains("nothing submitted"),
         "{out}"
     );
     let out = env.run(&["check"]).await;
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("FAIL  commit-reveal is ENABLED"));
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .contains("FAIL  commit-reveal ENABLED on netuid 53 and a commit could not be accepted"));
     sudo(
         &chain,
         "sudo_set_commit_reveal_weights_enabled",

@@ -1,0 +1,149 @@
+//! The architecture layer: one trait for "final hidden states of a token sequence", implemented
+//! per architecture and chosen from `config.json`.
+//!
+//! * [`Weights`] gives f32 CPU tensors by name from mmapped shards (bf16, f16, f32, block FP8,
+//!   NVFP4), in the text-only tensor layout whatever the checkpoint's prefix.
+//! * [`TextConfig`] reads `config.json` with transformers 4 and 5 field names.
+//! * [`Architecture`] is the forward pass: teacher-forced or incremental with a [`Cache`],
+//!   optionally recording every decoder layer's residual output.
+//! * [`load`] dispatches on [`ArchKind`] (`model_type`, then `architectures`).
+//!
+//! Every implementation computes in f32 from dequantised weights with transformers' numerics
+//! (the reference is transformers' fp32 eager forward; `tests/arch_vectors.rs` holds each one to
+//! it). Rounding weights or activations to bf16 would flip MoE / DSA top-k choices.
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use crate::{Compute, ModelError, Precision};
+
+pub mod config;
+pub mod glm_moe_dsa;
+pub mod ops;
+pub mod quant;
+pub mod qwen3_5_moe;
+pub mod qwen3_moe;
+pub mod weights;
+
+pub use config::{ArchKind, QuantConfig, TextConfig};
+pub use weights::{Residency, Weights};
+
+/// How a checkpoint is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadOptions {
+    /// The stored weights exactly (`Bf16`: the honest serve and the auditor), or the int4 cheat
+    /// applied to every projection ([`Weights::projection`]).
+    pub precision: Precision,
+    /// Activation dtype: f32 (the auditor) or bf16-rounded (a GPU-like honest serve). An
+    /// architecture that does not model bf16 activations computes in f32.
+    pub compute: Compute,
+    /// Whether dequantised weights are kept ([`Residency::Resident`]) or decoded per use
+    /// ([`Residency::Streaming`], for checkpoints larger than memory at f32).
+    pub residency: Residency,
+}
+
+/// What one layer keeps between incremental calls. The meaning of the tensors is the
+/// architecture's own (e.g. `[k, v]` of attention, `[conv_state, recurrent_state]` of a Gated
+/// DeltaNet layer); empty before the first call.
+#[derive(Debug, Clone, Default)]
+pub struct LayerCache(pub Vec<Tensor>);
+
+/// The state of one sequence between incremental [`Architecture::forward`] calls.
+#[derive(Debug, Clone, Default)]
+pub struct Cache {
+    /// Positions already processed.
+    pub len: usize,
+    /// One entry per decoder layer (created empty by [`Cache::new`]).
+    pub layers: Vec<LayerCache>,
+}
+
+impl Cache {
+    /// An empty cache for `layers` decoder layers.
+    pub fn new(layers: usize) -> Self {
+        Self {
+            len: 0,
+            layers: vec![LayerCache::default(); layers],
+        }
+    }
+
+    /// Positions already processed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing was processed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A decoder-only text model's forward pass.
+///
+/// Implementations must be deterministic: the same ids give bit-identical rows, and (for the
+/// devnet serve's contract) prefill and step-by-step decode of the same context agree closely
+/// (bit-identical where the arithmetic allows).
+pub trait Architecture: Send + Sync {
+    /// The parsed config.
+    fn config(&self) -> &TextConfig;
+
+    /// Runs `ids` at positions `cache.len ..` (ids already checked against the vocabulary and
+    /// `max_position_embeddings` by the caller), returns the final hidden states
+    /// `[ids.len(), hidden_size]` f32 (the final norm's output, the LM head's input) and
+    /// advances `cache`. When `layers` is given, pushes each decoder layer's residual output
+    /// `[ids.len(), hidden_size]` (before the final norm) in layer order.
+    ///
+    /// # Errors
+    /// [`ModelError`] from weight decoding or tensor operations; on error `cache` must be left
+    /// as it was.
+    fn forward(
+        &self,
+        ids: &[u32],
+        cache: &mut Cache,
+        layers: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor, ModelError>;
+
+    /// Logits `[rows, vocab_size]` of final hidden states `[rows, hidden_size]`.
+    ///
+    /// # Errors
+    /// [`ModelError`] from weight decoding or a wrongly shaped `hidden`.
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError>;
+
+    /// An empty cache for one sequence.
+    fn new_cache(&self) -> Cache {
+        Cache::new(self.config().num_hidden_layers)
+    }
+}
+
+/// Loads the checkpoint in `dir` with the architecture its `config.json` names.
+///
+/// # Errors
+/// [`ModelError::Config`] for an unreadable or unsupported config, [`ModelError::Unimplemented`]
+/// for a recognised architecture without an implementation, and the errors of
+/// [`Weights::open`] and of the architecture's loader (missing or mis-shaped tensors).
+pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Architecture>, ModelError> {
+    let cfg = TextConfig::read(dir)?;
+    let weights = Arc::new(Weights::open(
+        dir,
+        cfg.quantization.as_ref(),
+        opts.precision,
+        opts.residency,
+    )?);
+    load_with(cfg, weights, opts)
+}
+
+/// [`load`] from an already parsed config and opened weights.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with(
+    cfg: TextConfig,
+    weights: Arc<Weights>,
+    opts: &LoadOptions,
+) -> Result<Box<dyn Architecture>, ModelError> {
+    match cfg.kind {
+        ArchKind::Qwen3Moe => Ok(Box::new(qwen3_moe::Qwen3Moe::load(cfg, weights, opts)?)),
+        ArchKind::Qwen3_5Moe => Ok(Box::new(qwen3_5_moe::Qwen3_5Moe::load(cfg, weights, opts)?)),
+        ArchKind::GlmMoeDsa => glm_moe_dsa::load(cfg, weights, opts),
+    }
+}

@@ -1,0 +1,249 @@
+//! The f32 building blocks the architectures share, each with transformers' semantics.
+//!
+//! Shapes: a sequence is `[T, H]` (one batch row); attention heads are `[heads, T, d]`.
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::ModelError;
+
+use super::Weights;
+
+/// `x · Wᵀ`: `x` `[T, in]`, `w` `[out, in]` (nn.Linear without bias) → `[T, out]`.
+///
+/// # Errors
+/// A candle error on mismatched widths.
+pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+/// `x · Wᵀ` from the transposed weight `wt` `[in, out]` ([`Weights::projection_t`]).
+///
+/// # Errors
+/// A candle error on mismatched widths.
+pub fn linear_t(x: &Tensor, wt: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(wt)
+}
+
+/// RMSNorm whose weight multiplies (Llama / Qwen3 / GLM): `x * rsqrt(mean(x²) + eps) * w`
+/// over the last dimension.
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let x = x.contiguous()?;
+    let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?
+        .broadcast_mul(w)
+}
+
+/// Zero-centred RMSNorm (Qwen3.5 / Qwen3-Next `Qwen3_5MoeRMSNorm`):
+/// `x * rsqrt(mean(x²) + eps) * (1 + w)`.
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn rms_norm_1p(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    rms_norm(x, &(w + 1.0)?, eps)
+}
+
+/// LayerNorm with weight and bias over the last dimension (biased variance).
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let x = x.contiguous()?;
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?
+        .broadcast_mul(w)?
+        .broadcast_add(b)
+}
+
+/// `x * sigmoid(x)`.
+///
+/// # Errors
+/// Candle errors only.
+pub fn silu(x: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::ops::silu(x)
+}
+
+/// `1 / (1 + exp(-x))`.
+///
+/// # Errors
+/// Candle errors only.
+pub fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::ops::sigmoid(x)
+}
+
+/// A SwiGLU MLP `down(silu(gate x) * up x)` whose three projections are fetched from `w` under
+/// `module` (`<module>.{gate,up,down}_proj.weight`, width `inter`).
+///
+/// # Errors
+/// Weight errors and candle errors.
+pub fn swiglu(
+    w: &Weights,
+    module: &str,
+    x: &Tensor,
+    hidden: usize,
+    inter: usize,
+) -> Result<Tensor, ModelError> {
+    let g = w.projection_t(&format!("{module}.gate_proj"), inter, hidden)?;
+    let u = w.projection_t(&format!("{module}.up_proj"), inter, hidden)?;
+    let d = w.projection_t(&format!("{module}.down_proj"), hidden, inter)?;
+    let h = (silu(&linear_t(x, &g)?)? * linear_t(x, &u)?)?;
+    Ok(linear_t(&h, &d)?)
+}
+
+/// The additive causal mask `[t, off + t]` for `t` new positions after `off` cached ones (0
+/// where key `j <= off + i`, −inf elsewhere), or `None` for a single new position.
+///
+/// # Errors
+/// Candle errors only.
+pub fn causal_mask(t: usize, off: usize) -> candle_core::Result<Option<Tensor>> {
+    if t <= 1 {
+        return Ok(None);
+    }
+    let total = off + t;
+    let m: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > off + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Some(Tensor::from_vec(m, (t, total), &Device::Cpu)?))
+}
+
+/// RoPE tables for positions `off .. off + t`: `cos`, `sin` `[t, dim/2]` with
+/// `inv_freq[i] = theta^(-2i/dim)` computed in f32 as transformers does
+/// (`1 / theta ** (arange(0, dim, 2) / dim)`), angle `pos * inv_freq[i]` in f32.
+///
+/// # Errors
+/// Candle errors only.
+pub fn rope_tables(
+    theta: f64,
+    dim: usize,
+    off: usize,
+    t: usize,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let half = dim / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| {
+            let e = (2 * i) as f32 / dim as f32;
+            1.0 / (theta as f32).powf(e)
+        })
+        .collect();
+    let mut cos = Vec::with_capacity(t * half);
+    let mut sin = Vec::with_capacity(t * half);
+    for p in off..off + t {
+        for &f in &inv {
+            let a = p as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (t, half), &Device::Cpu)?,
+        Tensor::from_vec(sin, (t, half), &Device::Cpu)?,
+    ))
+}
+
+/// Rotate-half RoPE (`q * cos + rotate_half(q) * sin`) on the first `cos.dim(1) * 2` features
+/// of `x` `[heads, t, d]`, the rest passed through (partial rotary).
+///
+/// # Errors
+/// Candle errors only.
+pub fn rope_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let rot = cos.dim(1)? * 2;
+    let xr = x.narrow(D::Minus1, 0, rot)?.contiguous()?.unsqueeze(0)?;
+    let y = candle_nn::rotary_emb::rope(&xr, &cos.contiguous()?, &sin.contiguous()?)?.squeeze(0)?;
+    if rot == d {
+        return Ok(y);
+    }
+    Tensor::cat(&[&y, &x.narrow(D::Minus1, rot, d - rot)?], D::Minus1)
+}
+
+/// Interleaved (GPT-J) RoPE on the whole last dimension of `x` `[heads, t, d]`: pair
+/// `(x[2i], x[2i+1])` rotated by `inv_freq[i]`; output in the same interleaved order.
+///
+/// # Errors
+/// Candle errors only.
+pub fn rope_interleaved(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let xr = x.contiguous()?.unsqueeze(0)?;
+    candle_nn::rotary_emb::rope_i(&xr, &cos.contiguous()?, &sin.contiguous()?)?.squeeze(0)
+}
+
+/// Eager softmax attention with grouped KV heads: `q` `[h, t, d]`, `k` `[kv, s, d]`, `v`
+/// `[kv, s, dv]`, `mask` `[t, s]` additive → `[t, h * dv]` (heads concatenated, head-major
+/// per row, as transformers' `attn_output.transpose(1, 2).reshape`).
+///
+/// # Errors
+/// Candle errors on inconsistent shapes.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    let (h, t, _) = q.dims3()?;
+    let (kv, s, d) = k.dims3()?;
+    let dv = v.dim(2)?;
+    let rep = h / kv.max(1);
+    let expand = |z: &Tensor, w: usize| -> candle_core::Result<Tensor> {
+        if rep == 1 {
+            return Ok(z.clone());
+        }
+        z.unsqueeze(1)?.expand((kv, rep, s, w))?.reshape((h, s, w))
+    };
+    let (k, v) = (expand(k, d)?, expand(v, dv)?);
+    let mut att = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
+    if let Some(m) = mask {
+        att = att.broadcast_add(m)?;
+    }
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    att.matmul(&v.contiguous()?)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((t, h * dv))
+}
+
+/// Indices of the `k` largest values of `row`, largest first (ties: lower index first).
+pub fn topk_indices(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Routed-expert dispatch: for each expert hit by `choice` (`[T]` lists of `(expert, weight)`),
+/// runs `expert(e, rows)` on the rows of `x` `[T, H]` routed to it and accumulates
+/// `weight * output` per token (expert order ascending, as transformers' loop). Experts no
+/// token chose are never called (so their weights are never decoded).
+///
+/// # Errors
+/// Whatever `expert` returns, and candle errors.
+pub fn moe_dispatch<F>(
+    x: &Tensor,
+    choice: &[Vec<(usize, f32)>],
+    mut expert: F,
+) -> Result<Tensor, ModelError>
+where
+    F: FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
+{
+    let (t, h) = x.dims2()?;
+    let mut per: std::collections::BTreeMap<usize, Vec<(u32, f32)>> = Default::default();
+    for (tok, list) in choice.iter().enumerate() {
+        for &(e, w) in list {
+            per.entry(e).or_default().push((tok as u32, w));
+        }
+    }
+    let mut out = Tensor::zeros((t, h), DType::F32, &Device::Cpu)?;
+    for (e, toks) in per {
+        let idx: Vec<u32> = toks.iter().map(|p| p.0).collect();
+        let wts: Vec<f32> = toks.iter().map(|p| p.1).collect();
+        let n = idx.len();
+        let idx = Tensor::from_vec(idx, n, &Device::Cpu)?;
+        let rows = x.index_select(&idx, 0)?;
+        let y = expert(e, &rows)?;
+        let y = y.broadcast_mul(&Tensor::from_vec(wts, (n, 1), &Device::Cpu)?)?;
+        out = out.index_add(&idx, &y, 0)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,525 @@
+//! Qwen3.5 / Qwen3.6-MoE text model (`qwen3_5_moe`, `qwen3_5_moe_text`; Qwen3.6-35B-A3B), as
+//! transformers' `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (5.x) computes it.
+//!
+//! Per decoder layer `l` (pre-norm, residual stream `x` `[T, H]`):
+//! * `h = rms1p(x, input_layernorm)`, where every decoder norm is zero-centred:
+//!   `rms1p(x, w) = x * rsqrt(mean(x²) + eps) * (1 + w)` (`Qwen3_5MoeRMSNorm`).
+//! * `layer_types[l] == "linear_attention"`: a **Gated DeltaNet**
+//!   (`Qwen3_5MoeGatedDeltaNet`): `qkv = silu(causal_depthwise_conv(in_proj_qkv h))` (kernel
+//!   `linear_conv_kernel_dim`, left zero padding, no bias), split `[q | k | v]` (`key_dim`,
+//!   `key_dim`, `value_dim`); `q`, `k` L2-normalised per head (`x * rsqrt(Σx² + 1e-6)`), `q`
+//!   scaled by `linear_key_head_dim^-0.5`; value head `i` reads key head `i / (nv / nk)`
+//!   (repeat_interleave); `β = sigmoid(in_proj_b h)`, `g = -exp(A_log) * softplus(in_proj_a h +
+//!   dt_bias)`; per value head the state `S` `[d_k, d_v]` (zero at position 0) runs the gated
+//!   delta rule `S ← S·e^{g_t}; S ← S + k_t ((v_t − Sᵀk_t) β_t)ᵀ; o_t = Sᵀ q_t`. transformers
+//!   prefills with the chunked form (chunk 64) and decodes with this recurrent one; they are
+//!   the same arithmetic up to summation order, and the recurrent form is what runs here (it is
+//!   O(T·d_k·d_v) per head, negligible beside the projections, and it is the decode cache).
+//!   Output: `out_proj(rms(o) * norm.weight * silu(in_proj_z h))` per value head (the gated
+//!   norm's weight multiplies directly, eps `rms_norm_eps`).
+//! * `"full_attention"`: **gated GQA attention** (`Qwen3_5MoeAttention`): `q_proj` gives per
+//!   head `[q (head_dim) | gate (head_dim)]`; `q_norm`/`k_norm` (zero-centred, per head);
+//!   rotate-half RoPE on the first `head_dim * partial_rotary_factor` features (mrope sections
+//!   coincide for text positions); eager softmax, scale `head_dim^-0.5`; output
+//!   `o_proj(attn * sigmoid(gate))`.
+//! * `x += mixer`, then `x += moe(rms1p(x, post_attention_layernorm))`: softmax router (f32),
+//!   top `num_experts_per_tok`, weights renormalised to sum 1 (always, in this model), SwiGLU
+//!   experts, plus `sigmoid(shared_expert_gate h) * shared_expert(h)` (SwiGLU of width
+//!   `shared_expert_intermediate_size`).
+//!
+//! Final `rms1p(x, model.norm)`. Tensors: the text-only layout (`model.…`); the conditional
+//! generation layout (`model.language_model.…`) is mapped by [`Weights`], and `model.visual.*`
+//! and `mtp.*` are never read. Routed experts are stored per expert
+//! (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
+//!
+//! Cache per layer: DeltaNet `[conv_state [K-1, conv_dim], state [nv, d_k, d_v]]`; attention
+//! `[k, v]` (`[kv_heads, positions, head_dim]`).
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::ops::{self, linear_t};
+use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
+use crate::ModelError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mixer {
+    DeltaNet,
+    Attention,
+}
+
+/// The loaded Qwen3.5-MoE text model.
+pub struct Qwen3_5Moe {
+    cfg: TextConfig,
+    w: Arc<Weights>,
+    mixers: Vec<Mixer>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rot_dim: usize,
+    nk: usize,
+    nv: usize,
+    dk: usize,
+    dv: usize,
+    conv_k: usize,
+    experts: usize,
+    top_k: usize,
+    moe_inter: usize,
+    shared_inter: usize,
+}
+
+impl Qwen3_5Moe {
+    /// Reads the Qwen3.5-MoE fields of `cfg` and checks every tensor the forward pass uses.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] for missing or inconsistent settings (`layer_types`, head
+    /// counts, a RoPE type other than `default`), [`ModelError::MissingTensor`] /
+    /// [`ModelError::Shape`] when the checkpoint does not match.
+    pub fn load(cfg: TextConfig, w: Arc<Weights>, _opts: &LoadOptions) -> Result<Self, ModelError> {
+        let n = cfg.num_hidden_layers;
+        let heads = cfg.usize_req("num_attention_heads")?;
+        let kv_heads = cfg.usize_or("num_key_value_heads", heads)?;
+        let head_dim = cfg.usize_or("head_dim", cfg.hidden_size / heads)?;
+        let rot_dim = (head_dim as f64 * cfg.partial_rotary_factor) as usize;
+        let types = match cfg.str_list("layer_types") {
+            Some(t) => t,
+            None => {
+                // transformers' default: every `full_attention_interval`-th layer is full attention.
+                let every = cfg.usize_or("full_attention_interval", 4)?.max(1);
+                (0..n)
+                    .map(|i| {
+                        if (i + 1) % every == 0 {
+                            "full_attention"
+                        } else {
+                            "linear_attention"
+                        }
+                        .to_string()
+                    })
+                    .collect()
+            }
+        };
+        if types.len() != n {
+            return Err(ModelError::Config(format!(
+                "layer_types has {} entries for {n} layers",
+                types.len()
+            )));
+        }
+        let mixers = types
+            .iter()
+            .map(|t| match t.as_str() {
+                "linear_attention" => Ok(Mixer::DeltaNet),
+                "full_attention" => Ok(Mixer::Attention),
+                other => Err(ModelError::Config(format!("unknown layer type {other:?}"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let m = Self {
+            mixers,
+            heads,
+            kv_heads,
+            head_dim,
+            rot_dim,
+            nk: cfg.usize_req("linear_num_key_heads")?,
+            nv: cfg.usize_req("linear_num_value_heads")?,
+            dk: cfg.usize_req("linear_key_head_dim")?,
+            dv: cfg.usize_req("linear_value_head_dim")?,
+            conv_k: cfg.usize_req("linear_conv_kernel_dim")?,
+            experts: cfg.usize_req("num_experts")?,
+            top_k: cfg.usize_req("num_experts_per_tok")?,
+            moe_inter: cfg.usize_req("moe_intermediate_size")?,
+            shared_inter: cfg.usize_or("shared_expert_intermediate_size", 0)?,
+            cfg,
+            w,
+        };
+        let checks = [
+            (
+                kv_heads > 0 && heads.is_multiple_of(kv_heads),
+                "num_attention_heads must be a multiple of num_key_value_heads",
+            ),
+            (
+                rot_dim > 0 && rot_dim.is_multiple_of(2) && rot_dim <= head_dim,
+                "head_dim * partial_rotary_factor must be even and within head_dim",
+            ),
+            (
+                m.nv.is_multiple_of(m.nk),
+                "linear_num_value_heads must be a multiple of linear_num_key_heads",
+            ),
+            (
+                m.top_k <= m.experts,
+                "num_experts_per_tok must be <= num_experts",
+            ),
+            (
+                m.cfg.rope_type == "default",
+                "only rope_type \"default\" is supported",
+            ),
+            (
+                m.cfg.str_field("hidden_act").unwrap_or("silu") == "silu",
+                "hidden_act must be \"silu\"",
+            ),
+        ];
+        for (ok, msg) in checks {
+            if !ok {
+                return Err(ModelError::Config(msg.to_string()));
+            }
+        }
+        m.check_tensors()?;
+        Ok(m)
+    }
+
+    fn conv_dim(&self) -> usize {
+        2 * self.nk * self.dk + self.nv * self.dv
+    }
+
+    fn check_tensors(&self) -> Result<(), ModelError> {
+        let (d, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let w = &*self.w;
+        let streaming = w.residency() == Residency::Streaming;
+        let need = |name: String, shape: &[usize], proj: bool| -> Result<(), ModelError> {
+            if streaming {
+                return if w.has(&name) {
+                    Ok(())
+                } else {
+                    Err(ModelError::MissingTensor(w.resolve(&name)))
+                };
+            }
+            match (proj, shape) {
+                (true, &[o, i]) => w
+                    .projection_t(name.trim_end_matches(".weight"), o, i)
+                    .map(drop),
+                _ => w.tensor_shaped(&name, shape).map(drop),
+            }
+        };
+        need("model.embed_tokens.weight".into(), &[v, d], false)?;
+        need("model.norm.weight".into(), &[d], false)?;
+        if !self.cfg.tie_word_embeddings {
+            need("lm_head.weight".into(), &[v, d], false)?;
+        }
+        let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        for (i, mixer) in self.mixers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            need(format!("{p}.input_layernorm.weight"), &[d], false)?;
+            need(format!("{p}.post_attention_layernorm.weight"), &[d], false)?;
+            match mixer {
+                Mixer::DeltaNet => {
+                    let a = format!("{p}.linear_attn");
+                    need(
+                        format!("{a}.in_proj_qkv.weight"),
+                        &[self.conv_dim(), d],
+                        true,
+                    )?;
+                    need(
+                        format!("{a}.in_proj_z.weight"),
+                        &[self.nv * self.dv, d],
+                        true,
+                    )?;
+                    need(format!("{a}.in_proj_a.weight"), &[self.nv, d], false)?;
+                    need(format!("{a}.in_proj_b.weight"), &[self.nv, d], false)?;
+                    need(
+                        format!("{a}.conv1d.weight"),
+                        &[self.conv_dim(), 1, self.conv_k],
+                        false,
+                    )?;
+                    need(format!("{a}.A_log"), &[self.nv], false)?;
+                    need(format!("{a}.dt_bias"), &[self.nv], false)?;
+                    need(format!("{a}.norm.weight"), &[self.dv], false)?;
+                    need(
+                        format!("{a}.out_proj.weight"),
+                        &[d, self.nv * self.dv],
+                        true,
+                    )?;
+                }
+                Mixer::Attention => {
+                    let a = format!("{p}.self_attn");
+                    need(format!("{a}.q_proj.weight"), &[h * hd * 2, d], true)?;
+                    need(format!("{a}.k_proj.weight"), &[kv * hd, d], true)?;
+                    need(format!("{a}.v_proj.weight"), &[kv * hd, d], true)?;
+                    need(format!("{a}.o_proj.weight"), &[d, h * hd], true)?;
+                    need(format!("{a}.q_norm.weight"), &[hd], false)?;
+                    need(format!("{a}.k_norm.weight"), &[hd], false)?;
+                }
+            }
+            let m = format!("{p}.mlp");
+            need(format!("{m}.gate.weight"), &[self.experts, d], false)?;
+            for e in 0..self.experts {
+                let x = format!("{m}.experts.{e}");
+                need(format!("{x}.gate_proj.weight"), &[self.moe_inter, d], true)?;
+                need(format!("{x}.up_proj.weight"), &[self.moe_inter, d], true)?;
+                need(format!("{x}.down_proj.weight"), &[d, self.moe_inter], true)?;
+            }
+            if self.shared_inter > 0 {
+                let x = format!("{m}.shared_expert");
+                need(
+                    format!("{x}.gate_proj.weight"),
+                    &[self.shared_inter, d],
+                    true,
+                )?;
+                need(format!("{x}.up_proj.weight"), &[self.shared_inter, d], true)?;
+                need(
+                    format!("{x}.down_proj.weight"),
+                    &[d, self.shared_inter],
+                    true,
+                )?;
+                need(format!("{m}.shared_expert_gate.weight"), &[1, d], false)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One Gated DeltaNet layer on `h` `[T, H]`; `prev` is the layer's cache (empty at 0).
+    fn delta_net(
+        &self,
+        p: &str,
+        h: &Tensor,
+        prev: &[Tensor],
+    ) -> Result<(Tensor, LayerCache), ModelError> {
+        let (t, d) = h.dims2()?;
+        let a = format!("{p}.linear_attn");
+        let (nk, nv, dk, dv, kk) = (self.nk, self.nv, self.dk, self.dv, self.conv_k);
+        let cd = self.conv_dim();
+        let w = &*self.w;
+        let qkv =
+            linear_t(h, &w.projection_t(&format!("{a}.in_proj_qkv"), cd, d)?)?.to_vec2::<f32>()?;
+        let z = linear_t(h, &w.projection_t(&format!("{a}.in_proj_z"), nv * dv, d)?)?
+            .to_vec2::<f32>()?;
+        let bb = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_b"), nv, d)?)?.to_vec2::<f32>()?;
+        let aa = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_a"), nv, d)?)?.to_vec2::<f32>()?;
+        let conv_w = w
+            .tensor(&format!("{a}.conv1d.weight"))?
+            .flatten_all()?
+            .to_vec1::<f32>()?; // [cd, K]
+        let a_log = w.tensor(&format!("{a}.A_log"))?.to_vec1::<f32>()?;
+        let dt_bias = w.tensor(&format!("{a}.dt_bias"))?.to_vec1::<f32>()?;
+        let norm_w = w.tensor(&format!("{a}.norm.weight"))?.to_vec1::<f32>()?;
+
+        // Causal depthwise conv over [previous K-1 inputs | this call's inputs], then SiLU.
+        let hist = kk.saturating_sub(1);
+        let mut input: Vec<f32> = match prev.first() {
+            Some(s) => s.flatten_all()?.to_vec1::<f32>()?,
+            None => vec![0.0; hist * cd],
+        };
+        for row in &qkv {
+            input.extend_from_slice(row);
+        }
+        let mut conv = vec![0f32; t * cd];
+        for ti in 0..t {
+            for c in 0..cd {
+                let mut s = 0f32;
+                for j in 0..kk {
+                    s += conv_w[c * kk + j] * input[(ti + j) * cd + c];
+                }
+                conv[ti * cd + c] = s / (1.0 + (-s).exp());
+            }
+        }
+        let conv_state = input[t * cd..].to_vec();
+
+        let mut state: Vec<f32> = match prev.get(1) {
+            Some(s) => s.flatten_all()?.to_vec1::<f32>()?,
+            None => vec![0.0; nv * dk * dv],
+        };
+        let rep = nv / nk;
+        let qscale = 1.0 / (dk as f32).sqrt();
+        let l2 = |v: &[f32]| -> Vec<f32> {
+            let ss: f32 = v.iter().map(|x| x * x).sum();
+            let inv = 1.0 / (ss + 1e-6).sqrt();
+            v.iter().map(|x| x * inv).collect()
+        };
+        let eps = self.cfg.rms_norm_eps as f32;
+        let mut out = vec![0f32; t * nv * dv];
+        let mut kv_mem = vec![0f32; dv];
+        for ti in 0..t {
+            let row = &conv[ti * cd..(ti + 1) * cd];
+            let (qa, rest) = row.split_at(nk * dk);
+            let (ka, va) = rest.split_at(nk * dk);
+            let qn: Vec<Vec<f32>> = (0..nk)
+                .map(|hk| {
+                    l2(&qa[hk * dk..(hk + 1) * dk])
+                        .into_iter()
+                        .map(|x| x * qscale)
+                        .collect()
+                })
+                .collect();
+            let kn: Vec<Vec<f32>> = (0..nk).map(|hk| l2(&ka[hk * dk..(hk + 1) * dk])).collect();
+            for hv in 0..nv {
+                let (q, k) = (&qn[hv / rep], &kn[hv / rep]);
+                let v = &va[hv * dv..(hv + 1) * dv];
+                let beta = 1.0 / (1.0 + (-bb[ti][hv]).exp());
+                let g = -a_log[hv].exp() * softplus(aa[ti][hv] + dt_bias[hv]);
+                let decay = g.exp();
+                let s = &mut state[hv * dk * dv..(hv + 1) * dk * dv];
+                for x in s.iter_mut() {
+                    *x *= decay;
+                }
+                kv_mem.iter_mut().for_each(|m| *m = 0.0);
+                for (i, &ki) in k.iter().enumerate() {
+                    for (m, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *m += sv * ki;
+                    }
+                }
+                for (m, &vj) in kv_mem.iter_mut().zip(v) {
+                    *m = (vj - *m) * beta; // delta
+                }
+                for (i, &ki) in k.iter().enumerate() {
+                    for (sv, &dj) in s[i * dv..(i + 1) * dv].iter_mut().zip(&kv_mem) {
+                        *sv += ki * dj;
+                    }
+                }
+                let o = &mut out[(ti * nv + hv) * dv..(ti * nv + hv + 1) * dv];
+                for (i, &qi) in q.iter().enumerate() {
+                    for (oj, &sv) in o.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *oj += sv * qi;
+                    }
+                }
+                // Gated RMSNorm of this head: rms(o) * w * silu(z).
+                let var = o.iter().map(|x| x * x).sum::<f32>() / dv as f32;
+                let r = 1.0 / (var + eps).sqrt();
+                let zr = &z[ti][hv * dv..(hv + 1) * dv];
+                for ((oj, &wj), &zj) in o.iter_mut().zip(&norm_w).zip(zr) {
+                    *oj = wj * (*oj * r) * (zj / (1.0 + (-zj).exp()));
+                }
+            }
+        }
+        let core = Tensor::from_vec(out, (t, nv * dv), &Device::Cpu)?;
+        let y = linear_t(
+            &core,
+            &w.projection_t(&format!("{a}.out_proj"), d, nv * dv)?,
+        )?;
+        let cache = LayerCache(vec![
+            Tensor::from_vec(conv_state, (hist, cd), &Device::Cpu)?,
+            Tensor::from_vec(state, (nv, dk, dv), &Device::Cpu)?,
+        ]);
+        Ok((y, cache))
+    }
+
+    /// One gated full-attention layer on `h` `[T, H]` at positions `off ..`.
+    fn attention(
+        &self,
+        p: &str,
+        h: &Tensor,
+        off: usize,
+        prev: &[Tensor],
+    ) -> Result<(Tensor, LayerCache), ModelError> {
+        let (t, d) = h.dims2()?;
+        let a = format!("{p}.self_attn");
+        let (nh, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let w = &*self.w;
+        let eps = self.cfg.rms_norm_eps;
+        let qg = linear_t(h, &w.projection_t(&format!("{a}.q_proj"), nh * hd * 2, d)?)?
+            .reshape((t, nh, 2 * hd))?;
+        let q = qg.narrow(2, 0, hd)?;
+        let gate = qg.narrow(2, hd, hd)?.contiguous()?.reshape((t, nh * hd))?;
+        let q = ops::rms_norm_1p(&q, &w.tensor(&format!("{a}.q_norm.weight"))?, eps)?;
+        let k = linear_t(h, &w.projection_t(&format!("{a}.k_proj"), kv * hd, d)?)?
+            .reshape((t, kv, hd))?;
+        let k = ops::rms_norm_1p(&k, &w.tensor(&format!("{a}.k_norm.weight"))?, eps)?;
+        let v = linear_t(h, &w.projection_t(&format!("{a}.v_proj"), kv * hd, d)?)?
+            .reshape((t, kv, hd))?;
+        let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, self.rot_dim, off, t)?;
+        let q = ops::rope_half(&q.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
+        let k = ops::rope_half(&k.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
+        let v = v.transpose(0, 1)?.contiguous()?;
+        let (k, v) = match prev {
+            [pk, pv] => (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?),
+            _ => (k, v),
+        };
+        let mask = ops::causal_mask(t, off)?;
+        let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref())?;
+        let y = (y * ops::sigmoid(&gate)?)?;
+        let y = linear_t(&y, &w.projection_t(&format!("{a}.o_proj"), d, nh * hd)?)?;
+        Ok((y, LayerCache(vec![k, v])))
+    }
+
+    fn moe(&self, p: &str, h: &Tensor) -> Result<Tensor, ModelError> {
+        let d = self.cfg.hidden_size;
+        let m = format!("{p}.mlp");
+        let w = &*self.w;
+        let router = w.matrix_t(&format!("{m}.gate"), self.experts, d)?;
+        let probs = candle_nn::ops::softmax_last_dim(&linear_t(h, &router)?)?.to_vec2::<f32>()?;
+        let choice: Vec<Vec<(usize, f32)>> = probs
+            .iter()
+            .map(|row| {
+                let top = ops::topk_indices(row, self.top_k);
+                let sum: f32 = top.iter().map(|&e| row[e]).sum();
+                top.iter().map(|&e| (e, row[e] / sum)).collect()
+            })
+            .collect();
+        let mut out = ops::moe_dispatch(h, &choice, |e, rows| {
+            ops::swiglu(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter)
+        })?;
+        if self.shared_inter > 0 {
+            let shared = ops::swiglu(w, &format!("{m}.shared_expert"), h, d, self.shared_inter)?;
+            let g = ops::sigmoid(&linear_t(
+                h,
+                &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
+            )?)?;
+            out = (out + shared.broadcast_mul(&g)?)?;
+        }
+        Ok(out)
+    }
+}
+
+/// torch's `softplus` (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+impl Architecture for Qwen3_5Moe {
+    fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    fn forward(
+        &self,
+        ids: &[u32],
+        cache: &mut Cache,
+        mut layers: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor, ModelError> {
+        let off = cache.len;
+        let eps = self.cfg.rms_norm_eps;
+        let mut x = self.w.rows("model.embed_tokens.weight", ids)?;
+        let mut new_cache = Vec::with_capacity(self.mixers.len());
+        for (li, mixer) in self.mixers.iter().enumerate() {
+            let p = format!("model.layers.{li}");
+            let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
+            let h = ops::rms_norm_1p(
+                &x,
+                &self.w.tensor(&format!("{p}.input_layernorm.weight"))?,
+                eps,
+            )?;
+            let (y, lc) = match mixer {
+                Mixer::DeltaNet => self.delta_net(&p, &h, prev)?,
+                Mixer::Attention => self.attention(&p, &h, off, prev)?,
+            };
+            new_cache.push(lc);
+            x = (x + y)?;
+            let h = ops::rms_norm_1p(
+                &x,
+                &self
+                    .w
+                    .tensor(&format!("{p}.post_attention_layernorm.weight"))?,
+                eps,
+            )?;
+            x = (&x + self.moe(&p, &h)?)?;
+            if let Some(l) = layers.as_deref_mut() {
+                l.push(x.clone());
+            }
+        }
+        let out = ops::rms_norm_1p(&x, &self.w.tensor("model.norm.weight")?, eps)?;
+        cache.layers = new_cache;
+        cache.len = off + ids.len();
+        Ok(out)
+    }
+
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
+        let name = if self.cfg.tie_word_embeddings {
+            "model.embed_tokens"
+        } else {
+            "lm_head"
+        };
+        let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let wt = self.w.matrix_t(name, v, d)?;
+        Ok(linear_t(&hidden.to_dtype(DType::F32)?, &wt)?)
+    }
+}

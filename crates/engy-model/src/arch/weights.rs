@@ -1,0 +1,459 @@
+//! [`Weights`]: the tensors of a checkpoint by name, as f32 CPU tensors dequantised on demand
+//! from mmapped safetensors shards.
+//!
+//! Names are given in the layout of transformers' text-only classes (`model.layers.0.…`,
+//! `model.embed_tokens.weight`, `lm_head.weight`). A multimodal checkpoint keeps its text model
+//! under `model.language_model.` (Qwen3.5/3.6 `ForConditionalGeneration`): the prefix is
+//! detected once and `model.` is rewritten to it, so an architecture never sees the layout.
+//! Tensors outside the text model (`model.visual.*`, `mtp.*`) are never read.
+//!
+//! Memory: nothing is decoded at open. Each getter decodes (and dequantises) one tensor from the
+//! map and returns it; with [`Residency::Resident`] the result is kept for the next call (small
+//! models, the devnet serve), with [`Residency::Streaming`] it is dropped after use, so a
+//! forward pass holds one layer's f32 weights at a time (a large FP8 checkpoint audits in
+//! about its mmapped size plus one layer).
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+
+use candle_core::{Device, Tensor};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::QuantConfig;
+use super::quant;
+use crate::{quantize_int4, ModelError, Precision};
+
+/// Whether decoded weights are kept between calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// Keep every decoded tensor (f32) for reuse: fastest, 4 bytes per parameter in memory.
+    #[default]
+    Resident,
+    /// Decode on every call and keep nothing: the forward pass holds one layer at a time.
+    Streaming,
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+    data_start: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// The tensors of a checkpoint directory (every `*.safetensors` file directly in it).
+pub struct Weights {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    index: HashMap<String, Entry>,
+    text_prefix: String,
+    fp8_block: [usize; 2],
+    nvfp4_group: usize,
+    precision: Precision,
+    residency: Residency,
+    resident: RwLock<HashMap<String, Tensor>>,
+}
+
+impl std::fmt::Debug for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weights")
+            .field("dir", &self.dir)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.index.len())
+            .field("text_prefix", &self.text_prefix)
+            .field("precision", &self.precision)
+            .field("residency", &self.residency)
+            .finish()
+    }
+}
+
+#[allow(unsafe_code)]
+fn map_readonly(file: &File) -> std::io::Result<Mmap> {
+    // SAFETY: read-only map owned by `Weights` and never handed out beyond a borrow of it. The
+    // one hazard of file-backed maps is the file changing underneath (a truncation raises
+    // SIGBUS); a checkpoint under audit must not change, the contract of every safetensors
+    // loader.
+    unsafe { Mmap::map(file) }
+}
+
+impl Weights {
+    /// Maps every `*.safetensors` file directly in `dir` and indexes its tensors.
+    /// `quant` gives the FP8 tile and NVFP4 group sizes (defaults 128×128 and 16 when `None`);
+    /// `precision` applies the int4 cheat in [`Weights::projection`].
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] for unreadable files, [`ModelError::Safetensors`] for a malformed
+    /// shard or a tensor name found in two shards, [`ModelError::Config`] when there is no
+    /// shard.
+    pub fn open(
+        dir: &Path,
+        quant: Option<&QuantConfig>,
+        precision: Precision,
+        residency: Residency,
+    ) -> Result<Self, ModelError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ModelError::Io { path, source }
+        };
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension().is_some_and(|x| x == "safetensors")
+                    && !p
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            })
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(ModelError::Config(format!(
+                "no *.safetensors file in {}",
+                dir.display()
+            )));
+        }
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (si, path) in files.into_iter().enumerate() {
+            let file = File::open(&path).map_err(io(&path))?;
+            let map = map_readonly(&file).map_err(io(&path))?;
+            let bad = |msg: String| ModelError::Safetensors {
+                file: path.clone(),
+                msg,
+            };
+            let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
+            for (name, info) in meta.tensors() {
+                let (start, end) = info.data_offsets;
+                let e = Entry {
+                    shard: si,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start,
+                    end,
+                };
+                if index.insert(name.clone(), e).is_some() {
+                    return Err(bad(format!("tensor {name} is in more than one shard")));
+                }
+            }
+            shards.push(Shard {
+                path,
+                map,
+                data_start: 8 + n,
+            });
+        }
+        let text_prefix = if index.keys().any(|k| k.starts_with("model.language_model.")) {
+            "model.language_model.".to_string()
+        } else {
+            "model.".to_string()
+        };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            shards,
+            index,
+            text_prefix,
+            fp8_block: quant.map_or([128, 128], |q| q.weight_block_size),
+            nvfp4_group: quant.map_or(16, |q| q.group_size),
+            precision,
+            residency,
+            resident: RwLock::new(HashMap::new()),
+        })
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `model.` or `model.language_model.`: where the text model's tensors are.
+    pub fn text_prefix(&self) -> &str {
+        &self.text_prefix
+    }
+
+    /// The precision [`Weights::projection`] applies.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Whether decoded tensors are kept.
+    pub fn residency(&self) -> Residency {
+        self.residency
+    }
+
+    /// The stored name of `name` (text-only layout → the checkpoint's layout).
+    pub fn resolve(&self, name: &str) -> String {
+        match name.strip_prefix("model.") {
+            Some(rest) if self.text_prefix != "model." => format!("{}{rest}", self.text_prefix),
+            _ => name.to_string(),
+        }
+    }
+
+    fn entry(&self, name: &str) -> Option<&Entry> {
+        self.index.get(&self.resolve(name))
+    }
+
+    /// Whether tensor `name` (text-only layout) is in the checkpoint.
+    pub fn has(&self, name: &str) -> bool {
+        self.entry(name).is_some()
+    }
+
+    /// The stored shape of `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.entry(name).map(|e| e.shape.as_slice())
+    }
+
+    /// The stored dtype of `name`, if present.
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.entry(name).map(|e| e.dtype)
+    }
+
+    /// Every stored tensor name (the checkpoint's own layout), unordered.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    fn bytes(&self, name: &str) -> Result<(&Entry, &[u8], &Path), ModelError> {
+        let e = self
+            .entry(name)
+            .ok_or_else(|| ModelError::MissingTensor(self.resolve(name)))?;
+        let sh = &self.shards[e.shard];
+        let data = sh
+            .map
+            .get(sh.data_start + e.start..sh.data_start + e.end)
+            .ok_or_else(|| ModelError::Safetensors {
+                file: sh.path.clone(),
+                msg: format!("tensor {name}: data offsets outside the file"),
+            })?;
+        Ok((e, data, &sh.path))
+    }
+
+    fn floats_of(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        let (e, data, path) = self.bytes(name)?;
+        let v = quant::floats(e.dtype, data).ok_or_else(|| ModelError::Safetensors {
+            file: path.to_path_buf(),
+            msg: format!("tensor {name} has unsupported dtype {:?} here", e.dtype),
+        })?;
+        Ok((e.shape.clone(), v))
+    }
+
+    /// Decodes `name` to f32, dequantising a quantised weight from its siblings:
+    /// `<m>.weight` F8_E4M3 with `<m>.weight_scale_inv` (block FP8), or `<m>.weight` U8 with
+    /// `<m>.weight_scale` and `<m>.weight_scale_2` (NVFP4; returned with its logical shape
+    /// `[N, K]`). See [`super::quant`] for the formulas.
+    fn decode(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        let (e, data, path) = self.bytes(name)?;
+        let bad = |msg: String| ModelError::Safetensors {
+            file: path.to_path_buf(),
+            msg: format!("tensor {name}: {msg}"),
+        };
+        let fp8_scale = format!("{name}_scale_inv");
+        if e.dtype == Dtype::F8_E4M3 && self.has(&fp8_scale) {
+            let [n, k] = e.shape[..] else {
+                return Err(bad(format!(
+                    "block FP8 weight of shape {:?} is not 2-D",
+                    e.shape
+                )));
+            };
+            let (sshape, scale) = self.floats_of(&fp8_scale)?;
+            let [bn, bk] = self.fp8_block;
+            let want = vec![n.div_ceil(bn), k.div_ceil(bk)];
+            if sshape != want {
+                return Err(bad(format!(
+                    "weight_scale_inv has shape {sshape:?}, expected {want:?} for tiles {bn}x{bk}"
+                )));
+            }
+            let w = quant::dequant_fp8_block(data, n, k, &scale, self.fp8_block)
+                .ok_or_else(|| bad("block FP8 sizes do not match".into()))?;
+            return Ok((vec![n, k], w));
+        }
+        let nv_scale = format!("{name}_scale");
+        let nv_scale_2 = format!("{name}_scale_2");
+        if e.dtype == Dtype::U8 && self.has(&nv_scale) && self.has(&nv_scale_2) {
+            let [n, kh] = e.shape[..] else {
+                return Err(bad(format!(
+                    "NVFP4 weight of shape {:?} is not 2-D",
+                    e.shape
+                )));
+            };
+            let k = kh * 2;
+            let g = self.nvfp4_group;
+            let (se, sdata, _) = self.bytes(&nv_scale)?;
+            if se.dtype != Dtype::F8_E4M3 || se.shape != [n, k / g.max(1)] {
+                return Err(bad(format!(
+                    "weight_scale is {:?} {:?}, expected F8_E4M3 [{n}, {}]",
+                    se.dtype,
+                    se.shape,
+                    k / g.max(1)
+                )));
+            }
+            let (_, s2) = self.floats_of(&nv_scale_2)?;
+            let [s2] = s2[..] else {
+                return Err(bad("weight_scale_2 is not a scalar".into()));
+            };
+            let w = quant::dequant_nvfp4(data, n, k, sdata, s2, g)
+                .ok_or_else(|| bad("NVFP4 sizes do not match".into()))?;
+            return Ok((vec![n, k], w));
+        }
+        let v = quant::floats(e.dtype, data)
+            .ok_or_else(|| bad(format!("unsupported dtype {:?}", e.dtype)))?;
+        Ok((e.shape.clone(), v))
+    }
+
+    fn get(&self, name: &str, want: Option<&[usize]>, cheat: bool) -> Result<Tensor, ModelError> {
+        self.get_as(name, want, cheat, false)
+    }
+
+    fn get_as(
+        &self,
+        name: &str,
+        want: Option<&[usize]>,
+        cheat: bool,
+        transpose: bool,
+    ) -> Result<Tensor, ModelError> {
+        let cheat = cheat && matches!(self.precision, Precision::Int4 { .. });
+        let key = format!(
+            "{name}{}{}",
+            if cheat { "#int4" } else { "" },
+            if transpose { "#t" } else { "" }
+        );
+        if self.residency == Residency::Resident {
+            if let Some(t) = self.resident.read().ok().and_then(|m| m.get(&key).cloned()) {
+                return Ok(t);
+            }
+        }
+        let (shape, mut v) = self.decode(name)?;
+        check_shape(name, &shape, want)?;
+        if let (true, Precision::Int4 { group_size }) = (cheat, self.precision) {
+            quantize_int4(&mut v, shape.last().copied().unwrap_or(1), group_size);
+        }
+        let mut t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        if transpose {
+            t = t.t()?.contiguous()?;
+        }
+        if self.residency == Residency::Resident {
+            if let Ok(mut m) = self.resident.write() {
+                m.insert(key, t.clone());
+            }
+        }
+        Ok(t)
+    }
+
+    /// Tensor `name` as f32 (dequantised when stored quantised), any shape.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], [`ModelError::Safetensors`] for an unsupported dtype or
+    /// inconsistent quantisation tensors.
+    pub fn tensor(&self, name: &str) -> Result<Tensor, ModelError> {
+        self.get(name, None, false)
+    }
+
+    /// [`Weights::tensor`] checked against `shape`.
+    ///
+    /// # Errors
+    /// As [`Weights::tensor`], and [`ModelError::Shape`].
+    pub fn tensor_shaped(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        self.get(name, Some(shape), false)
+    }
+
+    /// `<module>.weight` `[out, in]` as f32: routers, gates and other matrices the int4 cheat
+    /// leaves alone.
+    ///
+    /// # Errors
+    /// As [`Weights::tensor_shaped`].
+    pub fn matrix(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        self.get(&format!("{module}.weight"), Some(&[out, inp]), false)
+    }
+
+    /// `<module>.weight` `[out, in]` of a projection (attention, MLP, expert): as
+    /// [`Weights::matrix`], with the int4 cheat applied when the precision is
+    /// [`Precision::Int4`].
+    ///
+    /// # Errors
+    /// As [`Weights::tensor_shaped`].
+    pub fn projection(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        self.get(&format!("{module}.weight"), Some(&[out, inp]), true)
+    }
+
+    /// [`Weights::projection`] transposed: `[in, out]`, contiguous, ready for `x · Wᵀ` as
+    /// `x.matmul(wt)` ([`super::ops::linear_t`]); kept transposed under
+    /// [`Residency::Resident`].
+    ///
+    /// # Errors
+    /// As [`Weights::tensor_shaped`].
+    pub fn projection_t(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        self.get_as(&format!("{module}.weight"), Some(&[out, inp]), true, true)
+    }
+
+    /// [`Weights::matrix`] transposed (`[in, out]`, contiguous).
+    ///
+    /// # Errors
+    /// As [`Weights::tensor_shaped`].
+    pub fn matrix_t(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        self.get_as(&format!("{module}.weight"), Some(&[out, inp]), false, true)
+    }
+
+    /// Rows `ids` of the 2-D tensor `name` (an embedding) as `[ids.len(), cols]` f32. With
+    /// [`Residency::Streaming`] only those rows are decoded.
+    ///
+    /// # Errors
+    /// As [`Weights::tensor`]; [`ModelError::TokenOutOfVocab`] for an id past the last row.
+    pub fn rows(&self, name: &str, ids: &[u32]) -> Result<Tensor, ModelError> {
+        let (rows, cols) = match self.shape(name) {
+            Some(&[r, c]) => (r, c),
+            Some(s) => {
+                return Err(ModelError::Shape {
+                    name: name.to_string(),
+                    got: s.to_vec(),
+                    want: vec![0, 0],
+                })
+            }
+            None => return Err(ModelError::MissingTensor(self.resolve(name))),
+        };
+        if let Some(&id) = ids.iter().find(|&&i| i as usize >= rows) {
+            return Err(ModelError::TokenOutOfVocab { id, vocab: rows });
+        }
+        let quantised =
+            self.has(&format!("{name}_scale_inv")) || self.has(&format!("{name}_scale"));
+        if self.residency == Residency::Resident || quantised {
+            let t = self.tensor(name)?;
+            let idx = Tensor::new(ids, &Device::Cpu)?;
+            return Ok(t.index_select(&idx, 0)?);
+        }
+        let (e, data, path) = self.bytes(name)?;
+        let width = match e.dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => {
+                return Err(ModelError::Safetensors {
+                    file: path.to_path_buf(),
+                    msg: format!("embedding {name} has unsupported dtype {other:?}"),
+                })
+            }
+        };
+        let mut out = Vec::with_capacity(ids.len() * cols);
+        for &id in ids {
+            let row = &data[id as usize * cols * width..(id as usize + 1) * cols * width];
+            out.extend(quant::floats(e.dtype, row).unwrap_or_default());
+        }
+        Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
+    }
+}
+
+fn check_shape(name: &str, got: &[usize], want: Option<&[usize]>) -> Result<(), ModelError> {
+    match want {
+        Some(w) if w != got => Err(ModelError::Shape {
+            name: name.to_string(),
+            got: got.to_vec(),
+            want: w.to_vec(),
+        }),
+        _ => Ok(()),
+    }
+}
