@@ -81,6 +81,18 @@ pub async fn run(opts: &Opts) -> ExitCode {
     for serve in opts.serve_urls() {
         check_serve(&mut r, &client, &serve, hidden, opts).await;
     }
+    // The key itself is never printed, only whether the miner would start with it.
+    match opts.miner_key.as_ref().filter(|k| !k.expose().is_empty()) {
+        Some(_) => r.ok("MINER_KEY", "set"),
+        None => r.fail(
+            "MINER_KEY",
+            "not set (the miner refuses to start without it)",
+            "export MINER_KEY=<your miner key>",
+        ),
+    }
+    if let Err(e) = opts.validate() {
+        r.fail("settings", &e, "see docs/MINER.md \"Configuration\"");
+    }
     match opts.gw.as_deref().filter(|g| !g.is_empty()) {
         None => r.fail("gateway", "GW not set", "export GW=wss://<gateway-host>/gw"),
         Some(gw) => {

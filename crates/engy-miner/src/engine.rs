@@ -5,8 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engy_core::toploc::{build_proofs_base64, Dtype, Params, ToplocError};
-use serde_json::{json, Value};
+use engy_core::toploc::{
+    build_proofs_base64, null_proofs_like_reference, Dtype, Params, ProofPoly, ToplocError,
+};
+use engy_core::wire;
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::chat::Prompter;
@@ -28,9 +31,14 @@ fn fail(msg: impl Into<String>) -> JobError {
     JobError::Failed(msg.into())
 }
 
-/// Cancellation state of one gateway request (corr_id), shared by the leg that received
-/// it and the task serving it. Registered before the task starts, so a `cancel` that
-/// arrives first is honoured.
+/// Stop state of one gateway request (corr_id), shared by the leg that received it and the
+/// task serving it. Registered before the task starts, so a `cancel` that arrives first is
+/// honoured.
+///
+/// A job stops in one of two ways: the gateway's `cancel` ([`Job::cancel`]: nothing more
+/// goes on the wire for it) or the miner's own abort ([`Job::abort`], e.g. a SIGTERM drain
+/// that timed out: the request still gets its terminal `response`, with the reason as
+/// `error`).
 #[derive(Debug, Default)]
 pub struct Job {
     token: CancellationToken,
@@ -40,12 +48,13 @@ pub struct Job {
 #[derive(Debug, Default)]
 struct JobState {
     cancelled: bool,
+    aborted: Option<String>,
     /// (serve URL, rid) of every live serve call.
     rids: Vec<(String, String)>,
 }
 
 impl Job {
-    /// A fresh, uncancelled job.
+    /// A fresh, live job.
     pub fn new() -> Arc<Self> {
         Arc::new(Self::default())
     }
@@ -54,13 +63,14 @@ impl Job {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// True once cancelled.
+    /// True once cancelled or aborted: the request path stops at its next check.
     pub fn is_cancelled(&self) -> bool {
-        self.state().cancelled
+        let st = self.state();
+        st.cancelled || st.aborted.is_some()
     }
 
-    /// Mark cancelled and return the live serve calls to abort. Idempotent (a second call
-    /// returns nothing).
+    /// The gateway cancelled it: mark it and return the live serve calls to abort.
+    /// Idempotent (a second call returns nothing).
     pub fn cancel(&self) -> Vec<(String, String)> {
         let mut st = self.state();
         if st.cancelled {
@@ -68,11 +78,30 @@ impl Job {
         }
         st.cancelled = true;
         self.token.cancel();
-        st.rids.clone()
+        std::mem::take(&mut st.rids)
     }
 
-    /// Run `f` unless cancelled, atomically with respect to [`Job::cancel`]: used to put a
-    /// frame on the wire only while the job is live.
+    /// The miner stops it for `why` (it still answers with an error `response`); returns
+    /// the live serve calls to abort. Nothing happens to a job already cancelled or
+    /// aborted.
+    pub fn abort(&self, why: &str) -> Vec<(String, String)> {
+        let mut st = self.state();
+        if st.cancelled || st.aborted.is_some() {
+            return Vec::new();
+        }
+        st.aborted = Some(why.to_string());
+        self.token.cancel();
+        std::mem::take(&mut st.rids)
+    }
+
+    /// Why the miner aborted it, if it did.
+    pub fn abort_reason(&self) -> Option<String> {
+        self.state().aborted.clone()
+    }
+
+    /// Run `f` unless the gateway cancelled the job, atomically with respect to
+    /// [`Job::cancel`]: used to put a frame on the wire only while the gateway still
+    /// waits for it.
     pub fn if_live<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
         let st = self.state();
         if st.cancelled {
@@ -82,14 +111,14 @@ impl Job {
         }
     }
 
-    /// Resolves when cancelled.
+    /// Resolves when cancelled or aborted.
     pub async fn cancelled(&self) {
         self.token.cancelled().await;
     }
 
     fn add_rid(&self, serve: &str, rid: &str) -> Result<(), JobError> {
         let mut st = self.state();
-        if st.cancelled {
+        if st.cancelled || st.aborted.is_some() {
             return Err(JobError::Cancelled);
         }
         st.rids.push((serve.to_string(), rid.to_string()));
@@ -152,15 +181,48 @@ pub struct Engine {
     abort_client: reqwest::Client,
 }
 
-/// Streaming state: deltas of the cumulative text go to `emit`.
+/// What the request path tells the streaming sink (docs/PROTOCOL.md §3.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamEvent<'a> {
+    /// A `/generate` call is about to start: its coalescing window starts now.
+    CallStart,
+    /// New text (never empty, never ending in a held-back U+FFFD).
+    Delta(&'a str),
+    /// Time passed with nothing new: flush what is due.
+    Tick,
+    /// A `/generate` call ended: flush everything pending.
+    CallEnd,
+}
+
+/// Streaming state: events of the cumulative text go to `emit`.
 pub struct StreamSink<'a> {
-    emit: &'a mut (dyn FnMut(&str) + Send),
+    emit: &'a mut (dyn FnMut(StreamEvent<'_>) + Send),
+    /// Trailing U+FFFD of a call that ended at its token budget: not sent, because the
+    /// next call may complete the character (§3.6).
+    held: String,
+    /// Bytes of a continuation's text that were already delivered: the overlap token's own
+    /// text, or 0 when the previous call held its tail back (then the overlap token's text
+    /// is sent with the character it completes).
+    skip: usize,
 }
 
 impl<'a> StreamSink<'a> {
-    /// Wrap a delta callback.
-    pub fn new(emit: &'a mut (dyn FnMut(&str) + Send)) -> Self {
-        Self { emit }
+    /// Wrap an event callback.
+    pub fn new(emit: &'a mut (dyn FnMut(StreamEvent<'_>) + Send)) -> Self {
+        Self {
+            emit,
+            held: String::new(),
+            skip: 0,
+        }
+    }
+
+    /// Send what was held back at the end of the last call (the request is complete).
+    fn release_held(&mut self) {
+        if !self.held.is_empty() {
+            let held = std::mem::take(&mut self.held);
+            (self.emit)(StreamEvent::Delta(&held));
+            (self.emit)(StreamEvent::CallEnd);
+        }
     }
 }
 
@@ -176,17 +238,6 @@ fn probe(serve: &str) -> String {
     format!(
         "curl -s {serve}/generate -H 'Content-Type: application/json' -d '{{\"input_ids\":[9707,11,1879],\"sampling_params\":{{\"max_new_tokens\":4,\"temperature\":0}},\"return_hidden_states\":true,\"return_logprob\":true}}' | head -c 600"
     )
-}
-
-/// Truncate an error for the `error` field (≤ 300 chars, PROTOCOL.md §2).
-pub fn short(msg: &str) -> String {
-    if msg.chars().count() <= 300 {
-        msg.to_string()
-    } else {
-        let mut s: String = msg.chars().take(297).collect();
-        s.push_str("...");
-        s
-    }
 }
 
 impl Engine {
@@ -248,7 +299,7 @@ impl Engine {
             tokio::spawn(async move {
                 let r = client
                     .post(format!("{serve}/abort_request"))
-                    .json(&json!({ "rid": rid }))
+                    .json(&wire::AbortRequest { rid: rid.clone() })
                     .send()
                     .await;
                 match r {
@@ -274,7 +325,7 @@ impl Engine {
         request: &Value,
         job: &Arc<Job>,
         mut stream: Option<StreamSink<'_>>,
-    ) -> Result<(Value, Value), JobError> {
+    ) -> Result<(wire::Commitment, wire::Completion), JobError> {
         if job.is_cancelled() {
             return Err(JobError::Cancelled);
         }
@@ -287,13 +338,9 @@ impl Engine {
         if prompt_ids.is_empty() {
             return Err(fail("chat template produced an empty prompt"));
         }
-        let requested = match request
-            .get("max_tokens")
-            .or_else(|| request.get("max_completion_tokens"))
-        {
-            Some(Value::Number(n)) => n.as_u64().filter(|v| *v > 0).unwrap_or(self.cfg.max_tokens),
-            _ => self.cfg.max_tokens,
-        };
+        let requested = wire::max_tokens(request)
+            .map_err(|e| fail(e.to_string()))?
+            .unwrap_or(self.cfg.max_tokens);
         let max_new = requested.min(self.cfg.max_output_tokens) as usize;
         let slot = self
             .pick_serve()
@@ -328,40 +375,48 @@ impl Engine {
         let text = tokio::task::spawn_blocking(move || prompter.decode(&ids_for_text))
             .await
             .map_err(|e| fail(format!("detokenize task failed: {e}")))?;
-        let proofs = proofs.map_err(|e| {
-            fail(format!(
-                "TOPLOC proof could not be built over {n_rows} rows of {width}: {e}"
-            ))
-        })?;
+        let proofs = match proofs {
+            Ok(p) => p,
+            Err(e) => {
+                // As the reference does (docs/PROTOCOL.md §5): the completion goes out with
+                // null proofs, which every verifier calls unproven.
+                tracing::warn!(
+                    rows = n_rows, width, error = %e,
+                    "TOPLOC proof cannot be built over these rows; answering with null proofs"
+                );
+                null_proofs_like_reference(n_rows, &params)
+                    .map_err(|e| fail(format!("null proofs: {e}")))?
+                    .iter()
+                    .map(ProofPoly::to_base64)
+                    .collect()
+            }
+        };
         let text = text.map_err(|e| fail(e.to_string()))?;
         let mut prompt_full = prompt_ids;
         prompt_full.extend_from_slice(&gen.prompt_extra);
         let n_prompt = prompt_full.len() as u64;
-        let mut usage = json!({
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_rows,
-            "total_tokens": n_prompt + n_rows as u64,
-        });
-        if gen.cached > 0 {
-            usage["prompt_tokens_details"] = json!({ "cached_tokens": gen.cached.min(n_prompt) });
-        }
-        let output = json!({
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}],
-            "usage": usage,
-        });
-        let commitment = json!({
-            "model_root": self.cfg.model_root,
-            "output_token_ids": gen.output_ids,
-            "toploc": {
-                "proofs": proofs,
-                "topk": self.cfg.topk,
-                "decode_batching_size": self.cfg.dbs,
-                "skip_prefill": true,
-                "n_tokens": n_rows,
-                "prompt_ids": prompt_full,
+        let n_tokens = n_rows as u64;
+        let usage = wire::Usage {
+            prompt_tokens: n_prompt,
+            completion_tokens: n_tokens,
+            total_tokens: n_prompt + n_tokens,
+            prompt_tokens_details: (gen.cached > 0).then(|| wire::PromptTokensDetails {
+                cached_tokens: gen.cached.min(n_prompt),
+            }),
+        };
+        let output = wire::Completion::of_text(text, usage);
+        let commitment = wire::Commitment {
+            model_root: self.cfg.model_root.clone(),
+            output_token_ids: gen.output_ids,
+            toploc: wire::ToplocCommitment {
+                proofs,
+                topk: self.cfg.topk as u64,
+                decode_batching_size: self.cfg.dbs as u64,
+                skip_prefill: true,
+                n_tokens,
+                prompt_ids: prompt_full,
             },
-        });
+        };
         tracing::info!(
             serve = %serve, prompt_tokens = n_prompt, completion_tokens = n_rows,
             cached = gen.cached, calls = gen.calls, ms = started.elapsed().as_millis() as u64,
@@ -423,6 +478,17 @@ impl Engine {
                 input.extend_from_slice(prompt_ids);
                 input.extend_from_slice(&g.prompt_extra);
                 input.extend_from_slice(g.output_ids.get(..g.output_ids.len() - 1).unwrap_or(&[]));
+                if let Some(sink) = stream.as_mut() {
+                    // The continuation's text starts with the overlap token's own text: skip
+                    // what of it was delivered (all of it, unless its tail was held back).
+                    let overlap = g.output_ids.last().copied().unwrap_or_default();
+                    let own = self.prompter.decode(&[overlap]).unwrap_or_default();
+                    sink.skip = if std::mem::take(&mut sink.held).is_empty() {
+                        own.len()
+                    } else {
+                        own.trim_end_matches('\u{fffd}').len()
+                    };
+                }
                 let out = self
                     .call(
                         serve,
@@ -471,6 +537,9 @@ impl Engine {
                 break;
             }
         }
+        if let Some(sink) = stream.as_mut() {
+            sink.release_held();
+        }
         Ok(g)
     }
 
@@ -489,15 +558,22 @@ impl Engine {
         proofs: &mut ProofAcc,
     ) -> Result<CallOut, JobError> {
         let rid = format!("engy-{}", uuid::Uuid::new_v4().simple());
-        let body = json!({
-            "input_ids": input_ids,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new},
-            "rid": rid,
-            "return_hidden_states": true,
-            "return_logprob": true,
-            "stream": stream.is_some(),
-        });
+        let body = wire::GenerateRequest {
+            input_ids: input_ids.to_vec(),
+            sampling_params: wire::SamplingParams {
+                temperature: 0.0,
+                max_new_tokens: max_new as u64,
+            },
+            rid: rid.clone(),
+            return_hidden_states: true,
+            return_logprob: true,
+            stream: stream.is_some(),
+        };
         job.add_rid(serve, &rid)?;
+        let mut stream = stream;
+        if let Some(s) = stream.as_deref_mut() {
+            (s.emit)(StreamEvent::CallStart);
+        }
         let mut rows = CallRows { proofs, skip_first };
         let res = tokio::select! {
             r = self.http_call(serve, &body, stream, skip_first, &mut rows) => r,
@@ -521,7 +597,7 @@ impl Engine {
     async fn http_call(
         &self,
         serve: &str,
-        body: &Value,
+        body: &wire::GenerateRequest,
         stream: Option<&mut StreamSink<'_>>,
         skip_first: bool,
         rows: &mut dyn RowSink,
@@ -536,7 +612,7 @@ impl Engine {
             .map_err(|e| {
                 fail(format!(
                     "serve {serve} unreachable or failed: {}",
-                    err_chain(&e)
+                    crate::error_chain(&e)
                 ))
             })?;
         let status = resp.status();
@@ -719,7 +795,7 @@ impl ReplySource for BodySource {
                 Ok(true)
             }
             Ok(None) => Ok(false),
-            Err(e) => Err(ScanError::Source(err_chain(&e))),
+            Err(e) => Err(ScanError::Source(crate::error_chain(&e))),
         }
     }
 }
@@ -738,14 +814,14 @@ impl ReplySource for SseSource<'_, '_> {
             // `chunk()` only polls the body, so dropping it on the tick loses nothing; an
             // empty delta lets the sink flush what is due.
             match tokio::time::timeout(FLUSH_TICK, self.resp.chunk()).await {
-                Err(_) => (self.sink.emit)(""),
+                Err(_) => (self.sink.emit)(StreamEvent::Tick),
                 Ok(Ok(Some(c))) => {
                     self.pacer.handed(c.len()).await;
                     buf.extend_from_slice(&c);
                     return Ok(true);
                 }
                 Ok(Ok(None)) => return Ok(false),
-                Ok(Err(e)) => return Err(ScanError::Source(err_chain(&e))),
+                Ok(Err(e)) => return Err(ScanError::Source(crate::error_chain(&e))),
             }
         }
     }
@@ -867,17 +943,6 @@ impl ProofAcc {
     }
 }
 
-fn err_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 /// How often a quiet stream lets the delta sink flush pending text.
 const FLUSH_TICK: Duration = Duration::from_millis(25);
 
@@ -892,6 +957,7 @@ async fn read_sse(
     skip_first: bool,
     rows: &mut dyn RowSink,
 ) -> Result<Reply, JobError> {
+    let base = if skip_first { sink.skip } else { 0 };
     let mut rd = SseReader::new(
         SseSource {
             resp,
@@ -901,7 +967,6 @@ async fn read_sse(
         cap,
     );
     let mut last: Option<Reply> = None;
-    let mut base: Option<usize> = if skip_first { None } else { Some(0) };
     let mut sent = 0usize;
     while let Some(ev) = rd
         .next_event(HiddenMode::IfFinished, true, rows)
@@ -911,23 +976,28 @@ async fn read_sse(
         if ev.error.is_some() {
             return Ok(ev);
         }
-        if let Some(text) = ev.text.as_deref() {
-            match base {
-                None => {
-                    // Continuation: everything up to the regenerated overlap token was
-                    // already delivered.
-                    if ev.n_output_ids >= 1 {
-                        base = Some(text.len());
-                    }
+        if let Some(full) = ev.text.as_deref() {
+            // A serve that streams an incomplete UTF-8 sequence shows it as U+FFFD, which
+            // a later event replaces by the real character: trailing U+FFFD is held back
+            // (sglang itself holds such bytes back), on the final event too when the call
+            // ended at its budget and a continuation may complete the character.
+            let at_budget = ev.finish.as_ref().is_some_and(|f| f.kind == "length");
+            let text = if ev.finish.is_some() && !at_budget {
+                full
+            } else {
+                full.trim_end_matches('\u{fffd}')
+            };
+            // `get` is None off a character boundary or before the continuation's
+            // overlap text is complete: nothing is sent until the text lines up.
+            if let Some(new) = text.get(base + sent..) {
+                if !new.is_empty() {
+                    (rd.source_mut().sink.emit)(StreamEvent::Delta(new));
+                    sent = text.len() - base;
                 }
-                Some(b) => {
-                    if let Some(new) = text.get(b + sent..) {
-                        if !new.is_empty() {
-                            (rd.source_mut().sink.emit)(new);
-                            sent = text.len() - b;
-                        }
-                    }
-                }
+            }
+            if at_budget {
+                let held = full.get(text.len()..).unwrap_or_default().to_string();
+                rd.source_mut().sink.held = held;
             }
         }
         if ev.finish.is_some() {
@@ -940,7 +1010,10 @@ async fn read_sse(
             last = Some(ev);
         }
     }
-    last.ok_or_else(|| fail(format!("serve {serve} stream ended before its final event")))
+    let last =
+        last.ok_or_else(|| fail(format!("serve {serve} stream ended before its final event")))?;
+    (rd.source_mut().sink.emit)(StreamEvent::CallEnd);
+    Ok(last)
 }
 
 /// Ids collected across calls; the rows went to the proof accumulator.

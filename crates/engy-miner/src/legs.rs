@@ -10,14 +10,17 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use engy_core::wire;
 use futures_util::{SinkExt, StreamExt};
 use rand::Rng;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{short, Engine, Job, JobError, StreamSink};
+use crate::engine::{Engine, Job, JobError, StreamEvent, StreamSink};
+use crate::gate::{self, FrameGate};
+use tokio_tungstenite::MaybeTlsStream;
 
 /// Static identity and capacity sent in HELLO.
 #[derive(Debug, Clone)]
@@ -53,14 +56,14 @@ pub struct Identity {
 }
 
 impl Identity {
-    fn capacity(&self, per_leg: u64) -> Value {
-        json!({
-            "max_inflight": per_leg,
-            "max_inflight_total": self.max_inflight_total,
-            "max_input_tokens": self.max_input_tokens,
-            "max_output_tokens": self.max_output_tokens,
-            "max_request_s": self.max_request_s,
-        })
+    fn capacity(&self, per_leg: u64) -> wire::Capacity {
+        wire::Capacity {
+            max_inflight: per_leg,
+            max_inflight_total: self.max_inflight_total,
+            max_input_tokens: self.max_input_tokens,
+            max_output_tokens: self.max_output_tokens,
+            max_request_s: self.max_request_s,
+        }
     }
 }
 
@@ -138,102 +141,10 @@ pub fn leg_url(gw: &str, i: usize, n: usize) -> String {
     }
 }
 
-/// A gateway → miner frame (PROTOCOL.md §2, "Frames gateway → miner"), decoded from one
-/// websocket text frame by [`decode_frame`].
-#[derive(Debug, Clone, PartialEq)]
-pub enum Frame {
-    /// `serve`: run one request.
-    Serve(ServeFrame),
-    /// `cancel {corr_id}`: the buyer left; stop and send nothing more for it.
-    Cancel {
-        /// The request's correlation id (non-empty).
-        corr_id: String,
-    },
-    /// `ping`: answer with a heartbeat.
-    Ping,
-    /// `reconnect`: the gateway is draining; close this leg and re-dial.
-    Reconnect,
-    /// `admit`: logged.
-    Admit,
-    /// `deny {reason}`: logged; `reason` as sent (`null` when absent).
-    Deny {
-        /// The gateway's reason, any JSON value.
-        reason: Value,
-    },
-    /// A frame of another `type` (ignored; a newer gateway may send more kinds).
-    Other {
-        /// Its `type` ("" when it has none or it is not a string).
-        kind: String,
-    },
-}
-
-/// The fields of a `serve` frame (PROTOCOL.md §2): `{corr_id, request, stream?: bool}`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ServeFrame {
-    /// Correlation id of the request (non-empty).
-    pub corr_id: String,
-    /// The OpenAI-style chat body (`Value::Null` when absent; the request path rejects it).
-    pub request: Value,
-    /// Stream `chunk` frames (absent or not a bool = false).
-    pub stream: bool,
-}
-
-/// Why a gateway text frame was not decoded (the frame is logged and ignored).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum FrameError {
-    /// Not JSON, or JSON that is not an object.
-    #[error("frame is not a JSON object: {0}")]
-    NotAnObject(String),
-    /// A `serve` or `cancel` frame without a non-empty string `corr_id`.
-    #[error("{kind} frame without a corr_id")]
-    NoCorrId {
-        /// `"serve"` or `"cancel"`.
-        kind: &'static str,
-    },
-}
-
-/// Decode one websocket text frame from the gateway (PROTOCOL.md §2) into a [`Frame`].
-/// Pure: no I/O, no state. Unknown `type`s are [`Frame::Other`], not errors.
-///
-/// # Errors
-/// [`FrameError::NotAnObject`] for text that is not a JSON object;
-/// [`FrameError::NoCorrId`] for a `serve` or `cancel` without a non-empty string `corr_id`.
-pub fn decode_frame(text: &str) -> Result<Frame, FrameError> {
-    let frame: Value =
-        serde_json::from_str(text).map_err(|e| FrameError::NotAnObject(e.to_string()))?;
-    let Value::Object(mut obj) = frame else {
-        return Err(FrameError::NotAnObject("not an object".into()));
-    };
-    let kind = obj
-        .get("type")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string();
-    let corr_id = |obj: &serde_json::Map<String, Value>, kind: &'static str| {
-        obj.get("corr_id")
-            .and_then(Value::as_str)
-            .filter(|c| !c.is_empty())
-            .map(str::to_string)
-            .ok_or(FrameError::NoCorrId { kind })
-    };
-    Ok(match kind.as_str() {
-        "serve" => Frame::Serve(ServeFrame {
-            corr_id: corr_id(&obj, "serve")?,
-            stream: obj.get("stream").and_then(Value::as_bool).unwrap_or(false),
-            request: obj.remove("request").unwrap_or(Value::Null),
-        }),
-        "cancel" => Frame::Cancel {
-            corr_id: corr_id(&obj, "cancel")?,
-        },
-        "ping" => Frame::Ping,
-        "reconnect" => Frame::Reconnect,
-        "admit" => Frame::Admit,
-        "deny" => Frame::Deny {
-            reason: obj.remove("reason").unwrap_or(Value::Null),
-        },
-        _ => Frame::Other { kind },
-    })
-}
+/// The gateway → miner frames, typed in [`engy_core::wire`] (docs/PROTOCOL.md §2).
+pub use engy_core::wire::{
+    decode_gateway_frame as decode_frame, FrameError, GatewayFrame as Frame, Serve as ServeFrame,
+};
 
 /// Shared state of all legs.
 pub struct Hub {
@@ -244,7 +155,7 @@ pub struct Hub {
     /// corr_id → job, for cancel.
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     /// corr_ids cancelled before their serve arrived (bounded).
-    early_cancels: Mutex<VecDeque<String>>,
+    early_cancels: Mutex<EarlyCancels>,
     /// Requests being served, all legs.
     pub inflight: AtomicUsize,
     /// Set on SIGTERM: new serves are refused.
@@ -260,7 +171,7 @@ impl Hub {
             id,
             engine,
             jobs: Mutex::new(HashMap::new()),
-            early_cancels: Mutex::new(VecDeque::new()),
+            early_cancels: Mutex::new(EarlyCancels::default()),
             inflight: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             idle: tokio::sync::Notify::new(),
@@ -277,16 +188,10 @@ impl Hub {
         match job {
             Some(job) => self.cancel_job(corr_id, &job, why),
             None => {
-                let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
-                // Bounded in entries and bytes: a gateway cannot grow it with long ids.
-                if corr_id.len() <= EARLY_CANCEL_BYTES {
-                    q.push_back(corr_id.to_string());
-                }
-                while q.len() > EARLY_CANCELS
-                    || q.iter().map(String::len).sum::<usize>() > EARLY_CANCEL_BYTES
-                {
-                    q.pop_front();
-                }
+                self.early_cancels
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(corr_id, Instant::now());
                 let shown = corr_id
                     .char_indices()
                     .nth(64)
@@ -295,7 +200,8 @@ impl Hub {
                 tracing::info!(
                     corr_id = shown,
                     why,
-                    "cancel for an unknown or finished request"
+                    window_s = EARLY_CANCEL_WINDOW.as_secs(),
+                    "cancel for a request not running here; a serve of it within the window is answered as cancelled"
                 );
             }
         }
@@ -316,24 +222,98 @@ impl Hub {
         }
     }
 
-    /// Cancel every job (shutdown).
-    pub fn cancel_all(&self, why: &str) {
-        let ids: Vec<String> = self.jobs().keys().cloned().collect();
-        for id in ids {
-            self.cancel(&id, why);
+    /// Abort every job for `why` (a SIGTERM drain that timed out): each still answers
+    /// with an error `response` (docs/PROTOCOL.md §2.6: one terminal frame per serve).
+    pub fn abort_all(&self, why: &str) {
+        let jobs: Vec<(String, Arc<Job>)> = self
+            .jobs()
+            .iter()
+            .map(|(c, j)| (c.clone(), Arc::clone(j)))
+            .collect();
+        for (corr_id, job) in jobs {
+            let rids = job.abort(why);
+            tracing::info!(%corr_id, aborting = rids.len(), why, "aborted");
+            self.engine.abort_rids(rids);
         }
     }
 
-    /// Whether a cancel arrived for `corr_id` before its `serve` (§2: "a cancel may arrive
-    /// before the job has started"); consumes it.
+    /// Whether a cancel for `corr_id` arrived within [`EARLY_CANCEL_WINDOW`] before its
+    /// `serve` (docs/PROTOCOL.md §2.5);
+    /// consumes it.
     fn take_early_cancel(&self, corr_id: &str) -> bool {
-        let mut q = self.early_cancels.lock().unwrap_or_else(|p| p.into_inner());
-        match q.iter().position(|c| c == corr_id) {
+        self.early_cancels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(corr_id, Instant::now())
+    }
+}
+
+/// How long a cancel for a request the miner is not running is remembered: a `serve` of
+/// that corr_id arriving within this window is answered as cancelled (docs/PROTOCOL.md
+/// §2.5); after it the memory is gone and a serve is served.
+pub const EARLY_CANCEL_WINDOW: Duration = Duration::from_secs(5);
+
+/// Cancels for corr_ids not (yet) served, bounded in time ([`EARLY_CANCEL_WINDOW`]),
+/// entries ([`EARLY_CANCELS`]) and bytes ([`EARLY_CANCEL_BYTES`]): a gateway cannot grow
+/// it, and a corr_id reused later is not swallowed.
+#[derive(Debug, Default)]
+pub struct EarlyCancels {
+    q: VecDeque<(String, Instant)>,
+    bytes: usize,
+}
+
+impl EarlyCancels {
+    /// Remember a cancel of `corr_id` received at `now` (a corr_id longer than
+    /// [`EARLY_CANCEL_BYTES`] is not kept).
+    pub fn insert(&mut self, corr_id: &str, now: Instant) {
+        self.expire(now);
+        if corr_id.len() > EARLY_CANCEL_BYTES {
+            return;
+        }
+        self.q.push_back((corr_id.to_string(), now));
+        self.bytes += corr_id.len();
+        while self.q.len() > EARLY_CANCELS || self.bytes > EARLY_CANCEL_BYTES {
+            self.pop();
+        }
+    }
+
+    /// Whether a cancel of `corr_id` is remembered at `now`; forgets it.
+    pub fn take(&mut self, corr_id: &str, now: Instant) -> bool {
+        self.expire(now);
+        match self.q.iter().position(|(c, _)| c == corr_id) {
             Some(i) => {
-                q.remove(i);
+                if let Some((c, _)) = self.q.remove(i) {
+                    self.bytes -= c.len();
+                }
                 true
             }
             None => false,
+        }
+    }
+
+    /// Entries remembered.
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// No entry remembered.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    fn pop(&mut self) {
+        if let Some((c, _)) = self.q.pop_front() {
+            self.bytes -= c.len();
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while self
+            .q
+            .front()
+            .is_some_and(|(_, at)| now.saturating_duration_since(*at) >= EARLY_CANCEL_WINDOW)
+        {
+            self.pop();
         }
     }
 }
@@ -359,8 +339,8 @@ pub async fn run_leg(
             _ = shutdown.cancelled() => return,
         };
         match connect {
-            Ok(Ok((ws, _))) => {
-                let why = session(&hub, ws, &tag, per_leg, &shutdown).await;
+            Ok(Ok((ws, dropped))) => {
+                let why = session(&hub, ws, dropped, &tag, per_leg, &shutdown).await;
                 if shutdown.is_cancelled() {
                     tracing::info!(leg = %tag, "leg closed for shutdown");
                     return;
@@ -385,8 +365,8 @@ pub async fn run_leg(
     }
 }
 
-type Ws =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+type Ws = tokio_tungstenite::WebSocketStream<FrameGate<MaybeTlsStream<tokio::net::TcpStream>>>;
+type WsError = tokio_tungstenite::tungstenite::Error;
 
 /// Per-leg counters for heartbeats.
 struct LegState {
@@ -413,6 +393,7 @@ impl LegState {
 async fn session(
     hub: &Arc<Hub>,
     ws: Ws,
+    mut dropped: mpsc::UnboundedReceiver<gate::Dropped>,
     tag: &str,
     per_leg: u64,
     shutdown: &CancellationToken,
@@ -436,24 +417,27 @@ async fn session(
         last_busy: Mutex::new(Instant::now()),
         corr_ids: Mutex::new(HashMap::new()),
     });
-    let hello = json!({
-        "type": "hello",
-        "miner_key": hub.id.miner_key.expose(),
-        "model": hub.id.model,
-        "model_root": hub.id.model_root,
-        "hw": hub.id.hw,
-        "versions": hub.id.versions,
-        "capacity": cap,
-        "worker_name": hub.id.worker_name,
-        "instance_id": hub.id.worker_name,
-        "worker_id": hub.id.worker_id,
+    let hello = wire::MinerFrame::Hello(wire::Hello {
+        miner_key: hub.id.miner_key.expose().to_string(),
+        model: hub.id.model.clone(),
+        model_root: hub.id.model_root.clone(),
+        hw: hub.id.hw.clone(),
+        versions: hub.id.versions.clone(),
+        capacity: cap.clone(),
+        worker_name: hub.id.worker_name.clone(),
+        instance_id: hub.id.worker_name.clone(),
+        worker_id: hub.id.worker_id.clone(),
     });
-    let _ = tx.send(Message::Text(hello.to_string().into()));
+    let _ = tx.send(Message::Text(hello.to_text().into()));
+    drop(hello);
     tracing::info!(leg = %tag, max_inflight = per_leg, "HELLO sent; awaiting work");
     let heartbeat = |leg: &LegState| {
-        json!({"type": "heartbeat", "inflight": leg.inflight.load(Ordering::SeqCst),
-               "idle_seconds": leg.idle_seconds(), "capacity": cap})
-        .to_string()
+        wire::MinerFrame::Heartbeat(wire::Heartbeat {
+            inflight: leg.inflight.load(Ordering::SeqCst) as u64,
+            idle_seconds: leg.idle_seconds(),
+            capacity: cap.clone(),
+        })
+        .to_text()
     };
     let mut hb = tokio::time::interval_at(
         tokio::time::Instant::now() + hub.id.heartbeat,
@@ -483,7 +467,7 @@ async fn session(
                         Ok(Frame::Deny { reason }) => {
                             tracing::warn!(leg = %tag, %reason, "DENIED by the gateway");
                         }
-                        Ok(Frame::Other { kind }) => {
+                        Ok(Frame::Unknown { kind }) => {
                             tracing::debug!(leg = %tag, kind = %kind, "ignoring frame");
                         }
                         Err(e) => tracing::warn!(leg = %tag, error = %e, "ignoring a frame"),
@@ -493,6 +477,10 @@ async fn session(
                     Some(Err(e)) => break format!("websocket error: {e}"),
                     None => break "websocket ended".to_string(),
                 }
+            }
+            Some(d) = dropped.recv() => {
+                last_rx = Instant::now();
+                on_dropped(&tx, &d, tag);
             }
             _ = hb.tick() => {
                 let _ = tx.send(Message::Text(heartbeat(&leg).into()));
@@ -527,53 +515,108 @@ async fn session(
 }
 
 /// Cancels kept for requests not (yet) served, at most this many …
-const EARLY_CANCELS: usize = 1024;
+pub const EARLY_CANCELS: usize = 1024;
 /// … and this many bytes of corr_ids in all (a longer corr_id is not kept).
-const EARLY_CANCEL_BYTES: usize = 64 << 10;
+pub const EARLY_CANCEL_BYTES: usize = 64 << 10;
 
-/// Largest gateway frame (and message) a leg accepts: a `serve` frame carries one chat
-/// request, far below this; anything larger is a broken or hostile gateway and ends the leg.
-const GW_MAX_MESSAGE: usize = 16 << 20;
+/// Largest gateway frame a leg takes: a `serve` frame carries one chat request, far below
+/// this. A larger message is dropped by the [`FrameGate`] (the leg stays up); a fragmented
+/// message over [`gate::MESSAGE_CAP_FACTOR`] × this ends the leg.
+pub const GW_MAX_FRAME: usize = 16 << 20;
 
-/// Open a leg's websocket with TCP_NODELAY (a `chunk` frame must not wait for the
-/// gateway's delayed ACK of the previous one: Nagle adds up to 40 ms per frame) and
-/// explicit frame and message caps.
-async fn dial(
-    url: &str,
-) -> Result<
-    (
-        tokio_tungstenite::WebSocketStream<
-            tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
-        >,
-        tokio_tungstenite::tungstenite::handshake::client::Response,
-    ),
-    tokio_tungstenite::tungstenite::Error,
-> {
+/// Open a leg's websocket: TCP with TCP_NODELAY (a `chunk` frame must not wait for the
+/// gateway's delayed ACK of the previous one: Nagle adds up to 40 ms per frame), TLS for
+/// `wss://` (rustls, webpki roots), and the [`FrameGate`] under the websocket library.
+/// Oversize messages the gate drops are reported on the returned receiver.
+async fn dial(url: &str) -> Result<(Ws, mpsc::UnboundedReceiver<gate::Dropped>), WsError> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let request = url.into_client_request()?;
+    let uri = request.uri().clone();
+    let tls = match uri.scheme_str() {
+        Some("wss") => true,
+        Some("ws") => false,
+        _ => {
+            return Err(WsError::Url(
+                tokio_tungstenite::tungstenite::error::UrlError::UnsupportedUrlScheme,
+            ))
+        }
+    };
+    let host = uri
+        .host()
+        .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string())
+        .ok_or(WsError::Url(
+            tokio_tungstenite::tungstenite::error::UrlError::NoHostName,
+        ))?;
+    let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+    tcp.set_nodelay(true)?;
+    let stream = if tls {
+        let config = tls_config()?;
+        let name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(|_| {
+            WsError::Tls(tokio_tungstenite::tungstenite::error::TlsError::InvalidDnsName)
+        })?;
+        let tls = tokio_rustls::TlsConnector::from(config)
+            .connect(name, tcp)
+            .await?;
+        MaybeTlsStream::Rustls(tls)
+    } else {
+        MaybeTlsStream::Plain(tcp)
+    };
+    let (dropped_tx, dropped_rx) = mpsc::unbounded_channel();
+    let gated = FrameGate::new(stream, GW_MAX_FRAME, dropped_tx);
     let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-        .max_message_size(Some(GW_MAX_MESSAGE))
-        .max_frame_size(Some(GW_MAX_MESSAGE));
-    tokio_tungstenite::connect_async_with_config(url, Some(config), true).await
+        .max_message_size(Some(GW_MAX_FRAME * gate::MESSAGE_CAP_FACTOR))
+        .max_frame_size(None);
+    let (ws, _) = tokio_tungstenite::client_async_with_config(request, gated, Some(config)).await?;
+    Ok((ws, dropped_rx))
 }
 
-/// Coalesces streamed deltas into at most one `chunk` frame per flush window (§2).
+/// The TLS client configuration of every `wss://` leg (built once): rustls with ring and
+/// the webpki root certificates.
+fn tls_config() -> Result<Arc<rustls::ClientConfig>, WsError> {
+    static CONFIG: std::sync::OnceLock<Arc<rustls::ClientConfig>> = std::sync::OnceLock::new();
+    if let Some(c) = CONFIG.get() {
+        return Ok(Arc::clone(c));
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| WsError::Io(std::io::Error::other(format!("TLS set-up: {e}"))))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(Arc::clone(CONFIG.get_or_init(|| Arc::new(config))))
+}
+
+/// Coalesces streamed deltas into at most one `chunk` frame per flush window per
+/// `/generate` call, the first delta included, and flushes at the end of each call
+/// (docs/PROTOCOL.md §3.6, as the production miner).
 struct Coalescer {
     job: Arc<Job>,
     tx: mpsc::UnboundedSender<Message>,
     corr_id: String,
     pending: String,
-    last_flush: Option<Instant>,
+    window_start: Instant,
     window: Duration,
 }
 
 impl Coalescer {
-    /// Add a delta (an empty one is a timer tick); flush when the window has passed.
-    fn push(&mut self, delta: &str) {
-        self.pending.push_str(delta);
-        let due = self
-            .last_flush
-            .map(|t| t.elapsed() >= self.window)
-            .unwrap_or(true);
-        if due {
+    fn on(&mut self, ev: StreamEvent<'_>) {
+        match ev {
+            StreamEvent::CallStart => self.window_start = Instant::now(),
+            StreamEvent::Delta(d) => {
+                self.pending.push_str(d);
+                self.flush_if_due();
+            }
+            StreamEvent::Tick => self.flush_if_due(),
+            StreamEvent::CallEnd => self.flush(),
+        }
+    }
+
+    fn flush_if_due(&mut self) {
+        if self.window_start.elapsed() >= self.window {
             self.flush();
         }
     }
@@ -582,14 +625,44 @@ impl Coalescer {
         if self.pending.is_empty() {
             return;
         }
-        let frame =
-            json!({"type": "chunk", "corr_id": self.corr_id, "delta": {"content": self.pending}})
-                .to_string();
-        self.pending.clear();
-        self.last_flush = Some(Instant::now());
+        let frame = wire::MinerFrame::Chunk(wire::Chunk {
+            corr_id: self.corr_id.clone(),
+            delta: wire::Delta {
+                content: std::mem::take(&mut self.pending),
+            },
+        })
+        .to_text();
+        self.window_start = Instant::now();
         let tx = &self.tx;
         self.job.if_live(|| tx.send(Message::Text(frame.into())));
     }
+}
+
+/// A gateway message the gate dropped for its size: logged; a `serve` whose corr_id its
+/// head shows is answered with an error `response` (docs/PROTOCOL.md §2.4).
+fn on_dropped(tx: &mpsc::UnboundedSender<Message>, d: &gate::Dropped, tag: &str) {
+    let mib = d.bytes as f64 / f64::from(1u32 << 20);
+    match gate::dropped_serve_corr_id(&d.head) {
+        Some(corr_id) => {
+            tracing::warn!(leg = %tag, %corr_id, bytes = d.bytes, "dropped a serve frame over the frame cap; answering it with an error");
+            let f = wire::Response::failed(
+                &corr_id,
+                Value::String(uuid::Uuid::new_v4().simple().to_string()),
+                &format!(
+                    "serve frame of {mib:.1} MiB exceeds the miner's {} MiB frame cap",
+                    GW_MAX_FRAME >> 20
+                ),
+            );
+            send_frame(tx, &wire::MinerFrame::Response(f));
+        }
+        None => {
+            tracing::warn!(leg = %tag, bytes = d.bytes, "dropped a gateway frame over the frame cap; the leg goes on")
+        }
+    }
+}
+
+fn send_frame(tx: &mpsc::UnboundedSender<Message>, frame: &wire::MinerFrame) {
+    let _ = tx.send(Message::Text(frame.to_text().into()));
 }
 
 fn on_serve(
@@ -604,21 +677,24 @@ fn on_serve(
         request,
         stream,
     } = serve;
-    let request_id = request
-        .get("engy_request_id")
-        .and_then(Value::as_str)
-        .map(str::to_string)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let request_id = wire::request_id(&request)
+        .unwrap_or_else(|| Value::String(uuid::Uuid::new_v4().simple().to_string()));
     if hub.take_early_cancel(&corr_id) {
-        tracing::info!(leg = %tag, %corr_id, "serve for an already cancelled request ignored");
+        tracing::info!(leg = %tag, %corr_id, "serve of a request cancelled just before it arrived; answering it as cancelled");
+        let f = wire::Response::failed(
+            &corr_id,
+            request_id,
+            "cancelled by the gateway before the serve arrived",
+        );
+        send_frame(tx, &wire::MinerFrame::Response(f));
+        return;
+    }
+    if hub.draining.load(Ordering::SeqCst) {
+        let f = wire::Response::failed(&corr_id, request_id, "miner is shutting down");
+        send_frame(tx, &wire::MinerFrame::Response(f));
         return;
     }
     let job = Job::new();
-    if hub.draining.load(Ordering::SeqCst) {
-        let f = json!({"type":"response","corr_id":corr_id,"request_id":request_id,"commitment":null,"output":{},"error":"miner is shutting down"});
-        let _ = tx.send(Message::Text(f.to_string().into()));
-        return;
-    }
     // Registered BEFORE the task runs: a cancel may arrive before it starts.
     hub.jobs().insert(corr_id.clone(), Arc::clone(&job));
     hub.inflight.fetch_add(1, Ordering::SeqCst);
@@ -637,11 +713,11 @@ fn on_serve(
             tx: tx.clone(),
             corr_id: corr_id.clone(),
             pending: String::new(),
-            last_flush: None,
+            window_start: Instant::now(),
             window: hub.id.flush,
         };
         let result = {
-            let mut emit = |d: &str| co.push(d);
+            let mut emit = |ev: StreamEvent<'_>| co.on(ev);
             let sink = if stream {
                 Some(StreamSink::new(&mut emit))
             } else {
@@ -651,24 +727,27 @@ fn on_serve(
         };
         co.flush();
         let frame = match result {
-            Ok((commitment, output)) => Some(
-                json!({"type":"response","corr_id":corr_id,"request_id":request_id,
-                                                    "commitment":commitment,"output":output}),
-            ),
-            Err(JobError::Cancelled) => {
-                tracing::info!(leg = %tag, %corr_id, "request cancelled; nothing more is sent for it");
-                None
-            }
+            Ok((commitment, output)) => Some(wire::Response::completed(
+                &corr_id, request_id, commitment, output,
+            )),
+            Err(JobError::Cancelled) => match job.abort_reason() {
+                Some(why) => {
+                    tracing::warn!(leg = %tag, %corr_id, why, "request aborted; sending an error response");
+                    Some(wire::Response::failed(&corr_id, request_id, &why))
+                }
+                None => {
+                    tracing::info!(leg = %tag, %corr_id, "request cancelled; nothing more is sent for it");
+                    None
+                }
+            },
             Err(JobError::Failed(e)) => {
                 tracing::warn!(leg = %tag, %corr_id, error = %e, "request failed; sending an error response");
-                Some(
-                    json!({"type":"response","corr_id":corr_id,"request_id":request_id,
-                            "commitment":null,"output":{},"error":short(&e)}),
-                )
+                Some(wire::Response::failed(&corr_id, request_id, &e))
             }
         };
         if let Some(f) = frame {
-            job.if_live(|| tx.send(Message::Text(f.to_string().into())));
+            let text = wire::MinerFrame::Response(f).to_text();
+            job.if_live(|| tx.send(Message::Text(text.into())));
         }
         hub.forget(&corr_id, &job);
         if let Ok(mut s) = leg.corr_ids.lock() {
@@ -684,4 +763,27 @@ fn on_serve(
             hub.idle.notify_waiters();
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn early_cancels_expire_and_are_consumed() {
+        let t0 = Instant::now();
+        let mut q = EarlyCancels::default();
+        q.insert("a", t0);
+        assert!(q.take("a", t0 + Duration::from_secs(1)));
+        assert!(!q.take("a", t0 + Duration::from_secs(1)), "consumed");
+        q.insert("b", t0);
+        assert!(!q.take("b", t0 + EARLY_CANCEL_WINDOW), "expired");
+        assert!(q.is_empty());
+        for i in 0..EARLY_CANCELS + 10 {
+            q.insert(&i.to_string(), t0);
+        }
+        assert_eq!(q.len(), EARLY_CANCELS);
+        q.insert(&"x".repeat(EARLY_CANCEL_BYTES + 1), t0);
+        assert_eq!(q.len(), EARLY_CANCELS);
+    }
 }

@@ -283,8 +283,17 @@ impl<S: ReplySource> SseReader<S> {
                 }
                 match c.peek().await? {
                     Some(b'{' | b'[') => {
+                        c.abandoned = false;
                         let r = scan_one(c, hidden, want_text, sink).await?;
-                        c.skip_line().await?;
+                        // Anything but blanks after the value makes the event unparsable
+                        // JSON (as json.loads sees it): refused, never half used. An
+                        // intermediate event is not read to its end (its hidden states are
+                        // not needed): its line must at least end where an object ends.
+                        if c.abandoned {
+                            c.skip_line_ending_in_close().await?;
+                        } else {
+                            c.end_of_line().await?;
+                        }
                         return Ok(Some(r));
                     }
                     _ => c.skip_line().await?,
@@ -324,6 +333,7 @@ async fn scan_one<S: ReplySource>(
                 "output_ids" => r.n_output_ids = c.count_array().await?,
                 "meta_info" => {
                     if scan_meta(c, &mut r, hidden, sink).await? == Meta::Abandoned {
+                        c.abandoned = true;
                         return Ok(r);
                     }
                 }
@@ -700,6 +710,8 @@ struct Cur<S> {
     cap: usize,
     /// SSE: `\n` ends the event, so it is not JSON whitespace here.
     line_mode: bool,
+    /// The last value scanned was left before its end (an intermediate SSE event).
+    abandoned: bool,
 }
 
 impl<S: ReplySource> Cur<S> {
@@ -713,6 +725,7 @@ impl<S: ReplySource> Cur<S> {
             limit: cap,
             cap,
             line_mode: false,
+            abandoned: false,
         }
     }
 
@@ -818,6 +831,68 @@ impl<S: ReplySource> Cur<S> {
             self.i = self.b.len();
             if !self.fill().await? {
                 return Ok(());
+            }
+        }
+    }
+
+    /// Skip to the end of the line, which must end (before blanks) with `}` or `]`.
+    async fn skip_line_ending_in_close(&mut self) -> Result<(), ScanError> {
+        let mut last: Option<u8> = None;
+        loop {
+            let (line, done) = match memchr::memchr(b'\n', self.rest()) {
+                Some(k) => (self.rest().get(..k).unwrap_or(&[]), Some(k)),
+                None => (self.rest(), None),
+            };
+            if let Some(b) = line
+                .iter()
+                .rev()
+                .find(|b| !matches!(b, b' ' | b'\t' | b'\r'))
+            {
+                last = Some(*b);
+            }
+            match done {
+                Some(k) => {
+                    self.i += k + 1;
+                    break;
+                }
+                None => {
+                    self.i = self.b.len();
+                    if !self.fill().await? {
+                        break;
+                    }
+                }
+            }
+        }
+        if matches!(last, Some(b'}' | b']')) {
+            Ok(())
+        } else {
+            Err(self.err("the end of the event after its JSON value"))
+        }
+    }
+
+    /// Consume blanks (space, tab, CR) through the end of the line; an error at anything
+    /// else (trailing data after an SSE event's JSON value).
+    async fn end_of_line(&mut self) -> Result<(), ScanError> {
+        loop {
+            match self
+                .rest()
+                .iter()
+                .position(|b| !matches!(b, b' ' | b'\t' | b'\r'))
+            {
+                Some(k) => {
+                    self.i += k;
+                    if self.rest().first() == Some(&b'\n') {
+                        self.i += 1;
+                        return Ok(());
+                    }
+                    return Err(self.err("the end of the event after its JSON value"));
+                }
+                None => {
+                    self.i = self.b.len();
+                    if !self.fill().await? {
+                        return Ok(());
+                    }
+                }
             }
         }
     }

@@ -67,8 +67,8 @@ fn a_gw_the_miner_cannot_extend_is_refused_without_echoing_it() {
         assert!(err.contains(expect), "{gw}: {err}");
         assert!(!err.contains("s3cr3t-token"), "{gw}: {err}");
     }
-    // A path (the documented form) and a trailing slash pass this check (and then fail on
-    // the missing checkpoint, exit 1).
+    // A path (the documented form) and a trailing slash pass this check (and then the
+    // missing checkpoint is refused, exit 2).
     for gw in ["wss://gw.example/gw", "ws://127.0.0.1:9/"] {
         let out = miner_cmd(
             &[
@@ -82,7 +82,8 @@ fn a_gw_the_miner_cannot_extend_is_refused_without_echoing_it() {
         .output()
         .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{gw}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{gw}: {err}");
+        assert!(err.contains("CHECKPOINT"), "{gw}: {err}");
         assert!(err.contains("/nonexistent/tokenizer.json"), "{gw}: {err}");
     }
 }
@@ -210,4 +211,116 @@ async fn an_unreachable_serve_is_one_start_up_warning_and_the_miner_runs() {
     assert!(kill.success());
     let status = child.wait().await.unwrap();
     assert_eq!(status.code(), Some(0), "{seen:#?}");
+}
+
+#[test]
+fn settings_the_miner_cannot_run_with_are_refused_naming_the_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = dir.path().join("lock");
+    for (var, value) in [
+        ("MAX_TOKENS", "0"),
+        ("MAX_OUTPUT_TOKENS", "0"),
+        ("SERVE_HTTP_S", "0"),
+        ("MAX_REQUEST_S", "nan"),
+        ("MAX_REQUEST_S", "-5"),
+        ("ENGY_MAX_RESPONSE_MB", "0"),
+        ("ENGY_HEARTBEAT_S", "0"),
+        ("ENGY_HEARTBEAT_S", "-1"),
+        ("ENGY_HEARTBEAT_S", "90"),
+        ("MAX_INFLIGHT", "7"),
+        ("TOPLOC_TOPK", "0"),
+        ("STREAM_FLUSH_S", "-0.1"),
+    ] {
+        let out = miner_cmd(
+            &[
+                ("GW", "ws://127.0.0.1:9"),
+                ("MINER_KEY", KEY),
+                ("CHECKPOINT", "/nonexistent"),
+                ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+                (var, value),
+            ],
+            &[],
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(err.contains(var), "{var}={value}: {err}");
+        assert_eq!(err.lines().count(), 1, "{var}={value}: one line: {err}");
+        assert!(!err.contains(KEY));
+    }
+}
+
+#[tokio::test]
+async fn a_checkpoint_that_cannot_serve_is_refused_at_start_up() {
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+    let ckpt = fx.ckpt();
+    let (gw, serve, lock) = (fx.gw.url(), fx.sglang.url(), fx.lock());
+    let run = |what: &str| {
+        let out = miner_cmd(
+            &[
+                ("GW", gw.as_str()),
+                ("MINER_KEY", KEY),
+                ("CHECKPOINT", ckpt.to_str().unwrap()),
+                ("SERVE_URL", serve.as_str()),
+                ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+            ],
+            &[],
+        )
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{what}: {err}");
+        assert!(err.contains("CHECKPOINT"), "{what}: {err}");
+        err
+    };
+    // A template that raises on a plain system + user conversation.
+    let tpl = ckpt.join("chat_template.jinja");
+    std::fs::write(&tpl, "{{ raise_exception('only tool calls here') }}").unwrap();
+    let err = run("template");
+    assert!(err.contains("only tool calls here"), "{err}");
+    std::fs::remove_file(&tpl).unwrap();
+    // config.json without hidden_size, then unreadable.
+    let cfg = ckpt.join("config.json");
+    let good = std::fs::read(&cfg).unwrap();
+    std::fs::write(&cfg, br#"{"model_type": "qwen3_moe"}"#).unwrap();
+    assert!(run("no hidden_size").contains("hidden_size"));
+    std::fs::write(&cfg, b"{not json").unwrap();
+    assert!(run("not json").contains("not JSON"));
+    std::fs::remove_file(&cfg).unwrap();
+    assert!(run("missing").contains("config.json"));
+    std::fs::write(&cfg, good).unwrap();
+    assert!(fx.gw.conns().is_empty(), "no leg was dialed");
+}
+
+#[tokio::test]
+async fn check_fails_when_miner_key_is_unset() {
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+    let (ckpt, gw, serve) = (fx.ckpt(), fx.gw.url(), fx.sglang.url());
+    let run = |vars: &[(&str, &str)]| {
+        let mut cmd = miner_cmd(vars, &["check"]);
+        cmd.stdin(Stdio::null());
+        tokio::process::Command::from(cmd).output()
+    };
+    let base = [
+        ("GW", gw.as_str()),
+        ("CHECKPOINT", ckpt.to_str().unwrap()),
+        ("SERVE_URL", serve.as_str()),
+    ];
+    let out = run(&base).await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.lines().any(|l| l.starts_with("FAIL MINER_KEY")),
+        "{stdout}"
+    );
+    let mut with_key = base.to_vec();
+    with_key.push(("MINER_KEY", KEY));
+    let out = run(&with_key).await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.lines().any(|l| l.starts_with("ok   MINER_KEY")),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(KEY), "{stdout}");
 }
