@@ -123,6 +123,8 @@ enum Cmd {
     Send(Value),
     /// Several frames written back to back, flushed once.
     SendTogether(Vec<Value>),
+    /// A websocket close frame with this code and reason, then the socket closes.
+    Close(u16, String),
     Drop,
 }
 
@@ -407,6 +409,15 @@ impl GatewayDouble {
         )
     }
 
+    /// Close `conn` with a websocket close frame (RFC 6455 §5.5.1: `code`, `reason`), as a
+    /// gateway does when it restarts (1001 "going away") or refuses a leg.
+    pub fn close(&self, conn: u64, code: u16, reason: &str) -> bool {
+        lock(&self.inner.conns)
+            .get(&conn)
+            .map(|c| c.tx.send(Cmd::Close(code, reason.to_string())).is_ok())
+            .unwrap_or(false)
+    }
+
     /// Drop `conn` abruptly: the socket closes without a close frame.
     pub fn drop_conn(&self, conn: u64) -> bool {
         lock(&self.inner.conns)
@@ -504,6 +515,11 @@ async fn conn_task(st: Arc<Inner>, worker: usize, socket: WebSocket) {
                     break;
                 }
             }
+                Some(Cmd::Close(code, reason)) => {
+                    let frame = axum::extract::ws::CloseFrame { code, reason: reason.into() };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
                 Some(Cmd::Drop) | None => break,
             },
             msg = stream.next() => match msg {

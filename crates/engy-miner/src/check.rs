@@ -286,10 +286,20 @@ async fn check_serve(
     {
         r.fail(
             &what,
-            format!(
-                "{} rows of {} (expected 4 of {:?}), ragged {:?}",
-                rows.n_rows, rows.width, hidden, rows.ragged
-            ),
+            {
+                let expected = match hidden {
+                    Some(h) => format!("4 rows of {h} (config.json hidden_size)"),
+                    None => "4 rows".to_string(),
+                };
+                let ragged = match rows.ragged {
+                    Some((i, w)) => format!("; row {i} has {w} values"),
+                    None => String::new(),
+                };
+                format!(
+                    "{} rows of {} values, expected {expected}{ragged}",
+                    rows.n_rows, rows.width
+                )
+            },
             "the serve must run the checkpoint given by --checkpoint, without speculative decoding",
         );
         return;
@@ -310,7 +320,13 @@ async fn check_serve(
             }
             Ok(res) => r.fail(
                 &what,
-                format!("verification mismatches: {res:?}"),
+                format!(
+                    "verification mismatches (exp_mismatches per batch): {}",
+                    res.iter()
+                        .map(|v| v.exp_mismatches.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
                 "report this (the proof library disagrees with itself)",
             ),
             Err(e) => r.fail(&what, e, "report this"),

@@ -179,6 +179,9 @@ pub struct Engine {
     pick: Mutex<()>,
     gen_client: reqwest::Client,
     abort_client: reqwest::Client,
+    /// `input_ids` of the curl probe in misalignment errors: [`PROBE_TEXT`] in the
+    /// checkpoint's own tokenizer, so the operator can paste it against this serve.
+    probe_ids: String,
 }
 
 /// What the request path tells the streaming sink (docs/PROTOCOL.md §3.6).
@@ -234,9 +237,30 @@ struct CallOut {
     cached: u64,
 }
 
-fn probe(serve: &str) -> String {
+/// The text of the curl probe that row-alignment errors print.
+pub const PROBE_TEXT: &str = "Hello, world";
+
+/// `[id,id,…]` of [`PROBE_TEXT`] in `prompter`'s tokenizer. Falls back to the start-up probe
+/// conversation (which renders, [`Prompter::probe`]) if the text encodes to nothing.
+fn probe_ids(prompter: &Prompter) -> String {
+    let ids = prompter
+        .encode(PROBE_TEXT)
+        .ok()
+        .filter(|ids| !ids.is_empty())
+        .or_else(|| {
+            let msgs = serde_json::json!([{"role": "user", "content": PROBE_TEXT}]);
+            prompter.prompt_ids(&msgs).ok()
+        })
+        .unwrap_or_default();
+    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+    format!("[{}]", list.join(","))
+}
+
+/// A curl command that shows what `serve` returns for a 4-token greedy generation with
+/// hidden states.
+fn probe(serve: &str, input_ids: &str) -> String {
     format!(
-        "curl -s {serve}/generate -H 'Content-Type: application/json' -d '{{\"input_ids\":[9707,11,1879],\"sampling_params\":{{\"max_new_tokens\":4,\"temperature\":0}},\"return_hidden_states\":true,\"return_logprob\":true}}' | head -c 600"
+        "curl -s {serve}/generate -H 'Content-Type: application/json' -d '{{\"input_ids\":{input_ids},\"sampling_params\":{{\"max_new_tokens\":4,\"temperature\":0}},\"return_hidden_states\":true,\"return_logprob\":true}}' | head -c 600"
     )
 }
 
@@ -270,9 +294,11 @@ impl Engine {
                 inflight: AtomicUsize::new(0),
             })
             .collect();
+        let probe_ids = probe_ids(&prompter);
         Ok(Self {
             cfg,
             prompter,
+            probe_ids,
             serves,
             pick: Mutex::new(()),
             gen_client,
@@ -681,7 +707,7 @@ impl Engine {
             _ => {
                 return Err(fail(format!(
                     "serve returned no hidden states: start sglang with --enable-return-hidden-states (and nothing on its PYTHONPATH trimming them); probe: {}",
-                    probe(serve)
+                    probe(serve, &self.probe_ids)
                 )))
             }
         };
@@ -701,7 +727,7 @@ impl Engine {
             return Err(fail(format!(
                 "misaligned hidden states: row {i} has {w} values, the first row {}; no proof built. Probe: {}",
                 rows.width,
-                probe(serve)
+                probe(serve, &self.probe_ids)
             )));
         }
         if let Some(h) = self.cfg.hidden_size {
@@ -731,7 +757,7 @@ impl Engine {
                 rows.n_rows,
                 rows.offset,
                 r.output_token_ids.len(),
-                probe(serve)
+                probe(serve, &self.probe_ids)
             )));
         }
         Ok(CallOut {

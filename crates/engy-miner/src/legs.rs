@@ -390,6 +390,41 @@ impl LegState {
 }
 
 /// One websocket session; returns why it ended.
+/// Operator text for a gateway's close frame: `gateway closed the leg (code 1001, going
+/// away: "restarting")` (RFC 6455 §7.4.1 names the codes).
+fn closed_by_gateway(
+    frame: Option<&tokio_tungstenite::tungstenite::protocol::CloseFrame>,
+) -> String {
+    let Some(f) = frame else {
+        return "gateway closed the leg without a close code".to_string();
+    };
+    let code = u16::from(f.code);
+    let name = match code {
+        1000 => "normal closure",
+        1001 => "going away",
+        1002 => "protocol error",
+        1003 => "unsupported data",
+        1007 => "invalid payload",
+        1008 => "policy violation",
+        1009 => "message too big",
+        1011 => "server error",
+        1012 => "service restart",
+        1013 => "try again later",
+        _ => "",
+    };
+    let mut out = format!("gateway closed the leg (code {code}");
+    if !name.is_empty() {
+        out.push_str(", ");
+        out.push_str(name);
+    }
+    let reason = f.reason.as_str();
+    if !reason.is_empty() {
+        out.push_str(&format!(": \"{}\"", reason.escape_debug()));
+    }
+    out.push(')');
+    out
+}
+
 async fn session(
     hub: &Arc<Hub>,
     ws: Ws,
@@ -465,6 +500,7 @@ async fn session(
                         }
                         Ok(Frame::Admit) => tracing::info!(leg = %tag, "ADMITTED by the gateway"),
                         Ok(Frame::Deny { reason }) => {
+                            let reason = reason.as_str().map_or_else(|| reason.to_string(), str::to_string);
                             tracing::warn!(leg = %tag, %reason, "DENIED by the gateway");
                         }
                         Ok(Frame::Unknown { kind }) => {
@@ -472,7 +508,7 @@ async fn session(
                         }
                         Err(e) => tracing::warn!(leg = %tag, error = %e, "ignoring a frame"),
                     },
-                    Some(Ok(Message::Close(c))) => break format!("gateway closed the leg ({c:?})"),
+                    Some(Ok(Message::Close(c))) => break closed_by_gateway(c.as_ref()),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => break format!("websocket error: {e}"),
                     None => break "websocket ended".to_string(),

@@ -209,7 +209,8 @@ async fn serve(
     let (workers, per_leg) = legs::leg_plan(n, opts.max_inflight);
     tracing::info!(
         gw = %gw, model = %opts.model, root = %model_root.get(..12).unwrap_or(&model_root),
-        serves = ?opts.serve_urls(), workers = n, legs = ?workers, leg_inflight = per_leg,
+        serves = %opts.serve_urls().join(", "), workers = n,
+        legs = %workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", "), leg_inflight = per_leg,
         total_inflight = per_leg * workers.len() as u64, worker_name = %worker_name,
         hidden_size = hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
     );

@@ -324,3 +324,123 @@ async fn check_fails_when_miner_key_is_unset() {
     );
     assert!(!stdout.contains(KEY), "{stdout}");
 }
+
+/// Rust `Debug` renderings an operator must never read (issue 14 item 7).
+fn debug_output_in(text: &str) -> Option<&str> {
+    ["Some(", "None", "CloseFrame", "Utf8Bytes", "[\"", "\\\""]
+        .into_iter()
+        .find(|p| text.contains(p))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_text_has_no_rust_debug_output() {
+    use engy_devnet::sglang::Fault;
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+
+    // `check` against a serve whose last row is one value short.
+    fx.sglang.push_fault(Fault::RaggedRowWidth);
+    let (ckpt, gw, serve) = (fx.ckpt(), fx.gw.url(), fx.sglang.url());
+    let vars = [
+        ("GW", gw.as_str()),
+        ("MINER_KEY", KEY),
+        ("CHECKPOINT", ckpt.to_str().unwrap()),
+        ("SERVE_URL", serve.as_str()),
+    ];
+    let mut cmd = miner_cmd(&vars, &["check"]);
+    cmd.stdin(Stdio::null());
+    let out = tokio::process::Command::from(cmd).output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL") && l.contains("hidden states"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        line.contains("expected 4 rows of 64 (config.json hidden_size); row 3 has 63 values"),
+        "{line}"
+    );
+    assert_eq!(debug_output_in(&stdout), None, "{stdout}");
+
+    // The daemon: start-up lines, a gateway close frame, a deny.
+    let m = fx.miner(&[]);
+    let first = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    assert!(fx.gw.deny(first, "maintenance window"));
+    assert!(fx.gw.close(first, 1001, "restarting"));
+    fx.gw
+        .wait_for(T, |_, conns| {
+            conns
+                .iter()
+                .any(|c| c.id != first && c.alive && c.hello.is_some())
+                .then_some(())
+        })
+        .await
+        .expect("the miner re-dials after the close");
+    let log = m.log_text();
+    assert!(
+        log.contains(r#"gateway closed the leg (code 1001, going away: "restarting")"#),
+        "{log}"
+    );
+    assert!(log.contains("reason=maintenance window"), "{log}");
+    let start = log
+        .lines()
+        .find(|l| l.contains("dialing the gateway"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        start.contains(&format!("serves={}", fx.sglang.url())),
+        "{start}"
+    );
+    assert!(start.contains("legs=0 "), "{start}");
+    assert_eq!(debug_output_in(&log), None, "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_misalignment_probe_uses_the_checkpoints_own_token_ids() {
+    use engy_devnet::sglang::Fault;
+    let fx = Fixture::new(64, 1, SglangConfig::default()).await;
+    let m = fx.miner(&[]);
+    let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    fx.sglang.push_fault(Fault::MissingDecodeRow);
+    assert!(fx.gw.serve(leg, "short", chat("Hello there.", 9), false));
+    let resp = fx.gw.wait_response("short", T).await.unwrap();
+    assert!(
+        resp["error"].as_str().unwrap().contains("misaligned"),
+        "{resp}"
+    );
+
+    // The full message is in the log (the gateway's copy is cut to 300 characters).
+    let log = m.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("misaligned") && l.contains("curl -s "))
+        .unwrap_or_else(|| panic!("{log}"));
+    let body = line
+        .split(" -d '")
+        .nth(1)
+        .and_then(|rest| rest.split("' | head").next())
+        .unwrap_or_else(|| panic!("no -d body in {line}"));
+    let body: serde_json::Value = serde_json::from_str(body).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(body["input_ids"].clone()).unwrap();
+    let tok = tokenizers::Tokenizer::from_file(fx.ckpt().join("tokenizer.json")).unwrap();
+    let want = tok
+        .encode("Hello, world", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert!(!want.is_empty());
+    assert_eq!(ids, want, "the probe's ids are the checkpoint tokenizer's");
+
+    // Pasted against this serve, the probe answers with hidden states.
+    let reply: serde_json::Value = reqwest::Client::new()
+        .post(format!("{}/generate", fx.sglang.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let hs = reply["meta_info"]["hidden_states"].as_array().unwrap();
+    assert!(!hs.is_empty(), "{reply}");
+}
