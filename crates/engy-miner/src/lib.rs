@@ -15,7 +15,6 @@ use sha2::{Digest, Sha256};
 pub mod chat;
 pub mod check;
 pub mod config;
-pub mod decimal;
 pub mod engine;
 pub mod gate;
 pub mod hw;
