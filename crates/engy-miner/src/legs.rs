@@ -18,8 +18,9 @@ use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Engine, Job, JobError, StreamEvent, StreamSink};
 use crate::gate::{self, FrameGate};
+use crate::job::{Job, JobError};
+use crate::serve::{Engine, StreamEvent, StreamSink};
 use tokio_tungstenite::MaybeTlsStream;
 
 /// Static identity and capacity sent in HELLO.

@@ -15,11 +15,13 @@ use sha2::{Digest, Sha256};
 pub mod chat;
 pub mod check;
 pub mod config;
-pub mod engine;
 pub mod gate;
 pub mod hw;
+pub mod job;
 pub mod legs;
+pub mod proof;
 pub mod scan;
+pub mod serve;
 
 use config::Opts;
 

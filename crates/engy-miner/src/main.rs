@@ -9,7 +9,7 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use engy_miner::config::{self, secs, Cli, Cmd, Opts};
-use engy_miner::{chat, check, engine, hw, legs, worker_name};
+use engy_miner::{chat, check, hw, legs, serve, worker_name};
 
 /// Exit code for a bad configuration.
 const EXIT_CONFIG: u8 = 2;
@@ -167,8 +167,8 @@ async fn serve(
     } = ckpt;
     let prompter = Arc::new(prompter);
     let reply_cap = opts.reply_cap(hidden);
-    let engine = Arc::new(engine::Engine::new(
-        engine::EngineConfig {
+    let engine = Arc::new(serve::Engine::new(
+        serve::EngineConfig {
             model_root: model_root.clone(),
             topk: opts.toploc_topk,
             dbs: opts.toploc_dbs,
