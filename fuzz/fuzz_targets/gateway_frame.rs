@@ -1,10 +1,10 @@
-//! Gateway → miner frame decoding (`engy_miner::legs::decode_frame`, PROTOCOL.md §2) on
+//! Gateway → miner frame decoding (`engy_miner::gateway::decode_frame`, PROTOCOL.md §2) on
 //! arbitrary text, and on frames built from fuzzer bytes. Never panics; deterministic;
 //! formatting (whitespace, key order) never changes the decoded frame; a frame built from
 //! known fields decodes to exactly those fields (serve/cancel need a non-empty string
 //! `corr_id`; `stream` by Python truthiness; unknown types are `Unknown`).
 #![no_main]
-use engy_miner::legs::{decode_frame, Frame, FrameError, ServeFrame};
+use engy_miner::gateway::{decode_frame, Frame, FrameError, ServeFrame};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
 

@@ -96,7 +96,7 @@ pub async fn run(opts: &Opts) -> ExitCode {
     match opts.gw.as_deref().filter(|g| !g.is_empty()) {
         None => r.fail("gateway", "GW not set", "export GW=wss://<gateway-host>/gw"),
         Some(gw) => {
-            let url = format!("{}/meta", crate::legs::http_base(gw));
+            let url = format!("{}/meta", crate::gateway::http_base(gw));
             match client
                 .get(&url)
                 .timeout(Duration::from_secs(10))

@@ -15,12 +15,12 @@ use sha2::{Digest, Sha256};
 pub mod chat;
 pub mod check;
 pub mod config;
-pub mod decimal;
-pub mod engine;
-pub mod gate;
+pub mod gateway;
 pub mod hw;
-pub mod legs;
+pub mod job;
+pub mod proof;
 pub mod scan;
+pub mod serve;
 
 use config::Opts;
 

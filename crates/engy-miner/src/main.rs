@@ -9,7 +9,7 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use engy_miner::config::{self, secs, Cli, Cmd, Opts};
-use engy_miner::{chat, check, engine, hw, legs, worker_name};
+use engy_miner::{chat, check, gateway, hw, serve, worker_name};
 
 /// Exit code for a bad configuration.
 const EXIT_CONFIG: u8 = 2;
@@ -167,8 +167,8 @@ async fn serve(
     } = ckpt;
     let prompter = Arc::new(prompter);
     let reply_cap = opts.reply_cap(hidden);
-    let engine = Arc::new(engine::Engine::new(
-        engine::EngineConfig {
+    let engine = Arc::new(serve::Engine::new(
+        serve::EngineConfig {
             model_root: model_root.clone(),
             topk: opts.toploc_topk,
             dbs: opts.toploc_dbs,
@@ -189,7 +189,7 @@ async fn serve(
     });
     let hw = hw::detect().await;
     let worker_name = worker_name(&opts);
-    let identity = legs::Identity {
+    let identity = gateway::Identity {
         gw: gw.clone(),
         miner_key,
         model: opts.model.clone(),
@@ -205,8 +205,8 @@ async fn serve(
         heartbeat: secs(opts.heartbeat_s).max(std::time::Duration::from_millis(100)),
         flush: secs(opts.stream_flush_s),
     };
-    let n = legs::worker_count(&gw, opts.gw_workers).await;
-    let (workers, per_leg) = legs::leg_plan(n, opts.max_inflight);
+    let n = gateway::worker_count(&gw, opts.gw_workers).await;
+    let (workers, per_leg) = gateway::leg_plan(n, opts.max_inflight);
     tracing::info!(
         gw = %gw, model = %opts.model, root = %model_root.get(..12).unwrap_or(&model_root),
         serves = %opts.serve_urls().join(", "), workers = n,
@@ -215,11 +215,11 @@ async fn serve(
         hidden_size = hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
     );
     tracing::info!(hw = %hw, "hardware");
-    let hub = legs::Hub::new(identity, engine);
+    let hub = gateway::Hub::new(identity, engine);
     let shutdown = CancellationToken::new();
     let mut tasks = Vec::new();
     for w in workers {
-        tasks.push(tokio::spawn(legs::run_leg(
+        tasks.push(tokio::spawn(gateway::run_leg(
             Arc::clone(&hub),
             w,
             n,
@@ -265,7 +265,7 @@ async fn serve(
 }
 
 /// Wait until no request is in flight; false at `deadline`.
-async fn wait_idle(hub: &legs::Hub, deadline: tokio::time::Instant) -> bool {
+async fn wait_idle(hub: &gateway::Hub, deadline: tokio::time::Instant) -> bool {
     loop {
         let wait = hub.idle.notified();
         tokio::pin!(wait);

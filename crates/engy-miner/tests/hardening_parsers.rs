@@ -22,7 +22,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, Waker};
 
 use engy_miner::chat::{ChatError, Prompter};
-use engy_miner::legs::{decode_frame, Frame, FrameError, ServeFrame};
+use engy_miner::gateway::{decode_frame, Frame, FrameError, ServeFrame};
 use engy_miner::scan::{
     scan_reply, scan_reply_from, HiddenMode, Reply, ReplySource, RowSink, ScanError, SliceSource,
     SseReader,
