@@ -133,10 +133,13 @@ impl PayloadError {
         }
     }
 
-    /// `parse_error` or the rejection's reason word (for logs and metrics).
+    /// The reason word for logs and metrics, one of the documented words
+    /// (docs/VALIDATOR.md): the rejection's reason, or `malformed` for a body that is not
+    /// UTF-8 JSON (the vectors call that outcome `parse_error`; to an operator it is a
+    /// malformed payload like any other).
     pub fn reason_word(&self) -> &'static str {
         match self {
-            PayloadError::Parse(_) => "parse_error",
+            PayloadError::Parse(_) => RejectReason::Malformed.as_str(),
             PayloadError::Rejected { reason, .. } => reason.as_str(),
         }
     }

@@ -437,7 +437,7 @@ where
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(ChainError::Read {
             what: what.to_owned(),
-            reason: e.to_string(),
+            reason: strip_layer_prefixes(&e.to_string()).to_owned(),
         }),
         Err(_) => Err(ChainError::Timeout {
             what,
@@ -450,7 +450,7 @@ fn read_err(what: impl Into<String>) -> impl FnOnce(subxt::Error) -> ChainError 
     let what = what.into();
     move |e| ChainError::Read {
         what,
-        reason: e.to_string(),
+        reason: strip_layer_prefixes(&e.to_string()).to_owned(),
     }
 }
 
@@ -733,7 +733,9 @@ impl Chain {
                             Err(subxt::Error::Runtime(e)) => {
                                 Err(SubmitError::DispatchOther(e.to_string()))
                             }
-                            Err(e) => Err(SubmitError::Transport(e.to_string())),
+                            Err(e) => Err(SubmitError::Transport(
+                                strip_layer_prefixes(&e.to_string()).to_owned(),
+                            )),
                         };
                     }
                     TxStatus::Invalid { message } => {
@@ -1063,7 +1065,8 @@ fn classify(e: subxt::Error) -> SubmitError {
             parse_pool_rejection(m).unwrap_or_else(|| SubmitError::NotIncluded(m.clone()))
         }
         _ => {
-            let text = e.to_string();
+            // subxt repeats its layer prefix ("RPC error: RPC error: client error: …")
+            let text = strip_layer_prefixes(&e.to_string()).to_owned();
             parse_pool_rejection(&text).unwrap_or(SubmitError::Transport(text))
         }
     }
@@ -1127,6 +1130,25 @@ mod tests {
         );
         assert_eq!(strip_layer_prefixes("RPC error: "), "RPC error:");
         assert_eq!(strip_layer_prefixes("plain"), "plain");
+    }
+
+    /// A read or submit that fails in the RPC layer (node gone mid-tick) names the cause
+    /// once: subxt's own text is "RPC error: RPC error: client error: …".
+    #[test]
+    fn read_and_submit_errors_do_not_repeat_the_rpc_prefix() {
+        let rpc = || {
+            subxt::Error::Rpc(subxt::error::RpcError::ClientError(
+                subxt::ext::subxt_rpcs::Error::Client(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "Connection reset by peer",
+                ))),
+            ))
+        };
+        assert!(rpc().to_string().starts_with("RPC error: RPC error: "));
+        let read = read_err("SubtensorModule.Keys")(rpc()).to_string();
+        assert_eq!(read, "SubtensorModule.Keys: Connection reset by peer");
+        let submit = classify(rpc()).to_string();
+        assert_eq!(submit, "chain transport: Connection reset by peer");
     }
 
     /// subtensor's `ChargeTransactionPaymentWrapper` shape: a composite around a compact tip.

@@ -50,17 +50,22 @@ pub async fn run(s: &Settings) -> Report {
         s.resubmit_blocks,
         s.state_file.display()
     ));
+    let mut state_unwritable = false;
     for (what, path) in [("state", &s.state_file), ("heartbeat", &s.heartbeat_file)] {
         match crate::state::probe_writable(path) {
             Ok(()) => r.ok(format!("{what} file {} writable", path.display())),
-            Err(e) => r.fail(format!(
+            Err(e) => {
+                state_unwritable |= what == "state";
+                r.fail(format!(
                 "{what} file {} cannot be written ({e}); fix: the directory's ownership/permissions (ENGY_SN53_UID/GID with compose) or ENGY_SN53_{}_FILE",
                 path.display(),
                 what.to_ascii_uppercase()
-            )),
+            ))
+            }
         }
     }
-    if let Some(why) = crate::state::damage(&s.state_file) {
+    // one FAIL per cause: a state path that cannot be written (a directory, say) was named
+    if let Some(why) = crate::state::damage(&s.state_file).filter(|_| !state_unwritable) {
         r.fail(format!(
             "state file {} is {why}: it would read as empty (the first tick submits at once); fix: run check as the daemon's user if it is a permission error, else restore the file from a backup or delete it",
             s.state_file.display()
@@ -111,6 +116,12 @@ pub async fn run(s: &Settings) -> Report {
                         v.weights.len(),
                         v.digest.get(..12).unwrap_or(&v.digest)
                     ));
+                    let last_applied = crate::state::read(&s.state_file).last_applied;
+                    if let Some(line) =
+                        crate::daemon::replay_diagnosis(v.epoch_index, last_applied, &s.state_file)
+                    {
+                        r.fail(line);
+                    }
                     Some(v)
                 }
                 Err(e) => {

@@ -45,6 +45,42 @@ pub enum Level {
     Info,
     /// Something the operator may need to look at (a failed submit, a rejected payload).
     Warn,
+    /// Nothing lands until the operator (or the provider) acts: the replay guard refusing
+    /// every payload, the last landing nearing `activity_cutoff`.
+    Error,
+}
+
+/// The diagnosis of a state file whose `last_applied` epoch is ahead of the provider's
+/// verified `epoch` (the replay guard, PROTOCOL.md §7 step 2, then refuses every payload
+/// and nothing lands), with both recoveries; `None` when the epoch is not older.
+pub fn replay_diagnosis(
+    epoch: u64,
+    last_applied: Option<u64>,
+    state_file: &std::path::Path,
+) -> Option<String> {
+    let last = last_applied.filter(|l| *l > epoch)?;
+    Some(format!(
+        "state file {path}: last_applied epoch {last} is {gap} epoch(s) ahead of the provider's verified epoch {epoch}: the replay guard refuses every payload older than {last}, so NOTHING LANDS (the cached vector is not resubmitted either); if this state file came from another network or netuid, or is damaged, move it aside and restart (mv {path} {path}.bak); if the provider is behind, nothing lands until it serves an epoch above {last}",
+        path = state_file.display(),
+        gap = last - epoch,
+    ))
+}
+
+/// `dropped N unregistered hotkey(s) holding X% of the weight: 5Abc…wxyz=123,…` (§7 step 5:
+/// log the dropped hotkeys and their weight share), empty when none was dropped.
+fn dropped_note(r: &schedule::Resolved) -> Option<String> {
+    (!r.dropped.is_empty()).then(|| {
+        format!(
+            "dropped {} unregistered hotkey(s) holding {:.1}% of the weight: {}",
+            r.dropped.len(),
+            r.dropped_share * 100.0,
+            r.dropped
+                .iter()
+                .map(|(h, w)| format!("{}={w}", short(h)))
+                .collect::<Vec<_>>()
+                .join(",")
+        )
+    })
 }
 
 /// What one tick did: the one log line and what it means.
@@ -210,16 +246,21 @@ impl Daemon {
         // 2–3. replay guard and pre-gate, before any chain connection
         match schedule::relate_epoch(v.epoch, anchors.last_applied) {
             EpochRelation::Replay { last_applied } => {
-                return warn(
-                    "replay",
-                    format!(
-                        "{via}: older than last applied epoch {last_applied}, refused (replay guard), nothing submitted; {}",
+                return TickReport {
+                    level: Level::Error,
+                    outcome: "replay",
+                    line: format!(
+                        "{via}: older than last applied epoch {last_applied}, refused (replay guard), nothing submitted; nothing lands while the state file is {} epoch(s) ahead of the provider: if it came from another network or is damaged, move {} aside and restart; {}",
+                        last_applied - v.epoch,
+                        s.state_file.display(),
                         self.next_poll()
                     ),
-                )
+                };
             }
             EpochRelation::Same => {
-                if let Some(wait) = schedule::pregate(now, anchors.last_submit_ts, s.resubmit_blocks) {
+                if let Some(wait) =
+                    schedule::pregate(now, anchors.last_submit_ts, s.resubmit_blocks)
+                {
                     return info(
                         "skipped",
                         format!(
@@ -344,22 +385,15 @@ impl Daemon {
                     v.weights.len() - primary.dropped.len(),
                     v.weights.len()
                 );
+                if let Some(note) = dropped_note(&primary) {
+                    line.push_str(&format!(" [{note}]"));
+                }
                 line.push_str(&format!("; {}", self.next_poll()));
                 return warn("nothing", line);
             }
         };
-        if !primary.dropped.is_empty() {
-            notes.push(format!(
-                "dropped {} unregistered hotkey(s) holding {:.1}% of the weight: {}",
-                primary.dropped.len(),
-                primary.dropped_share * 100.0,
-                primary
-                    .dropped
-                    .iter()
-                    .map(|(h, w)| format!("{}={w}", short(h)))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            ));
+        if let Some(note) = dropped_note(&primary) {
+            notes.push(note);
         }
         if source != v.source {
             notes.push(format!(
@@ -597,6 +631,24 @@ impl Daemon {
         Some(out)
     }
 
+    /// Start-up: when the state file's `last_applied` is ahead of the provider's verified
+    /// epoch, says so at ERROR with the recovery ([`replay_diagnosis`]) before the first
+    /// tick refuses it. A fetch that fails is left to the first tick.
+    pub async fn report_replay(&self) {
+        let s = &self.settings;
+        let Some(last_applied) = state::read(&s.state_file).last_applied else {
+            return;
+        };
+        let Ok(body) = crate::provider::fetch_latest(&self.http, &s.api).await else {
+            return;
+        };
+        if let Ok(v) = engy_core::payload::verify(&body, &s.master_hotkey, s.netuid) {
+            if let Some(line) = replay_diagnosis(v.epoch_index, Some(last_applied), &s.state_file) {
+                tracing::error!("{line}");
+            }
+        }
+    }
+
     /// The best-effort provider heartbeat (PROTOCOL.md §6), after the tick's work, so it
     /// never delays a submit; a failure is appended to the tick's line and ignored.
     pub async fn provider_heartbeat(&self, mut report: TickReport) -> TickReport {
@@ -631,11 +683,17 @@ pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<(
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let s = daemon.settings().clone();
-    tokio::select! {
-        c = Chain::connect(&s.chain_url) => match c {
+    let startup = async {
+        match Chain::connect(&s.chain_url).await {
             Ok(c) => daemon.report_extensions(&c),
-            Err(e) => tracing::warn!("chain not reachable at start-up ({e}); the first tick retries"),
-        },
+            Err(e) => {
+                tracing::warn!("chain not reachable at start-up ({e}); the first tick retries")
+            }
+        }
+        daemon.report_replay().await;
+    };
+    tokio::select! {
+        _ = startup => {}
         _ = term.recv() => { tracing::info!("SIGTERM during start-up; exiting 0"); return Ok(()); }
         _ = int.recv() => { tracing::info!("SIGINT during start-up; exiting 0"); return Ok(()); }
     }
@@ -675,6 +733,7 @@ pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<(
         match report.level {
             Level::Info => tracing::info!("{}", report.line),
             Level::Warn => tracing::warn!("{}", report.line),
+            Level::Error => tracing::error!("{}", report.line),
         }
         if let Some(sig) = signal {
             tracing::info!("{sig} during the provider heartbeat POST: abandoned it (best effort; the tick's work is done); exiting 0");

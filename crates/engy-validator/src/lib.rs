@@ -9,12 +9,15 @@
 //! * [`commit_reveal`]: the pure commit-reveal v4 decision and drand reveal round.
 //! * [`commit_record`]: the last timelocked commit, kept apart from the state file.
 //! * [`timelock`]: the drand-timelocked weights payload (tlock via `timelock` + `w3f-bls`).
+//! * [`chain_rules`]: the runtime's weight rules, predicted (refusals, stored row, rate
+//!   limit, activity).
 //! * [`chain`]: the subxt client, dynamic against the node's metadata (§7 steps 4, 8).
 //! * [`daemon`]: the tick loop; [`check`]: the operator preflight.
 //! * [`wallet`]: the hotkey file, decrypted with ENGY_SN53_WALLET_PASSWORD[_FILE].
 #![deny(unsafe_code)]
 
 pub mod chain;
+pub mod chain_rules;
 pub mod check;
 pub mod commit_record;
 pub mod commit_reveal;

@@ -11,6 +11,12 @@ use std::time::Duration;
 /// Floor of the stall limit in seconds (§7: max(3 × POLL_S, 900 s)).
 pub const MIN_STALL_S: u64 = 900;
 
+/// How far in the future (seconds, by this host's clock) a timestamp may lie and still be
+/// taken as written just now: room for an NTP step between the write and the read. Beyond
+/// it a timestamp is invalid (a clock that went backwards, a file written on another host
+/// or by hand) and counts as stale, never as "age 0 s".
+pub const FUTURE_TOLERANCE_S: u64 = 60;
+
 /// How often the watchdog looks at the heartbeat file.
 pub const WATCHDOG_EVERY: Duration = Duration::from_secs(30);
 
@@ -60,13 +66,30 @@ pub enum Health {
         /// The stall limit.
         limit: u64,
     },
+    /// The timestamp lies more than [`FUTURE_TOLERANCE_S`] in the future: invalid, and
+    /// treated as stale (it proves no recent tick).
+    Future {
+        /// Seconds the timestamp is ahead of `now`.
+        ahead: u64,
+    },
 }
 
-/// Judges a heartbeat timestamp against `stall_limit(poll_s)`.
+/// Seconds `ts` lies ahead of `now` when that is more than [`FUTURE_TOLERANCE_S`]
+/// (an invalid, future timestamp), else `None`.
+pub fn future_by(ts: u64, now: u64) -> Option<u64> {
+    let ahead = ts.saturating_sub(now);
+    (ahead > FUTURE_TOLERANCE_S).then_some(ahead)
+}
+
+/// Judges a heartbeat timestamp against `stall_limit(poll_s)`; a timestamp in the future
+/// ([`future_by`]) is [`Health::Future`].
 pub fn judge(ts: Option<u64>, now: u64, poll_s: u64) -> Health {
     let Some(ts) = ts else {
         return Health::Missing;
     };
+    if let Some(ahead) = future_by(ts, now) {
+        return Health::Future { ahead };
+    }
     let age = now.saturating_sub(ts);
     let limit = stall_limit(poll_s);
     if age > limit {
@@ -86,9 +109,15 @@ pub fn unix_now() -> u64 {
 
 /// The watchdog's verdict (pure): like [`judge`], but a heartbeat older than the process
 /// (`started_at`, left by a previous run) counts from the start instead, so a restart after
-/// a long stop is not mistaken for a stall.
+/// a long stop is not mistaken for a stall. A future timestamp ([`future_by`]) proves no
+/// tick either and counts from the start the same way: the watchdog fires once this
+/// process has gone a stall limit without stamping a valid one.
 pub fn watchdog_judge(ts: Option<u64>, started_at: u64, now: u64, poll_s: u64) -> Health {
-    judge(ts.map(|t| t.max(started_at)), now, poll_s)
+    let ts = ts.map(|t| match future_by(t, now) {
+        Some(_) => started_at,
+        None => t.max(started_at),
+    });
+    judge(ts, now, poll_s)
 }
 
 /// Starts the watchdog thread: every [`WATCHDOG_EVERY`] it exits the process with code 1
@@ -99,14 +128,25 @@ pub fn spawn_watchdog(path: std::path::PathBuf, poll_s: u64) -> std::io::Result<
     let started_at = unix_now();
     std::thread::Builder::new()
         .name("watchdog".into())
-        .spawn(move || loop {
+        .spawn(move || {
+            let mut warned = false;
+            loop {
             std::thread::sleep(WATCHDOG_EVERY);
-            let verdict = watchdog_judge(read_ts(&path), started_at, unix_now(), poll_s);
+            let (ts, now) = (read_ts(&path), unix_now());
+            if let Some(ahead) = ts.and_then(|t| future_by(t, now)).filter(|_| !warned) {
+                warned = true;
+                tracing::warn!(
+                    "watchdog: heartbeat file {} has a timestamp {ahead} s in the future (invalid: the clock went backwards or the file was written elsewhere); treated as stale, counting from this process's start",
+                    path.display()
+                );
+            }
+            let verdict = watchdog_judge(ts, started_at, now, poll_s);
             if let Health::Stale { age, limit } = verdict {
                 tracing::error!(
                     "watchdog: no completed tick in {age} s (limit {limit} s); exiting 1 so the restart policy recovers the validator"
                 );
                 std::process::exit(1);
+            }
             }
         })
         .map(|_| ())
@@ -135,7 +175,9 @@ mod tests {
                 limit: 900
             }
         );
-        assert_eq!(judge(Some(2000), 1000, 300), Health::Fresh { age: 0 });
+        // a clock step inside the tolerance still reads as just now
+        assert_eq!(judge(Some(1060), 1000, 300), Health::Fresh { age: 0 });
+        assert_eq!(judge(Some(2000), 1000, 300), Health::Future { ahead: 1000 });
     }
 
     #[test]
@@ -153,6 +195,18 @@ mod tests {
             }
         );
         assert_eq!(watchdog_judge(None, 10_000, 99_999, 300), Health::Missing);
+        // a future heartbeat counts from the start, like a previous run's
+        assert_eq!(
+            watchdog_judge(Some(99_999), 10_000, 10_100, 300),
+            Health::Fresh { age: 100 }
+        );
+        assert_eq!(
+            watchdog_judge(Some(99_999), 10_000, 10_901, 300),
+            Health::Stale {
+                age: 901,
+                limit: 900
+            }
+        );
         // a heartbeat of this process counts as is
         assert_eq!(
             watchdog_judge(Some(10_500), 10_000, 11_000, 300),

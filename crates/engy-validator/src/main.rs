@@ -94,8 +94,10 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     // never be written. The daemon still runs (it keeps the vector on chain, resubmitting
     // each tick since it cannot record what landed), but the watchdog restarts it every
     // stall limit because the heartbeat never advances.
+    let mut state_unwritable = false;
     for (what, path) in [("state", &s.state_file), ("heartbeat", &s.heartbeat_file)] {
         if let Err(e) = engy_validator::state::probe_writable(path) {
+            state_unwritable |= what == "state";
             tracing::error!(
                 "the {what} file {} cannot be written ({e}); running anyway, but nothing that lands is recorded and the watchdog restarts the process every {} s; fix the directory's ownership/permissions (ENGY_SN53_UID/GID with compose) or set ENGY_SN53_{}_FILE to a writable path",
                 path.display(),
@@ -157,7 +159,8 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             ),
         }
     }
-    if let Some(why) = engy_validator::state::damage(&s.state_file) {
+    // (a state path that cannot be written at all, e.g. a directory, was named above)
+    if let Some(why) = engy_validator::state::damage(&s.state_file).filter(|_| !state_unwritable) {
         tracing::warn!(
             "state file {} is {why}: it reads as empty (no replay guard, no cached vector), so the first tick submits at once; it is rewritten after the next landed extrinsic",
             s.state_file.display()
@@ -169,6 +172,24 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             "state file {}: field(s) {} have the wrong type or value and read as absent (each field is validated on its own, PROTOCOL.md §7 step 9); the others are used; the file is rewritten after the next landed extrinsic",
             s.state_file.display(),
             dropped.join(", ")
+        );
+    }
+    let now = liveness::unix_now();
+    if let Some(ahead) = engy_validator::state::read(&s.state_file)
+        .last_submit_ts
+        .and_then(|ts| liveness::future_by(ts, now))
+    {
+        tracing::warn!(
+            "state file {}: last_submit_ts is {ahead} s in the future (invalid: the clock went backwards, or the file was written on another host); treated as stale: the pre-gate does not skip on it and the schedule counts from the chain's blocks (or submits when it has none)",
+            s.state_file.display()
+        );
+    }
+    if let Some(ahead) =
+        liveness::read_ts(&s.heartbeat_file).and_then(|ts| liveness::future_by(ts, now))
+    {
+        tracing::warn!(
+            "heartbeat file {}: timestamp is {ahead} s in the future (invalid: the clock went backwards, or the file was written on another host); treated as stale (health fails on it) until the first tick stamps the current time",
+            s.heartbeat_file.display()
         );
     }
     liveness::spawn_watchdog(s.heartbeat_file.clone(), s.poll_s)?;
@@ -200,8 +221,37 @@ fn describe(e: &anyhow::Error) -> String {
     out
 }
 
+/// Parses the command line; a usage error is printed naming the variable the operator set
+/// ([`config::usage_error`]) and is exit 2, help and version exit 0 as clap does.
+fn parse() -> Result<Cli, ExitCode> {
+    use clap::CommandFactory;
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    match Cli::try_parse_from(&args) {
+        Ok(cli) => Ok(cli),
+        Err(e) => match config::usage_error(&e, &Cli::command(), &args, &|k| std::env::var_os(k)) {
+            Some(message) => {
+                eprint!("{message}");
+                Err(ExitCode::from(2))
+            }
+            None => e.exit(),
+        },
+    }
+}
+
+/// The exit code of a failed subcommand: a configuration error says which (2 for a usage
+/// error), anything else is 1.
+fn exit_code(e: &anyhow::Error) -> ExitCode {
+    match e.downcast_ref::<config::ConfigError>() {
+        Some(c) => ExitCode::from(c.exit_code()),
+        None => ExitCode::FAILURE,
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Check(args) => (|| {
@@ -216,23 +266,33 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             })
         })(),
-        Command::Health(args) => (|| {
-            let (_, hb) = args.paths()?;
-            match liveness::judge(liveness::read_ts(&hb), liveness::unix_now(), args.poll_s) {
-                liveness::Health::Fresh { age } => {
-                    println!("ok: last tick {age} s ago");
-                    Ok(ExitCode::SUCCESS)
+        Command::Health(args) => {
+            (|| {
+                let (_, hb) = args.paths()?;
+                match liveness::judge(liveness::read_ts(&hb), liveness::unix_now(), args.poll_s) {
+                    liveness::Health::Fresh { age } => {
+                        println!("ok: last tick {age} s ago");
+                        Ok(ExitCode::SUCCESS)
+                    }
+                    liveness::Health::Missing => {
+                        println!("unhealthy: no heartbeat at {}", hb.display());
+                        Ok(ExitCode::FAILURE)
+                    }
+                    liveness::Health::Stale { age, limit } => {
+                        println!("unhealthy: last tick {age} s ago (limit {limit} s)");
+                        Ok(ExitCode::FAILURE)
+                    }
+                    liveness::Health::Future { ahead } => {
+                        eprintln!(
+                        "WARN heartbeat file {} has a timestamp {ahead} s in the future (invalid: the clock went backwards, or the file was written on another host); treated as stale",
+                        hb.display()
+                    );
+                        println!("unhealthy: heartbeat timestamp {ahead} s in the future (treated as stale)");
+                        Ok(ExitCode::FAILURE)
+                    }
                 }
-                liveness::Health::Missing => {
-                    println!("unhealthy: no heartbeat at {}", hb.display());
-                    Ok(ExitCode::FAILURE)
-                }
-                liveness::Health::Stale { age, limit } => {
-                    println!("unhealthy: last tick {age} s ago (limit {limit} s)");
-                    Ok(ExitCode::FAILURE)
-                }
-            }
-        })(),
+            })()
+        }
         Command::Audit(args) => audit::main(args),
         Command::Spec(args) => spec::main(args),
     };
@@ -240,7 +300,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("engy-validator: {}", describe(&e));
-            ExitCode::FAILURE
+            exit_code(&e)
         }
     }
 }

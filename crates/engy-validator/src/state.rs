@@ -147,12 +147,32 @@ pub fn read(path: &Path) -> State {
 
 /// Start-up probe of a file the daemon writes (state or heartbeat): creates its directory
 /// and a temp file in it (removed again), as [`write`] will. An error here means every
-/// later write would fail too (read-only volume, wrong owner, a path under a regular file).
+/// later write would fail too (read-only volume, wrong owner, a path under a regular file,
+/// a directory where the file belongs). The two path shapes the OS only reports as "File
+/// exists" / "Is a directory" are named: a regular file where a folder of the path should
+/// be, and a directory at the file's own path.
 pub fn probe_writable(path: &Path) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
+    if path.is_dir() {
+        return Err(std::io::Error::other(format!(
+            "{} is a directory, not a file",
+            path.display()
+        )));
+    }
+    // the deepest folder of the path that exists must be a folder
+    if let Some(blocker) = dir
+        .ancestors()
+        .find(|a| !a.as_os_str().is_empty() && a.symlink_metadata().is_ok())
+        .filter(|a| !a.is_dir())
+    {
+        return Err(std::io::Error::other(format!(
+            "{} is a regular file where a folder of the path should be",
+            blocker.display()
+        )));
+    }
     std::fs::create_dir_all(&dir)?;
     tempfile::Builder::new()
         .prefix(".probe-")
@@ -293,7 +313,15 @@ mod tests {
         // A parent that is a regular file: no write can ever succeed there.
         let blocker = dir.path().join("file");
         std::fs::write(&blocker, b"x").unwrap();
-        assert!(probe_writable(&blocker.join("state.json")).is_err());
+        let e = probe_writable(&blocker.join("deeper/state.json")).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("file is a regular file where a folder of the path should be"),
+            "{e}"
+        );
+        // a directory at the file's own path
+        let e = probe_writable(dir.path()).unwrap_err();
+        assert!(e.to_string().ends_with("is a directory, not a file"), "{e}");
 
         assert_eq!(damage(&path), None);
         std::fs::write(&path, b"\x00\xffgarbage").unwrap();

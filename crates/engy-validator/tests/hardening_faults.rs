@@ -67,12 +67,12 @@ async fn provider_errors_and_garbage_never_stop_the_loop() {
     let random: Vec<u8> = (0..4096).map(|_| rng.gen()).collect();
     let cases = [
         (Fault::Status500, "fetch failed: HTTP 500"),
-        (Fault::Malformed, "payload rejected: parse_error"),
-        (Fault::Raw(random), "payload rejected: parse_error"),
+        (Fault::Malformed, "payload rejected: malformed"),
+        (Fault::Raw(random), "payload rejected: malformed"),
         (Fault::Raw(b"[]".to_vec()), "payload rejected: malformed"),
         (
             Fault::Raw(vec![b'['; 100_000]),
-            "payload rejected: parse_error",
+            "payload rejected: malformed",
         ),
         (
             Fault::Raw(b"{\"v\":1,\"netuid\":53,\"result_json\":\"\\ud800\"}".to_vec()),

@@ -79,7 +79,7 @@ fn to_body(obj: &serde_json::Map<String, Value>) -> Vec<u8> {
 enum Want {
     /// Verified with the genuine weights (the tampering is of a display-only field).
     Verified,
-    /// Rejected by verify with this reason word (`parse_error` for non-JSON).
+    /// Rejected by verify with this reason word (`malformed` also for non-JSON).
     Reason(&'static str),
     /// The fetch fails with a cap / timeout, before verification.
     TooLarge(&'static str),
@@ -228,14 +228,14 @@ async fn every_tampering_is_rejected_for_the_right_reason_and_never_reaches_the_
         (
             "truncated body",
             Fault::Raw(genuine_body[..genuine_body.len() / 2].to_vec()),
-            Want::Reason("parse_error"),
+            Want::Reason("malformed"),
         ),
         (
             "truncated by one byte",
             Fault::Raw(genuine_body[..genuine_body.len() - 1].to_vec()),
-            Want::Reason("parse_error"),
+            Want::Reason("malformed"),
         ),
-        ("not JSON", Fault::Malformed, Want::Reason("parse_error")),
+        ("not JSON", Fault::Malformed, Want::Reason("malformed")),
         (
             "oversize by Content-Length",
             Fault::OversizeByHeader,
@@ -295,7 +295,6 @@ async fn every_tampering_is_rejected_for_the_right_reason_and_never_reaches_the_
         let mut d = Daemon::new(s.clone(), key(CHARLIE_SEED)).unwrap();
         let report = d.tick(engy_validator::liveness::unix_now()).await;
         let expect = match want {
-            Want::Reason("parse_error") => "payload rejected: parse_error".to_owned(),
             Want::Reason(r) => {
                 format!("payload rejected: {r}; no cached vector, nothing submitted")
             }
