@@ -184,7 +184,9 @@ pub async fn run_leg(
                 }
                 tracing::warn!(leg = %tag, reason = %why, "session ended; re-dialing");
             }
-            Ok(Err(e)) => tracing::warn!(leg = %tag, %url, error = %e, "dial failed"),
+            Ok(Err(e)) => {
+                tracing::warn!(leg = %tag, %url, error = %crate::error_chain(&e), "dial failed")
+            }
             Err(_) => tracing::warn!(leg = %tag, %url, "dial timed out after 30 s"),
         }
         // Jitter ±25 % so a fleet does not re-dial in lockstep.

@@ -160,7 +160,9 @@ impl Engine {
                     Ok(resp) => {
                         tracing::warn!(%serve, %rid, status = %resp.status(), "abort_request refused")
                     }
-                    Err(e) => tracing::warn!(%serve, %rid, error = %e, "abort_request failed"),
+                    Err(e) => {
+                        tracing::warn!(%serve, %rid, error = %crate::error_chain(&e), "abort_request failed")
+                    }
                 }
             });
         }
