@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, secs, Opts};
+use crate::metrics::Metrics;
 use crate::{chat, check, gateway, hw, serve, worker_name};
 
 /// Exit code for a bad configuration.
@@ -75,7 +76,32 @@ pub async fn run(opts: Opts) -> ExitCode {
         Ok(c) => c,
         Err(e) => return config_error(e),
     };
-    match serve(opts, gw, miner_key, &checkpoint, ckpt).await {
+    // Metrics (off unless --metrics-addr): bound now, so a bad address is a start-up error.
+    let metrics = Arc::new(Metrics::new());
+    let shutdown = CancellationToken::new();
+    let metrics_addr = match opts.metrics_socket() {
+        Ok(a) => a,
+        Err(e) => return config_error(e),
+    };
+    let _metrics_server = match metrics_addr {
+        None => None,
+        Some(addr) => {
+            match engy_telemetry::metrics::serve(
+                addr,
+                metrics.registry(),
+                shutdown.clone().cancelled_owned(),
+            )
+            .await
+            {
+                Ok(s) => {
+                    tracing::info!(addr = %s.local_addr(), "metrics at http://{}/metrics", s.local_addr());
+                    Some(s)
+                }
+                Err(e) => return config_error(format!("ENGY_METRICS_ADDR: {e} (--metrics-addr)")),
+            }
+        }
+    };
+    match serve(opts, gw, miner_key, &checkpoint, ckpt, metrics, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -120,6 +146,8 @@ async fn serve(
     miner_key: config::Secret,
     checkpoint: &Path,
     ckpt: Checkpoint,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut signals = Signals::install();
     tracing::info!(checkpoint = %checkpoint.display(), hidden_size = ckpt.hidden, "checkpoint loaded; its chat template renders");
@@ -144,6 +172,7 @@ async fn serve(
         },
         prompter,
         &opts.serve_urls(),
+        Arc::clone(&metrics),
     )?);
     // Best effort and in the background: one WARN per serve that is down, start-up goes on.
     tokio::spawn({
@@ -178,8 +207,7 @@ async fn serve(
         hidden_size = hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
     );
     tracing::info!(hw = %hw, "hardware");
-    let hub = gateway::Hub::new(identity, engine);
-    let shutdown = CancellationToken::new();
+    let hub = gateway::Hub::new(identity, engine, metrics);
     let mut tasks = Vec::new();
     for w in workers {
         tasks.push(tokio::spawn(gateway::run_leg(

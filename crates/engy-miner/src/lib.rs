@@ -13,6 +13,7 @@
 //! * [`gateway`]: legs, sessions, the hub with the one registry of jobs, chunk coalescing.
 //! * [`serve`]: the request path on the sglang serves.
 //! * [`scan`]: the single-pass `/generate` reply scanner (hidden states → bf16 rows).
+//! * [`metrics`]: the Prometheus metrics behind `--metrics-addr`; [`health`]: `engy-miner health`.
 //! * [`job`], [`proof`], [`chat`], [`hw`], [`check`] (the `engy-miner check` preflight).
 use std::path::Path;
 
@@ -23,8 +24,10 @@ pub mod check;
 pub mod config;
 pub mod daemon;
 pub mod gateway;
+pub mod health;
 pub mod hw;
 pub mod job;
+pub mod metrics;
 pub mod proof;
 pub mod scan;
 pub mod serve;

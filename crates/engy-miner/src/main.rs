@@ -4,11 +4,22 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use engy_miner::config::{Cli, Cmd};
-use engy_miner::{check, daemon};
+use engy_miner::{check, daemon, health};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    // RUST_LOG (default `info`) to stderr, text or JSON. The websocket library logs through
+    // the `log` crate, which is not bridged into this logger: its TRACE frame dumps (the
+    // HELLO frame carries MINER_KEY) reach no log at any level (docs/SECURITY.md).
+    let log = engy_telemetry::log::LogConfig {
+        filter_var: "RUST_LOG",
+        default_filter: "info",
+        format: cli.opts.log_format,
+        target: engy_telemetry::log::LogTarget::Stderr,
+    };
+    if let Err(e) = engy_telemetry::log::init(&log) {
+        return daemon::config_error(e);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -21,28 +32,7 @@ fn main() -> ExitCode {
     };
     match cli.cmd {
         Some(Cmd::Check) => rt.block_on(check::run(&cli.opts)),
+        Some(Cmd::Health) => rt.block_on(health::run(&cli.opts)),
         Some(Cmd::Run) | None => rt.block_on(daemon::run(cli.opts)),
     }
-}
-
-/// `RUST_LOG` (default `info`) to stderr, with one rule no filter can lift: the websocket
-/// library's TRACE events are dropped, because they dump whole frames and the HELLO frame
-/// carries MINER_KEY (docs/SECURITY.md).
-fn init_logging() {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    use tracing_subscriber::Layer;
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let no_frame_dumps = tracing_subscriber::filter::filter_fn(|meta| {
-        let t = meta.target();
-        !(*meta.level() == tracing::Level::TRACE
-            && (t.starts_with("tungstenite") || t.starts_with("tokio_tungstenite")))
-    });
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .with_filter(no_frame_dumps);
-    tracing_subscriber::registry().with(filter).with(fmt).init();
 }

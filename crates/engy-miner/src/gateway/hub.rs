@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::Identity;
 use crate::job::Job;
+use crate::metrics::Metrics;
 use crate::serve::Engine;
 
 /// Shared state of all legs.
@@ -26,6 +27,8 @@ pub struct Hub {
     idle: tokio::sync::Notify,
     /// Source of leg ids ([`Hub::new_leg`]).
     next_leg: AtomicU64,
+    /// The Prometheus metrics (docs/MINER.md "Metrics").
+    pub metrics: Arc<Metrics>,
 }
 
 /// Running jobs by registration number (a corr_id served again while its first job still
@@ -51,7 +54,7 @@ pub(crate) struct Ticket {
 
 impl Hub {
     /// New hub.
-    pub fn new(id: Identity, engine: Arc<Engine>) -> Arc<Self> {
+    pub fn new(id: Identity, engine: Arc<Engine>, metrics: Arc<Metrics>) -> Arc<Self> {
         Arc::new(Self {
             id,
             engine,
@@ -60,6 +63,7 @@ impl Hub {
             draining: AtomicBool::new(false),
             idle: tokio::sync::Notify::new(),
             next_leg: AtomicU64::new(0),
+            metrics,
         })
     }
 
@@ -87,6 +91,7 @@ impl Hub {
                 job: Arc::clone(&job),
             },
         );
+        self.metrics.set_inflight(jobs.running.len());
         Ticket { id, job }
     }
 
@@ -95,6 +100,7 @@ impl Hub {
         let empty = {
             let mut jobs = self.jobs();
             jobs.running.remove(&ticket.id);
+            self.metrics.set_inflight(jobs.running.len());
             jobs.running.is_empty()
         };
         if empty {

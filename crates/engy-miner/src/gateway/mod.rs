@@ -190,6 +190,7 @@ pub async fn run_leg(
             Err(_) => tracing::warn!(leg = %tag, %url, "dial timed out after 30 s"),
         }
         // Jitter ±25 % so a fleet does not re-dial in lockstep.
+        hub.metrics.reconnect();
         let jitter = rand::thread_rng().gen_range(0.75..1.25);
         let pause = backoff.mul_f64(jitter);
         tracing::info!(leg = %tag, pause_ms = pause.as_millis() as u64, "re-dialing after pause");

@@ -17,6 +17,7 @@ use super::gate;
 use super::hub::Hub;
 use super::{decode_frame, Frame, ServeFrame};
 use crate::job::JobError;
+use crate::metrics::Outcome;
 use crate::serve::{StreamEvent, StreamSink};
 
 /// One leg session's own state: its id in the hub's registry and when it was last busy.
@@ -114,6 +115,8 @@ pub(crate) async fn session(
         instance_id: hub.id.worker_name.clone(),
         worker_id: hub.id.worker_id.clone(),
     });
+    // Counted before HELLO leaves: a gateway that saw HELLO sees the leg counted.
+    hub.metrics.leg_up(true);
     let _ = tx.send(Message::Text(hello.to_text().into()));
     drop(hello);
     tracing::info!(leg = %tag, max_inflight = per_leg, "HELLO sent; awaiting work");
@@ -190,6 +193,7 @@ pub(crate) async fn session(
     };
     // Requests of this leg can no longer be answered: stop them (and their serve calls).
     hub.cancel_leg(leg.id, "leg ended");
+    hub.metrics.leg_up(false);
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
     why
@@ -234,6 +238,7 @@ fn on_serve(
         request,
         stream,
     } = serve;
+    let arrived = Instant::now();
     let request_id = wire::request_id(&request)
         .unwrap_or_else(|| Value::String(uuid::Uuid::new_v4().simple().to_string()));
     if hub.take_early_cancel(&corr_id) {
@@ -243,11 +248,13 @@ fn on_serve(
             request_id,
             "cancelled by the gateway before the serve arrived",
         );
+        hub.metrics.request(Outcome::Refused);
         send_frame(tx, &wire::MinerFrame::Response(f));
         return;
     }
     if hub.draining.load(Ordering::SeqCst) {
         let f = wire::Response::failed(&corr_id, request_id, "miner is shutting down");
+        hub.metrics.request(Outcome::Refused);
         send_frame(tx, &wire::MinerFrame::Response(f));
         return;
     }
@@ -278,25 +285,39 @@ fn on_serve(
             hub.engine.process(&request, &job, sink).await
         };
         co.flush();
-        let frame = match result {
-            Ok((commitment, output)) => Some(wire::Response::completed(
-                &corr_id, request_id, commitment, output,
-            )),
+        let (outcome, frame) = match result {
+            Ok((commitment, output)) => (
+                Outcome::Completed,
+                Some(wire::Response::completed(
+                    &corr_id, request_id, commitment, output,
+                )),
+            ),
             Err(JobError::Cancelled) => match job.abort_reason() {
                 Some(why) => {
                     tracing::warn!(leg = %tag, %corr_id, why, "request aborted; sending an error response");
-                    Some(wire::Response::failed(&corr_id, request_id, &why))
+                    (
+                        Outcome::Aborted,
+                        Some(wire::Response::failed(&corr_id, request_id, &why)),
+                    )
                 }
                 None => {
                     tracing::info!(leg = %tag, %corr_id, "request cancelled; nothing more is sent for it");
-                    None
+                    (Outcome::Cancelled, None)
                 }
             },
             Err(JobError::Failed(e)) => {
                 tracing::warn!(leg = %tag, %corr_id, error = %e, "request failed; sending an error response");
-                Some(wire::Response::failed(&corr_id, request_id, &e))
+                (
+                    Outcome::Failed,
+                    Some(wire::Response::failed(&corr_id, request_id, &e)),
+                )
             }
         };
+        // Counted before the frame leaves: whoever saw the response sees it counted.
+        hub.metrics.request(outcome);
+        if outcome == Outcome::Completed {
+            hub.metrics.served_in(arrived.elapsed());
+        }
         if let Some(f) = frame {
             let text = wire::MinerFrame::Response(f).to_text();
             job.if_live(|| tx.send(Message::Text(text.into())));
