@@ -1,4 +1,4 @@
-//! Command line and environment (PROTOCOL.md §3 "Environment of the reference miner", §2.3).
+//! Command line and environment (docs/PROTOCOL.md §3 "Environment of the reference miner", §2.3).
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -224,10 +224,10 @@ impl Opts {
     }
 }
 
-/// The gateway's lower bound on a miner's total concurrency (PROTOCOL.md §2, leg plan).
+/// The gateway's lower bound on a miner's total concurrency (docs/PROTOCOL.md §2, leg plan).
 pub const GATEWAY_MIN_INFLIGHT: u64 = 8;
 
-/// Seconds after which the gateway calls a leg stale without a heartbeat (PROTOCOL.md §2).
+/// Seconds after which the gateway calls a leg stale without a heartbeat (docs/PROTOCOL.md §2).
 pub const GATEWAY_STALE_S: f64 = 90.0;
 
 /// A setting the miner refuses to start with: `var` is the environment variable (the flag

@@ -71,7 +71,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
-/// `GW` checked for what the miner does with it (PROTOCOL.md §2): a `ws://`/`wss://` URL
+/// `GW` checked for what the miner does with it (docs/PROTOCOL.md §2): a `ws://`/`wss://` URL
 /// with a host, to which `/meta` and `/<worker>` are appended, so no query or fragment.
 /// Errors say what to fix and never echo a query (it could hold a token).
 pub fn check_gw(gw: &str) -> Result<(), String> {

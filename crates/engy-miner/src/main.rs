@@ -1,5 +1,5 @@
 //! engy-miner: bridges the engy gateway (websocket) to local sglang serves and proves every
-//! completion with TOPLOC (PROTOCOL.md §2–§5). See docs/MINER.md.
+//! completion with TOPLOC (docs/PROTOCOL.md §2–§5). See docs/MINER.md.
 use std::process::ExitCode;
 
 use clap::Parser;

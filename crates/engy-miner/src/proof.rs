@@ -6,7 +6,7 @@ use engy_core::toploc::{
 
 use crate::scan::RowSink;
 
-/// Builds the TOPLOC proofs of a request batch by batch as its rows arrive (PROTOCOL.md
+/// Builds the TOPLOC proofs of a request batch by batch as its rows arrive (docs/PROTOCOL.md
 /// §3.8, skip_prefill: batches are groups of `decode_batching_size` rows from row 0), so a
 /// request holds at most one batch of rows (32 × hidden × 2 bytes), never all of them. Each
 /// batch's proof depends only on that batch's rows, so the proofs equal

@@ -130,7 +130,7 @@ impl Engine {
             .pool_max_idle_per_host(256)
             .build()?;
         // Aborts get their own client (own connection pool): busy generation calls can
-        // never starve them (PROTOCOL.md §2 cancel).
+        // never starve them (docs/PROTOCOL.md §2 cancel).
         let abort_client = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
             .build()?;
