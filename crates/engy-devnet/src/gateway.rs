@@ -1,4 +1,4 @@
-//! The gateway double: engy's miner gateway as PROTOCOL.md §2 describes it.
+//! The gateway double: engy's miner gateway as docs/PROTOCOL.md §2 describes it.
 //!
 //! * `GET /meta` answers `{"workers": N}` (or 404 when `meta` is off, so a miner falls back
 //!   to N = 1).

@@ -11,7 +11,7 @@
 //! paced by `--interval-ms`, ~65 tokens/s a stream: 64 streams ≈ 4,300 tokens/s, one
 //! 8-GPU node). `--streams` streamed requests run at once, each of `--tokens + i` tokens
 //! (the length tells the serve calls apart). The 50 ms coalescing window is policy, not
-//! latency (PROTOCOL.md §2, `STREAM_FLUSH_S`), so it is set to 0: every event with new
+//! latency (docs/PROTOCOL.md §2, `STREAM_FLUSH_S`), so it is set to 0: every event with new
 //! text becomes one `chunk` frame at once.
 //!
 //! For every intermediate SSE event the sglang double records when it was handed to the

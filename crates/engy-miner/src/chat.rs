@@ -1,6 +1,6 @@
 //! Chat template + tokenizer: OpenAI `messages` → `prompt_ids` exactly as Hugging Face
 //! `transformers` `apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`
-//! computes them (PROTOCOL.md §3.1).
+//! computes them (docs/PROTOCOL.md §3.1).
 //!
 //! What transformers does, and this module mirrors:
 //! * the template is `chat_template.jinja` in the checkpoint when present, else
@@ -16,7 +16,7 @@
 //!   `pad_token`, `additional_special_tokens`) as strings;
 //! * the rendered text is tokenized WITHOUT adding special tokens (`add_special_tokens=False`).
 //!
-//! Only `role` and `content` of each message are passed (PROTOCOL.md §3.1).
+//! Only `role` and `content` of each message are passed (docs/PROTOCOL.md §3.1).
 use std::path::{Path, PathBuf};
 
 use minijinja::value::{Value as JValue, ValueKind};
@@ -234,7 +234,7 @@ impl Prompter {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Decode ids with special tokens skipped (PROTOCOL.md §3.9).
+    /// Decode ids with special tokens skipped (docs/PROTOCOL.md §3.9).
     ///
     /// # Errors
     /// [`ChatError::Tokenize`] for an id outside the vocabulary.

@@ -1,4 +1,4 @@
-//! Command line and environment (PROTOCOL.md §3 "Environment of the reference miner", §2.3).
+//! Command line and environment (docs/PROTOCOL.md §3 "Environment of the reference miner", §2.3).
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -54,6 +54,10 @@ pub enum Cmd {
     /// (`/get_model_info`, a 4-token `/generate` with hidden states, a proof that builds and
     /// verifies), gateway `/meta`. Prints ok/FAIL lines with the fix; exits 1 on any FAIL.
     Check,
+    /// Container health check: exits 0 when at least one gateway leg is connected, read from
+    /// this miner's own metrics endpoint (`--metrics-addr` / ENGY_METRICS_ADDR must be set,
+    /// to the address the running miner uses); 1 otherwise, with the reason.
+    Health,
 }
 
 /// Settings shared by `run` and `check`.
@@ -161,9 +165,38 @@ pub struct Opts {
         global = true
     )]
     pub lock_file: PathBuf,
+    /// Serve Prometheus metrics at `http://<ADDR>/metrics`, e.g. `127.0.0.1:9464` (off when
+    /// unset). No authentication: bind it to 127.0.0.1 or a private interface.
+    #[arg(long = "metrics-addr", env = "ENGY_METRICS_ADDR", global = true)]
+    pub metrics_addr: Option<String>,
+    /// Log line format: `text` (human) or `json` (one object per line). The filter is RUST_LOG.
+    #[arg(
+        long = "log-format",
+        env = "ENGY_LOG_FORMAT",
+        value_enum,
+        default_value_t = engy_telemetry::log::LogFormat::Text,
+        global = true
+    )]
+    pub log_format: engy_telemetry::log::LogFormat,
 }
 
 impl Opts {
+    /// `--metrics-addr` parsed (`None` when unset or empty: metrics are off).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming ENGY_METRICS_ADDR when it is not `host:port` with an IP.
+    pub fn metrics_socket(&self) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+        match self.metrics_addr.as_deref().map(str::trim) {
+            None | Some("") => Ok(None),
+            Some(a) => a.parse().map(Some).map_err(|_| {
+                bad(
+                    "ENGY_METRICS_ADDR",
+                    format!("{a:?} is not an IP:port address (--metrics-addr); set e.g. ENGY_METRICS_ADDR=127.0.0.1:9464"),
+                )
+            }),
+        }
+    }
+
     /// The serve URLs, trimmed, without trailing slashes.
     pub fn serve_urls(&self) -> Vec<String> {
         self.serve_url
@@ -191,10 +224,10 @@ impl Opts {
     }
 }
 
-/// The gateway's lower bound on a miner's total concurrency (PROTOCOL.md §2, leg plan).
+/// The gateway's lower bound on a miner's total concurrency (docs/PROTOCOL.md §2, leg plan).
 pub const GATEWAY_MIN_INFLIGHT: u64 = 8;
 
-/// Seconds after which the gateway calls a leg stale without a heartbeat (PROTOCOL.md §2).
+/// Seconds after which the gateway calls a leg stale without a heartbeat (docs/PROTOCOL.md §2).
 pub const GATEWAY_STALE_S: f64 = 90.0;
 
 /// A setting the miner refuses to start with: `var` is the environment variable (the flag
@@ -227,6 +260,7 @@ impl Opts {
     /// # Errors
     /// The first [`ConfigError`] found, in the order of the settings table.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.metrics_socket()?;
         if self.max_inflight < GATEWAY_MIN_INFLIGHT {
             return Err(bad(
                 "MAX_INFLIGHT",

@@ -1,4 +1,4 @@
-//! Best-effort hardware facts for HELLO (PROTOCOL.md §2.1). Never fatal, never opens a GPU
+//! Best-effort hardware facts for HELLO (docs/PROTOCOL.md §2.1). Never fatal, never opens a GPU
 //! context: GPUs are read with `nvidia-smi` (a query, no context).
 use std::time::Duration;
 

@@ -1,13 +1,20 @@
 //! engy-miner as a library: the pieces of the miner binary, public for its integration
-//! tests and benchmarks. The binary (`src/main.rs`) is the product; see docs/MINER.md.
+//! tests and benchmarks. The binary (`src/main.rs`) only parses the command line; see
+//! docs/MINER.md and ARCHITECTURE.md "engy-miner".
 //!
-//! * [`config`]: CLI and environment (PROTOCOL.md §3).
-//! * [`chat`]: chat template + tokenizer → `prompt_ids` (§3.1).
+//! One request, top to bottom: [`gateway::session`] reads a `serve` frame and registers a
+//! [`job::Job`] in the [`gateway::Hub`]; [`serve::Engine::process`] renders the prompt
+//! ([`chat`]), picks a serve ([`serve::pool`]), runs the chunked generation (one `/generate`
+//! call at a time, read by [`scan`]), builds the proof ([`proof`]); the session sends the
+//! terminal frame ([`engy_core::wire`]) and unregisters the job.
+//!
+//! * [`daemon`]: `engy-miner run` (settings, checkpoint, lock, legs, signals, drain).
+//! * [`config`]: CLI and environment (docs/PROTOCOL.md §3).
+//! * [`gateway`]: legs, sessions, the hub with the one registry of jobs, chunk coalescing.
+//! * [`serve`]: the request path on the sglang serves.
 //! * [`scan`]: the single-pass `/generate` reply scanner (hidden states → bf16 rows).
-//! * [`engine`]: one request on the serves: chunking, rows, alignment checks, proof (§3).
-//! * [`legs`]: gateway legs, HELLO, heartbeats, cancel (§2).
-//! * [`hw`]: best-effort hardware facts (§2.1).
-//! * [`check`]: the `engy-miner check` preflight.
+//! * [`metrics`]: the Prometheus metrics behind `--metrics-addr`; [`health`]: `engy-miner health`.
+//! * [`job`], [`proof`], [`chat`], [`hw`], [`check`] (the `engy-miner check` preflight).
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
@@ -15,9 +22,12 @@ use sha2::{Digest, Sha256};
 pub mod chat;
 pub mod check;
 pub mod config;
+pub mod daemon;
 pub mod gateway;
+pub mod health;
 pub mod hw;
 pub mod job;
+pub mod metrics;
 pub mod proof;
 pub mod scan;
 pub mod serve;
@@ -61,7 +71,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
-/// `GW` checked for what the miner does with it (PROTOCOL.md §2): a `ws://`/`wss://` URL
+/// `GW` checked for what the miner does with it (docs/PROTOCOL.md §2): a `ws://`/`wss://` URL
 /// with a host, to which `/meta` and `/<worker>` are appended, so no query or fragment.
 /// Errors say what to fix and never echo a query (it could hold a token).
 pub fn check_gw(gw: &str) -> Result<(), String> {

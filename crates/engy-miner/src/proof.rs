@@ -6,7 +6,7 @@ use engy_core::toploc::{
 
 use crate::scan::RowSink;
 
-/// Builds the TOPLOC proofs of a request batch by batch as its rows arrive (PROTOCOL.md
+/// Builds the TOPLOC proofs of a request batch by batch as its rows arrive (docs/PROTOCOL.md
 /// §3.8, skip_prefill: batches are groups of `decode_batching_size` rows from row 0), so a
 /// request holds at most one batch of rows (32 × hidden × 2 bytes), never all of them. Each
 /// batch's proof depends only on that batch's rows, so the proofs equal
@@ -22,6 +22,8 @@ pub struct ProofAcc {
     /// Rows received in total.
     rows: usize,
     err: Option<ToplocError>,
+    /// Time spent building proofs so far.
+    build: std::time::Duration,
 }
 
 impl ProofAcc {
@@ -71,7 +73,10 @@ impl ProofAcc {
             })
             .collect();
         let batch = self.proofs.len();
-        match build_proofs_base64(&elements, Dtype::Bf16, &params) {
+        let t0 = std::time::Instant::now();
+        let built = build_proofs_base64(&elements, Dtype::Bf16, &params);
+        self.build += t0.elapsed();
+        match built {
             Ok(p) => self.proofs.extend(p),
             Err(mut e) => {
                 // Report the batch's index in the whole request, as one build would.
@@ -115,6 +120,8 @@ pub struct Proofs {
     /// Why TOPLOC could not be built over the rows (then `proofs` are the reference's
     /// null proofs, which every verifier calls unproven, docs/PROTOCOL.md §5).
     pub unproven: Option<ToplocError>,
+    /// Time spent building the proofs, all batches.
+    pub build_time: std::time::Duration,
 }
 
 impl ProofAcc {
@@ -123,23 +130,25 @@ impl ProofAcc {
     ///
     /// # Errors
     /// Only when even null proofs cannot be sized (`decode_batching_size` 0).
-    pub fn finish_or_null(self) -> Result<Proofs, ToplocError> {
-        let rows = self.rows;
-        let params = self.params;
-        match self.finish() {
-            Ok(proofs) => Ok(Proofs {
-                proofs,
+    pub fn finish_or_null(mut self) -> Result<Proofs, ToplocError> {
+        self.prove_pending();
+        let build_time = self.build;
+        match self.err.take() {
+            None => Ok(Proofs {
+                proofs: self.proofs,
                 unproven: None,
+                build_time,
             }),
-            Err(e) => {
-                let params = params.ok_or(ToplocError::ZeroDecodeBatchingSize)?;
-                let proofs = null_proofs_like_reference(rows, &params)?
+            Some(e) => {
+                let params = self.params.ok_or(ToplocError::ZeroDecodeBatchingSize)?;
+                let proofs = null_proofs_like_reference(self.rows, &params)?
                     .iter()
                     .map(ProofPoly::to_base64)
                     .collect();
                 Ok(Proofs {
                     proofs,
                     unproven: Some(e),
+                    build_time,
                 })
             }
         }

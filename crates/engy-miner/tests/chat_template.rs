@@ -1,5 +1,5 @@
 //! The chat template + tokenizer give exactly Hugging Face `transformers`
-//! `apply_chat_template(tokenize=True, add_generation_prompt=True)` ids (PROTOCOL.md §3.1),
+//! `apply_chat_template(tokenize=True, add_generation_prompt=True)` ids (docs/PROTOCOL.md §3.1),
 //! for a checkpoint generated here, computed at test time by `tests/hf_chat_template.py`.
 mod common;
 

@@ -4,7 +4,7 @@
 //! * the serve crashing (every reply torn where it is, the port refusing connections),
 //!   dying mid-body, hanging without a byte, or answering garbage (non-JSON, cut JSON,
 //!   wrong shapes), streamed and not: each request gets exactly one `response` error frame
-//!   of PROTOCOL.md §2's shape; the process and its leg stay up and the next request is
+//!   of docs/PROTOCOL.md §2's shape; the process and its leg stay up and the next request is
 //!   served and proven normally (also with 16 requests in flight over 4 legs when the serve
 //!   crashes); SIGTERM with a hung call drains, aborts it and exits 0;
 //! * gateway legs dropped (or told to reconnect) with requests in flight, once and at
@@ -44,7 +44,7 @@ const HIDDEN: usize = 128;
 /// synthetic model: milliseconds), short enough to keep the hang cases quick.
 const SERVE_HTTP_S: &str = "3";
 
-/// PROTOCOL.md §2 error `response`: exactly `type, corr_id, request_id, commitment, output,
+/// docs/PROTOCOL.md §2 error `response`: exactly `type, corr_id, request_id, commitment, output,
 /// error`, `commitment` null, `output` `{}`, `error` a non-empty string of ≤ 300 chars,
 /// `request_id` a fresh uuid hex (no `engy_request_id` was given). Returns the error.
 fn assert_error_frame(resp: &Value, corr: &str) -> String {
@@ -145,7 +145,7 @@ async fn serve_settled(fx: &Fixture) {
 }
 
 /// Every serve call ended, and each either finished (`stop`/`length`) or was named by an
-/// `/abort_request` (PROTOCOL.md §2 cancel: "abort its serve requests").
+/// `/abort_request` (docs/PROTOCOL.md §2 cancel: "abort its serve requests").
 async fn every_call_finished_or_aborted(fx: &Fixture) -> (usize, usize) {
     fn ok(r: &GenerateRecord, aborted: &HashSet<&str>) -> bool {
         r.done
@@ -992,7 +992,7 @@ async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero
     assert!(log.contains("drain timed out"), "{log}");
     assert!(!log.contains("panicked"), "{log}");
     wait_abort_of(&fx, &rid).await;
-    // Issue 14: the request still gets its one terminal frame, an error (PROTOCOL.md §2.6).
+    // Issue 14: the request still gets its one terminal frame, an error (docs/PROTOCOL.md §2.6).
     let frames = fx.gw.frames_for("stuck");
     assert_eq!(frames.len(), 1, "{frames:?}");
     let resp = &frames[0].value;

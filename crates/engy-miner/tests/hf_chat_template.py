@@ -1,4 +1,4 @@
-"""Expected prompt ids from Hugging Face transformers (PROTOCOL.md §3.1).
+"""Expected prompt ids from Hugging Face transformers (docs/PROTOCOL.md §3.1).
 
 Usage: python3 hf_chat_template.py <checkpoint dir> <conversations.json>
 Prints a JSON list: for each conversation, the ids of

@@ -1,4 +1,4 @@
-//! The real `engy-miner` binary against the gateway and sglang doubles (PROTOCOL.md §2–§5).
+//! The real `engy-miner` binary against the gateway and sglang doubles (docs/PROTOCOL.md §2–§5).
 mod common;
 
 use std::time::Duration;

@@ -15,7 +15,7 @@
 //!   and the hidden row computed at a position depend only on the token ids up to and
 //!   including that position, never on how the sequence was split between prefill and
 //!   decode, on the `cached_prefix` hint, or on other sessions. This is what makes a
-//!   chunked generation (PROTOCOL.md §3.4, one-token overlap) return the same rows as one
+//!   chunked generation (docs/PROTOCOL.md §3.4, one-token overlap) return the same rows as one
 //!   long call.
 //! * **Rows are the LM-head input** (post final norm for Qwen/Llama, sglang-native-api.md
 //!   §2.6.1), `hidden_size` floats each, and **bf16-exact**: every value must be exactly

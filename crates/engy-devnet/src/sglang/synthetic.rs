@@ -154,7 +154,7 @@ pub fn write_checkpoint(dir: &Path, spec: &CheckpointSpec) -> Result<(), Checkpo
         "torch_dtype": "bfloat16",
     });
     write_json(&dir.join("config.json"), &cfg)?;
-    // One tiny shard so `model_root` (PROTOCOL.md §4) covers a file name and size.
+    // One tiny shard so `model_root` (docs/PROTOCOL.md §4) covers a file name and size.
     let seed = [0u8, 1, 2, 3, 4, 5, 6, 7];
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![8], &seed)
         .map_err(|e| CheckpointError::Config(e.to_string()))?;

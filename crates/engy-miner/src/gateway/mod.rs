@@ -184,10 +184,13 @@ pub async fn run_leg(
                 }
                 tracing::warn!(leg = %tag, reason = %why, "session ended; re-dialing");
             }
-            Ok(Err(e)) => tracing::warn!(leg = %tag, %url, error = %e, "dial failed"),
+            Ok(Err(e)) => {
+                tracing::warn!(leg = %tag, %url, error = %crate::error_chain(&e), "dial failed")
+            }
             Err(_) => tracing::warn!(leg = %tag, %url, "dial timed out after 30 s"),
         }
         // Jitter ±25 % so a fleet does not re-dial in lockstep.
+        hub.metrics.reconnect();
         let jitter = rand::thread_rng().gen_range(0.75..1.25);
         let pause = backoff.mul_f64(jitter);
         tracing::info!(leg = %tag, pause_ms = pause.as_millis() as u64, "re-dialing after pause");

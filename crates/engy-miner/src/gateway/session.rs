@@ -1,7 +1,6 @@
 //! One websocket session of a leg: HELLO, heartbeats and keep-alive pings, gateway frames
 //! in ([`wire::GatewayFrame`]), one task per `serve`, and its terminal frame out.
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,27 +16,29 @@ use super::connection::{Ws, GW_MAX_FRAME};
 use super::gate;
 use super::hub::Hub;
 use super::{decode_frame, Frame, ServeFrame};
-use crate::job::{Job, JobError};
+use crate::job::JobError;
+use crate::metrics::Outcome;
 use crate::serve::{StreamEvent, StreamSink};
 
-/// Per-leg counters for heartbeats.
-struct LegState {
-    inflight: AtomicUsize,
+/// One leg session's own state: its id in the hub's registry and when it was last busy.
+pub(crate) struct LegState {
+    id: u64,
     last_busy: Mutex<Instant>,
-    /// The leg's running jobs by corr_id.
-    corr_ids: Mutex<HashMap<String, Arc<Job>>>,
 }
 
 impl LegState {
-    fn idle_seconds(&self) -> f64 {
-        if self.inflight.load(Ordering::SeqCst) > 0 {
+    /// `(inflight, idle_seconds)` of the heartbeat (docs/PROTOCOL.md §2.2).
+    fn load(&self, hub: &Hub) -> (u64, f64) {
+        let inflight = hub.leg_inflight(self.id);
+        let idle = if inflight > 0 {
             0.0
         } else {
             self.last_busy
                 .lock()
                 .map(|t| t.elapsed().as_secs_f64())
                 .unwrap_or(0.0)
-        }
+        };
+        (inflight as u64, idle)
     }
 }
 
@@ -100,9 +101,8 @@ pub(crate) async fn session(
     });
     let cap = hub.id.capacity(per_leg);
     let leg = Arc::new(LegState {
-        inflight: AtomicUsize::new(0),
+        id: hub.new_leg(),
         last_busy: Mutex::new(Instant::now()),
-        corr_ids: Mutex::new(HashMap::new()),
     });
     let hello = wire::MinerFrame::Hello(wire::Hello {
         miner_key: hub.id.miner_key.expose().to_string(),
@@ -115,13 +115,16 @@ pub(crate) async fn session(
         instance_id: hub.id.worker_name.clone(),
         worker_id: hub.id.worker_id.clone(),
     });
+    // Counted before HELLO leaves: a gateway that saw HELLO sees the leg counted.
+    hub.metrics.leg_up(true);
     let _ = tx.send(Message::Text(hello.to_text().into()));
     drop(hello);
     tracing::info!(leg = %tag, max_inflight = per_leg, "HELLO sent; awaiting work");
     let heartbeat = |leg: &LegState| {
+        let (inflight, idle_seconds) = leg.load(hub);
         wire::MinerFrame::Heartbeat(wire::Heartbeat {
-            inflight: leg.inflight.load(Ordering::SeqCst) as u64,
-            idle_seconds: leg.idle_seconds(),
+            inflight,
+            idle_seconds,
             capacity: cap.clone(),
         })
         .to_text()
@@ -189,14 +192,8 @@ pub(crate) async fn session(
         }
     };
     // Requests of this leg can no longer be answered: stop them (and their serve calls).
-    let orphans: Vec<(String, Arc<Job>)> = leg
-        .corr_ids
-        .lock()
-        .map(|s| s.iter().map(|(c, j)| (c.clone(), Arc::clone(j))).collect())
-        .unwrap_or_default();
-    for (c, job) in orphans {
-        hub.cancel_job(&c, &job, "leg ended");
-    }
+    hub.cancel_leg(leg.id, "leg ended");
+    hub.metrics.leg_up(false);
     drop(tx);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
     why
@@ -241,6 +238,7 @@ fn on_serve(
         request,
         stream,
     } = serve;
+    let arrived = Instant::now();
     let request_id = wire::request_id(&request)
         .unwrap_or_else(|| Value::String(uuid::Uuid::new_v4().simple().to_string()));
     if hub.take_early_cancel(&corr_id) {
@@ -250,22 +248,19 @@ fn on_serve(
             request_id,
             "cancelled by the gateway before the serve arrived",
         );
+        hub.metrics.request(Outcome::Refused);
         send_frame(tx, &wire::MinerFrame::Response(f));
         return;
     }
     if hub.draining.load(Ordering::SeqCst) {
         let f = wire::Response::failed(&corr_id, request_id, "miner is shutting down");
+        hub.metrics.request(Outcome::Refused);
         send_frame(tx, &wire::MinerFrame::Response(f));
         return;
     }
-    let job = Job::new();
     // Registered BEFORE the task runs: a cancel may arrive before it starts.
-    hub.jobs().insert(corr_id.clone(), Arc::clone(&job));
-    hub.inflight.fetch_add(1, Ordering::SeqCst);
-    leg.inflight.fetch_add(1, Ordering::SeqCst);
-    if let Ok(mut s) = leg.corr_ids.lock() {
-        s.insert(corr_id.clone(), Arc::clone(&job));
-    }
+    let ticket = hub.register(&corr_id, leg.id);
+    let job = Arc::clone(&ticket.job);
     let hub = Arc::clone(hub);
     let leg = Arc::clone(leg);
     let tx = tx.clone();
@@ -290,41 +285,46 @@ fn on_serve(
             hub.engine.process(&request, &job, sink).await
         };
         co.flush();
-        let frame = match result {
-            Ok((commitment, output)) => Some(wire::Response::completed(
-                &corr_id, request_id, commitment, output,
-            )),
+        let (outcome, frame) = match result {
+            Ok((commitment, output)) => (
+                Outcome::Completed,
+                Some(wire::Response::completed(
+                    &corr_id, request_id, commitment, output,
+                )),
+            ),
             Err(JobError::Cancelled) => match job.abort_reason() {
                 Some(why) => {
                     tracing::warn!(leg = %tag, %corr_id, why, "request aborted; sending an error response");
-                    Some(wire::Response::failed(&corr_id, request_id, &why))
+                    (
+                        Outcome::Aborted,
+                        Some(wire::Response::failed(&corr_id, request_id, &why)),
+                    )
                 }
                 None => {
                     tracing::info!(leg = %tag, %corr_id, "request cancelled; nothing more is sent for it");
-                    None
+                    (Outcome::Cancelled, None)
                 }
             },
             Err(JobError::Failed(e)) => {
                 tracing::warn!(leg = %tag, %corr_id, error = %e, "request failed; sending an error response");
-                Some(wire::Response::failed(&corr_id, request_id, &e))
+                (
+                    Outcome::Failed,
+                    Some(wire::Response::failed(&corr_id, request_id, &e)),
+                )
             }
         };
+        // Counted before the frame leaves: whoever saw the response sees it counted.
+        hub.metrics.request(outcome);
+        if outcome == Outcome::Completed {
+            hub.metrics.served_in(arrived.elapsed());
+        }
         if let Some(f) = frame {
             let text = wire::MinerFrame::Response(f).to_text();
             job.if_live(|| tx.send(Message::Text(text.into())));
         }
-        hub.forget(&corr_id, &job);
-        if let Ok(mut s) = leg.corr_ids.lock() {
-            if s.get(&corr_id).is_some_and(|j| Arc::ptr_eq(j, &job)) {
-                s.remove(&corr_id);
-            }
-        }
         if let Ok(mut t) = leg.last_busy.lock() {
             *t = Instant::now();
         }
-        leg.inflight.fetch_sub(1, Ordering::SeqCst);
-        if hub.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
-            hub.idle.notify_waiters();
-        }
+        hub.finish(&ticket);
     });
 }

@@ -4,7 +4,7 @@
 //! shortest round-trip text of a float64 that holds a bf16 value (`-0.1640625`,
 //! `0.0439453125`, `1.52587890625e-5`). The reference reads each with Python's `json`
 //! (→ float64, correctly rounded), numpy casts to float32 and torch to bfloat16, both
-//! round-to-nearest-even (PROTOCOL.md §3.8). [`parse_bf16`] gives exactly that result, or
+//! round-to-nearest-even (docs/PROTOCOL.md §3.8). [`parse_bf16`] gives exactly that result, or
 //! `None` when its fast path cannot decide, and the caller then uses an exact parser
 //! (`fast-float2`) on the same text. So the fast path changes speed, never results.
 //!

@@ -5,7 +5,7 @@
 //! walks the bytes once, as they arrive ([`ReplySource`]: it holds only a small window of
 //! the body, never the whole reply), never builds a generic JSON value, and converts each
 //! hidden float straight to a bfloat16 bit pattern (float32 first, then
-//! round-to-nearest-even, as numpy float32 → `torch.bfloat16` does; PROTOCOL.md §3.8),
+//! round-to-nearest-even, as numpy float32 → `torch.bfloat16` does; docs/PROTOCOL.md §3.8),
 //! handing each kept row to a [`RowSink`] (the miner proves batches of rows as they
 //! complete). Of each 2-D element (a prefill or re-prefill block) only the LAST row is
 //! kept: it is the hidden state that sampled that element's token (§2.6.1).

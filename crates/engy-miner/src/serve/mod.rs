@@ -17,6 +17,7 @@ use pool::Pool;
 
 use crate::chat::Prompter;
 use crate::job::{fail, Job, JobError};
+use crate::metrics::Metrics;
 use crate::proof::ProofAcc;
 use crate::scan::{Finish, Rows};
 
@@ -48,6 +49,7 @@ pub struct Engine {
     cfg: EngineConfig,
     prompter: Arc<Prompter>,
     pool: Pool,
+    metrics: Arc<Metrics>,
     gen_client: reqwest::Client,
     abort_client: reqwest::Client,
     /// `input_ids` of the curl probe in misalignment errors: [`PROBE_TEXT`] in the
@@ -117,6 +119,7 @@ impl Engine {
         cfg: EngineConfig,
         prompter: Arc<Prompter>,
         serve_urls: &[String],
+        metrics: Arc<Metrics>,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             !serve_urls.is_empty(),
@@ -127,7 +130,7 @@ impl Engine {
             .pool_max_idle_per_host(256)
             .build()?;
         // Aborts get their own client (own connection pool): busy generation calls can
-        // never starve them (PROTOCOL.md §2 cancel).
+        // never starve them (docs/PROTOCOL.md §2 cancel).
         let abort_client = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
             .build()?;
@@ -136,6 +139,7 @@ impl Engine {
             cfg,
             prompter,
             probe_ids,
+            metrics,
             pool: Pool::new(serve_urls),
             gen_client,
             abort_client,
@@ -160,7 +164,9 @@ impl Engine {
                     Ok(resp) => {
                         tracing::warn!(%serve, %rid, status = %resp.status(), "abort_request refused")
                     }
-                    Err(e) => tracing::warn!(%serve, %rid, error = %e, "abort_request failed"),
+                    Err(e) => {
+                        tracing::warn!(%serve, %rid, error = %crate::error_chain(&e), "abort_request failed")
+                    }
                 }
             });
         }
@@ -231,6 +237,7 @@ impl Engine {
                 "TOPLOC proof cannot be built over these rows; answering with null proofs"
             );
         }
+        self.metrics.proof_built_in(proofs.build_time);
         let proofs = proofs.proofs;
         let prompter = Arc::clone(&self.prompter);
         let ids_for_text = gen.output_ids.clone();

@@ -294,7 +294,7 @@ pub const NO_PERIODIC_HEARTBEAT: (&str, &str) = ("ENGY_HEARTBEAT_S", "89");
 
 /// `cancel {corr_id}` followed by a `ping` on the same leg. A leg handles the gateway's
 /// frames in order and writes its own through one FIFO, so the heartbeat answering that
-/// ping was queued after the cancel took effect: PROTOCOL.md §2 ("send NOTHING more for
+/// ping was queued after the cancel took effect: docs/PROTOCOL.md §2 ("send NOTHING more for
 /// that corr_id") means no frame for `corr` may be recorded after it.
 pub fn cancel_fenced(gw: &GatewayDouble, conn: u64, corr: &str) -> bool {
     gw.cancel(conn, corr) && gw.ping(conn)

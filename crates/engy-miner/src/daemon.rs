@@ -1,0 +1,307 @@
+//! The miner daemon, top to bottom: settings → checkpoint → node lock → serves → legs →
+//! signal → drain → stop. `main.rs` only parses the command line and picks this or `check`.
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{self, secs, Opts};
+use crate::metrics::Metrics;
+use crate::{chat, check, gateway, hw, serve, worker_name};
+
+/// Exit code for a bad configuration.
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Print a configuration error once and give exit code 2.
+pub fn config_error(msg: impl std::fmt::Display) -> ExitCode {
+    // Printed once, whatever RUST_LOG says (not also logged: both go to stderr).
+    eprintln!("engy-miner: {msg}");
+    ExitCode::from(EXIT_CONFIG)
+}
+
+/// `engy-miner run`: check the settings and the checkpoint (exit 2 naming the variable),
+/// take the node lock, dial every leg, serve until SIGTERM/SIGINT, drain, stop. The exit
+/// code is the documented one (docs/MINER.md): 0 stopped cleanly or another instance runs,
+/// 1 runtime failure, 2 bad configuration.
+pub async fn run(opts: Opts) -> ExitCode {
+    let Some(gw) = opts.gw.clone().filter(|g| !g.is_empty()) else {
+        return config_error(
+            "GW is not set: export GW=wss://<gateway-host>/gw (the gateway websocket URL)",
+        );
+    };
+    if let Err(e) = crate::check_gw(&gw) {
+        return config_error(e);
+    }
+    let Some(miner_key) = opts.miner_key.clone().filter(|k| !k.expose().is_empty()) else {
+        return config_error(
+            "MINER_KEY is not set: export MINER_KEY=<your miner key> (it is never logged)",
+        );
+    };
+    let Some(checkpoint) = opts.checkpoint.clone() else {
+        return config_error("--checkpoint / CHECKPOINT is not set: the model folder with tokenizer.json and config.json");
+    };
+    if opts.serve_urls().is_empty() {
+        return config_error("--serve-url / SERVE_URL is empty");
+    }
+    if let Err(e) = opts.validate() {
+        return config_error(e);
+    }
+    // One miner per node (§2.3): a second instance says so and exits 0.
+    let lock_file = match std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&opts.lock_file)
+    {
+        Ok(f) => f,
+        Err(e) => {
+            return config_error(format!(
+                "cannot open the lock file {}: {e}",
+                opts.lock_file.display()
+            ))
+        }
+    };
+    let mut lock = fd_lock::RwLock::new(lock_file);
+    let _guard = match lock.try_write() {
+        Ok(g) => g,
+        Err(_) => {
+            tracing::info!(lock = %opts.lock_file.display(), "another engy-miner instance is running on this node; exiting");
+            return ExitCode::SUCCESS;
+        }
+    };
+    // The checkpoint must be able to serve before HELLO announces it (CHECKPOINT).
+    let ckpt = match Checkpoint::load(&checkpoint) {
+        Ok(c) => c,
+        Err(e) => return config_error(e),
+    };
+    // Metrics (off unless --metrics-addr): bound now, so a bad address is a start-up error.
+    let metrics = Arc::new(Metrics::new());
+    let shutdown = CancellationToken::new();
+    let metrics_addr = match opts.metrics_socket() {
+        Ok(a) => a,
+        Err(e) => return config_error(e),
+    };
+    let _metrics_server = match metrics_addr {
+        None => None,
+        Some(addr) => {
+            match engy_telemetry::metrics::serve(
+                addr,
+                metrics.registry(),
+                shutdown.clone().cancelled_owned(),
+            )
+            .await
+            {
+                Ok(s) => {
+                    tracing::info!(addr = %s.local_addr(), "metrics at http://{}/metrics", s.local_addr());
+                    Some(s)
+                }
+                Err(e) => return config_error(format!("ENGY_METRICS_ADDR: {e} (--metrics-addr)")),
+            }
+        }
+    };
+    match serve(opts, gw, miner_key, &checkpoint, ckpt, metrics, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What start-up needs from the checkpoint folder, each part proven to work.
+struct Checkpoint {
+    prompter: chat::Prompter,
+    model_root: String,
+    hidden: usize,
+}
+
+impl Checkpoint {
+    /// Load the tokenizer and chat template and render a probe conversation; read
+    /// `hidden_size` and `model_root`. The error names CHECKPOINT and the cause.
+    fn load(dir: &Path) -> Result<Self, String> {
+        let at = dir.display();
+        let prompter = chat::Prompter::load(dir).map_err(|e| {
+            format!("CHECKPOINT {at}: cannot load the tokenizer or chat template: {e}")
+        })?;
+        prompter.probe().map_err(|e| {
+            format!("CHECKPOINT {at}: the chat template cannot render a system + user conversation: {e}")
+        })?;
+        let hidden =
+            crate::checkpoint_hidden_size(dir).map_err(|e| format!("CHECKPOINT {at}: {e}"))?;
+        let model_root = engy_core::identity::model_root(dir)
+            .map_err(|e| format!("CHECKPOINT {at}: cannot compute model_root: {e}"))?;
+        Ok(Self {
+            prompter,
+            model_root,
+            hidden,
+        })
+    }
+}
+
+async fn serve(
+    opts: Opts,
+    gw: String,
+    miner_key: config::Secret,
+    checkpoint: &Path,
+    ckpt: Checkpoint,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut signals = Signals::install();
+    tracing::info!(checkpoint = %checkpoint.display(), hidden_size = ckpt.hidden, "checkpoint loaded; its chat template renders");
+    let Checkpoint {
+        prompter,
+        model_root,
+        hidden,
+    } = ckpt;
+    let prompter = Arc::new(prompter);
+    let reply_cap = opts.reply_cap(hidden);
+    let engine = Arc::new(serve::Engine::new(
+        serve::EngineConfig {
+            model_root: model_root.clone(),
+            topk: opts.toploc_topk,
+            dbs: opts.toploc_dbs,
+            max_tokens: opts.max_tokens,
+            max_output_tokens: opts.max_output_tokens,
+            gen_chunk: opts.gen_chunk,
+            serve_timeout: opts.serve_timeout(),
+            hidden_size: Some(hidden),
+            reply_cap,
+        },
+        prompter,
+        &opts.serve_urls(),
+        Arc::clone(&metrics),
+    )?);
+    // Best effort and in the background: one WARN per serve that is down, start-up goes on.
+    tokio::spawn({
+        let serves = opts.serve_urls();
+        async move { check::probe_serves(&serves).await }
+    });
+    let hw = hw::detect().await;
+    let worker_name = worker_name(&opts);
+    let identity = gateway::Identity {
+        gw: gw.clone(),
+        miner_key,
+        model: opts.model.clone(),
+        model_root: model_root.clone(),
+        hw: hw.clone(),
+        versions: serde_json::json!({"engy-miner": env!("CARGO_PKG_VERSION")}),
+        worker_name: worker_name.clone(),
+        worker_id: uuid::Uuid::new_v4().simple().to_string(),
+        max_inflight_total: opts.max_inflight.max(1),
+        max_input_tokens: opts.max_input_tokens,
+        max_output_tokens: opts.max_output_tokens,
+        max_request_s: opts.max_request_s,
+        heartbeat: secs(opts.heartbeat_s).max(std::time::Duration::from_millis(100)),
+        flush: secs(opts.stream_flush_s),
+    };
+    let n = gateway::worker_count(&gw, opts.gw_workers).await;
+    let (workers, per_leg) = gateway::leg_plan(n, opts.max_inflight);
+    tracing::info!(
+        gw = %gw, model = %opts.model, root = %model_root.get(..12).unwrap_or(&model_root),
+        serves = %opts.serve_urls().join(", "), workers = n,
+        legs = %workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", "), leg_inflight = per_leg,
+        total_inflight = per_leg * workers.len() as u64, worker_name = %worker_name,
+        hidden_size = hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
+    );
+    tracing::info!(hw = %hw, "hardware");
+    let hub = gateway::Hub::new(identity, engine, metrics);
+    let mut tasks = Vec::new();
+    for w in workers {
+        tasks.push(tokio::spawn(gateway::run_leg(
+            Arc::clone(&hub),
+            w,
+            n,
+            per_leg,
+            shutdown.clone(),
+        )));
+    }
+    signals.wait().await;
+    // Graceful stop: refuse new work, let in-flight requests finish (bounded), then abort
+    // the rest on the serves and close every leg.
+    hub.draining.store(true, Ordering::SeqCst);
+    let drain = secs(opts.drain_s);
+    let n_inflight = hub.inflight();
+    tracing::info!(
+        inflight = n_inflight,
+        drain_s = drain.as_secs_f64(),
+        "signal received; draining in-flight requests, then closing the legs"
+    );
+    let deadline = tokio::time::Instant::now() + drain;
+    if !hub.wait_idle(deadline).await {
+        tracing::warn!(
+            inflight = hub.inflight(),
+            "drain timed out; aborting the remaining requests (each is answered with an error)"
+        );
+        hub.abort_all("the miner is shutting down (SIGTERM) and the drain timed out");
+        // Their error responses go out before the legs close (each leg writes in order).
+        let answered = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        if !hub.wait_idle(answered).await {
+            tracing::warn!(
+                inflight = hub.inflight(),
+                "aborted requests did not finish within 5 s; closing the legs anyway"
+            );
+        }
+    }
+    shutdown.cancel();
+    for t in tasks {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), t).await;
+    }
+    // Give abort requests a moment to leave.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// SIGTERM/SIGINT listeners, installed before the slow start-up steps (`/meta`, hardware
+/// probe) so that a signal arriving then is not the default "terminate at once" (exit 143)
+/// but a graceful stop as soon as start-up is done.
+struct Signals {
+    #[cfg(unix)]
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Signals {
+                term: signal(SignalKind::terminate()).ok(),
+                int: signal(SignalKind::interrupt()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    async fn wait(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            if self.term.is_none() && self.int.is_none() {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+            tokio::select! {
+                _ = recv(&mut self.term) => {}
+                _ = recv(&mut self.int) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The miner's Prometheus metrics, scraped at `GET /metrics` on `--metrics-addr` (off by
+//! default; served by [`engy_telemetry::metrics::serve`]). docs/MINER.md "Metrics" lists
+//! them:
+//!
+//! * `engy_miner_requests_total{outcome}`: every `serve` frame by how it ended
+//!   ([`Outcome`]);
+//! * `engy_miner_serve_seconds`: serve frame → `response` frame of completed requests;
+//! * `engy_miner_proof_build_seconds`: TOPLOC proof build time of one request (all its
+//!   batches);
+//! * `engy_miner_inflight`: requests being served, all legs;
+//! * `engy_miner_legs_connected`: legs whose session is up (HELLO sent);
+//! * `engy_miner_reconnects_total`: re-dials after a session ended or a dial failed.
+use std::sync::Arc;
+use std::time::Duration;
+
+use engy_telemetry::prometheus_client::metrics::counter::Counter;
+use engy_telemetry::prometheus_client::metrics::family::Family;
+use engy_telemetry::prometheus_client::metrics::gauge::Gauge;
+use engy_telemetry::prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use engy_telemetry::prometheus_client::registry::Registry;
+
+/// How a `serve` ended (the `outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A completion with its commitment.
+    Completed,
+    /// An error `response` (serve failure, misaligned rows, bad request).
+    Failed,
+    /// Stopped by the miner (SIGTERM drain timed out): an error `response`.
+    Aborted,
+    /// Cancelled by the gateway: nothing more was sent.
+    Cancelled,
+    /// Answered at once without serving: draining, or cancelled just before it arrived.
+    Refused,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::Failed => "failed",
+            Outcome::Aborted => "aborted",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Refused => "refused",
+        }
+    }
+}
+
+type Labels = [(&'static str, &'static str); 1];
+
+/// Every metric of the miner, registered in one [`Registry`] (prefix `engy_miner`).
+#[derive(Debug)]
+pub struct Metrics {
+    requests: Family<Labels, Counter>,
+    serve_seconds: Histogram,
+    proof_build_seconds: Histogram,
+    inflight: Gauge,
+    legs_connected: Gauge,
+    reconnects: Counter,
+    registry: Arc<Registry>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Fresh metrics, all zero.
+    pub fn new() -> Self {
+        let requests = Family::<Labels, Counter>::default();
+        // 10 ms … ~164 s: a short completion to a long generation.
+        let serve_seconds = Histogram::new(exponential_buckets(0.01, 2.0, 15));
+        // 0.1 ms … ~1.6 s per request.
+        let proof_build_seconds = Histogram::new(exponential_buckets(0.0001, 2.0, 15));
+        let inflight = Gauge::default();
+        let legs_connected = Gauge::default();
+        let reconnects = Counter::default();
+        let mut r = Registry::with_prefix("engy_miner");
+        r.register(
+            "requests",
+            "Gateway serve frames by how they ended",
+            requests.clone(),
+        );
+        r.register(
+            "serve_seconds",
+            "Serve frame to response frame, completed requests",
+            serve_seconds.clone(),
+        );
+        r.register(
+            "proof_build_seconds",
+            "TOPLOC proof build time of one request",
+            proof_build_seconds.clone(),
+        );
+        r.register("inflight", "Requests being served", inflight.clone());
+        r.register(
+            "legs_connected",
+            "Gateway legs with a live session",
+            legs_connected.clone(),
+        );
+        r.register(
+            "reconnects",
+            "Gateway re-dials after a session ended or a dial failed",
+            reconnects.clone(),
+        );
+        for o in [
+            Outcome::Completed,
+            Outcome::Failed,
+            Outcome::Aborted,
+            Outcome::Cancelled,
+            Outcome::Refused,
+        ] {
+            // Every outcome is scraped from the start (0), so rates need no absent series.
+            let _ = requests.get_or_create(&[("outcome", o.as_str())]);
+        }
+        Self {
+            requests,
+            serve_seconds,
+            proof_build_seconds,
+            inflight,
+            legs_connected,
+            reconnects,
+            registry: Arc::new(r),
+        }
+    }
+
+    /// The registry to serve.
+    pub fn registry(&self) -> Arc<Registry> {
+        Arc::clone(&self.registry)
+    }
+
+    /// A `serve` ended with `outcome`.
+    pub fn request(&self, outcome: Outcome) {
+        self.requests
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .inc();
+    }
+
+    /// A completed request took `d` from its serve frame to its response frame.
+    pub fn served_in(&self, d: Duration) {
+        self.serve_seconds.observe(d.as_secs_f64());
+    }
+
+    /// One request's proof took `d` to build.
+    pub fn proof_built_in(&self, d: Duration) {
+        self.proof_build_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Requests being served now.
+    pub fn set_inflight(&self, n: usize) {
+        self.inflight.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// A leg's session came up (`+1`) or ended (`-1`).
+    pub fn leg_up(&self, up: bool) {
+        if up {
+            self.legs_connected.inc();
+        } else {
+            self.legs_connected.dec();
+        }
+    }
+
+    /// A leg re-dials.
+    pub fn reconnect(&self) {
+        self.reconnects.inc();
+    }
+}
