@@ -285,6 +285,16 @@ pub enum SubmitError {
 }
 
 impl SubmitError {
+    /// True when the extrinsic may have landed although no inclusion was seen: the node
+    /// closed the status subscription, the wait timed out, or the transport failed after
+    /// sending. A caller must read the chain before resubmitting (issue 13 item 4).
+    pub fn uncertain(&self) -> bool {
+        matches!(
+            self,
+            SubmitError::NotIncluded(_) | SubmitError::Timeout(_) | SubmitError::Transport(_)
+        )
+    }
+
     /// The runtime's short name for the failure, for tests and `check`
     /// (`SettingWeightsTooFast`, `Custom(6)`, …).
     pub fn name(&self) -> String {
@@ -310,7 +320,7 @@ pub const CUSTOM_TRANSACTION_ERRORS: &[(u8, &str, &str)] = &[
     (3, "SubnetNotExists", "the netuid does not exist; on early-2025 runtimes (spec 218): stake below WeightsMinStake"),
     (4, "HotkeyAccountDoesntExist", "the hotkey account does not exist on chain"),
     (5, "NotEnoughStakeToWithdraw", "not enough stake to withdraw"),
-    (6, "RateLimitExceeded", "rate limited; retried on the next due tick"),
+    (6, "RateLimitExceeded", "rate limited; resubmitted once the chain's rate limit has passed (LastUpdate + WeightsSetRateLimit)"),
     (7, "InsufficientLiquidity", "the subnet pool lacks liquidity"),
     (8, "SlippageTooHigh", "price slippage above the limit"),
     (9, "TransferDisallowed", "transfers are disallowed on this subnet"),
@@ -1078,10 +1088,10 @@ pub fn dispatch_hint(name: &str) -> Option<&'static str> {
         "CommitRevealEnabled" => "commit-reveal is enabled on this subnet; plain set_weights is refused (the next tick commits timelocked instead)",
         "CommitRevealDisabled" => "commit-reveal was switched off on this subnet; the next tick uses plain set_weights",
         "IncorrectCommitRevealVersion" => "the chain expects another commit-reveal version than this validator builds (4); upgrade engy-validator",
-        "CommittingWeightsTooFast" => "inside weights_rate_limit since the last commit; retried on the next due tick",
+        "CommittingWeightsTooFast" => "inside weights_rate_limit since the last commit; resubmitted once it has passed (LastUpdate + WeightsSetRateLimit)",
         "TooManyUnrevealedCommits" => "10 commits of this hotkey are already waiting for reveal in this epoch",
         "InvalidRevealRound" => "the reveal round is older than Drand.LastStoredRound; check the host clock (NTP)",
-        "SettingWeightsTooFast" => "inside weights_rate_limit since the last accepted set_weights; retried on the next due tick",
+        "SettingWeightsTooFast" => "inside weights_rate_limit since the last accepted set_weights; resubmitted once it has passed (LastUpdate + WeightsSetRateLimit)",
         "NeuronNoValidatorPermit" | "NoValidatorPermit" => "the hotkey holds no validator permit on this subnet; add stake until it ranks among max_allowed_validators",
         "HotKeyNotRegisteredInSubNet" => "the wallet hotkey is not registered on this netuid; register it (btcli subnets register)",
         "IncorrectWeightVersionKey" => "the subnet's weights_version_key is above the version_key this validator sends (0)",

@@ -309,18 +309,31 @@ pub async fn run(s: &Settings) -> Report {
             None => r.ok("stake: this runtime has no TotalHotkeyAlpha; not checked"),
         }
         if let Some(b) = block {
-            let since = b.saturating_sub(n.last_update);
-            r.check(
-                since < u64::from(h.activity_cutoff),
+            let a = crate::chain_rules::Activity {
+                since: b.saturating_sub(n.last_update),
+                cutoff: u64::from(h.activity_cutoff),
+            };
+            let verdict = if !a.alarming() {
+                String::new()
+            } else if a.remaining() == 0 {
+                "; NOTHING HAS LANDED for the whole activity_cutoff: the validator is out of consensus until its next accepted weights; fix: start the daemon, or read its log for why nothing lands".to_owned()
+            } else {
                 format!(
-                    "{since} blocks since last_update (block #{}) vs activity_cutoff {}{}",
-                    n.last_update,
-                    h.activity_cutoff,
-                    if since < u64::from(h.activity_cutoff) { "" } else { "; the validator is out of consensus until its next accepted set_weights (start the daemon)" }
+                    "; NOTHING HAS LANDED for more than half of activity_cutoff: the validator drops out of consensus in {} blocks (~{} s) unless weights land; fix: start the daemon, or read its log for why nothing lands",
+                    a.remaining(),
+                    a.remaining().saturating_mul(schedule::BLOCK_S)
+                )
+            };
+            r.check(
+                !a.alarming(),
+                format!(
+                    "{} blocks since last_update (block #{}) vs activity_cutoff {}{verdict}",
+                    a.since, n.last_update, h.activity_cutoff
                 ),
             );
         }
     }
+    let own_uid = neuron.map(|n| n.uid);
 
     // would the current payload land?
     if let (Some(v), Some(h)) = (payload, hp) {
@@ -329,19 +342,26 @@ pub async fn run(s: &Settings) -> Report {
                 let res = schedule::resolve(&v.weights, &mg);
                 let n = res.uids.len();
                 let max = res.weights.iter().copied().max().unwrap_or(0);
-                let lands = !res.is_empty()
-                    && n >= usize::from(h.min_allowed_weights)
-                    && max <= h.max_weight_limit;
+                // the same rules `run` applies before submitting
+                let refusal = crate::chain_rules::refusal(
+                    &res,
+                    own_uid,
+                    mg.len(),
+                    h.min_allowed_weights,
+                    h.max_weight_limit,
+                );
+                let lands = !res.is_empty() && refusal.is_none();
                 r.check(
                     lands,
                     format!(
-                        "epoch {} would land: {n} of {} hotkeys resolve to uids (dropped {} holding {:.1}%), min_allowed_weights {}, largest weight {max} vs max_weight_limit {}",
+                        "epoch {} would land: {n} of {} hotkeys resolve to uids (dropped {} holding {:.1}%), min_allowed_weights {}, largest weight {max} vs max_weight_limit {}{}",
                         v.epoch_index,
                         v.weights.len(),
                         res.dropped.len(),
                         res.dropped_share * 100.0,
                         h.min_allowed_weights,
-                        h.max_weight_limit
+                        h.max_weight_limit,
+                        refusal.map(|r| format!("; {r}")).unwrap_or_default()
                     ),
                 );
             }

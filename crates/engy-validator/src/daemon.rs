@@ -114,6 +114,13 @@ pub struct Daemon {
     /// Set by [`run`] before the last of `--ticks N`: the line then says the process exits
     /// instead of naming a poll that never comes.
     final_tick: bool,
+    /// The subnet's `ActivityCutoff` as last read (kept for ticks that cannot reach the chain).
+    activity_cutoff: Option<u16>,
+    /// What this tick read of the validator's own activity: `(head, LastUpdate)`.
+    view: Option<(u64, u64)>,
+    /// The epoch and reason of the last vector refused by the subnet's weight rules, so the
+    /// reason is logged in full once per epoch.
+    refused: Option<(u64, String)>,
 }
 
 fn short(hk: &str) -> String {
@@ -132,6 +139,9 @@ impl Daemon {
             http: crate::provider::client()?,
             extensions_checked: false,
             final_tick: false,
+            activity_cutoff: None,
+            view: None,
+            refused: None,
         })
     }
 
@@ -217,8 +227,74 @@ impl Daemon {
     }
 
     /// Runs one tick (§7 steps 1–10) at unix time `now`. Never panics; every failure is in
-    /// the report.
+    /// the report. A tick that landed nothing is raised to ERROR, with the blocks left,
+    /// once the last landing is older than half of the subnet's `activity_cutoff`
+    /// ([`Daemon::activity_alarm`]).
     pub async fn tick(&mut self, now: u64) -> TickReport {
+        self.view = None;
+        let mut report = self.tick_inner(now).await;
+        if !matches!(report.outcome, "submitted" | "committed" | "reconciled") {
+            if let Some(alarm) = self.activity_alarm(now) {
+                report.level = Level::Error;
+                report.line.push_str(&alarm);
+            }
+        }
+        report
+    }
+
+    /// ` — ERROR: …` when the last landing is older than half of `activity_cutoff`: from
+    /// this tick's chain read (`head − LastUpdate`), else from the state file's
+    /// `last_submit_ts` on the wall clock (12 s blocks), against the cutoff last read (or
+    /// subtensor's default, said as such, when the chain was never reached).
+    fn activity_alarm(&self, now: u64) -> Option<String> {
+        let (cutoff, cutoff_note) = match self.activity_cutoff {
+            Some(c) => (c, String::new()),
+            None => (
+                crate::chain_rules::DEFAULT_ACTIVITY_CUTOFF,
+                " (subtensor's default: not read from the chain yet)".to_owned(),
+            ),
+        };
+        let (since, what) = match self.view {
+            Some((head, last_update)) if last_update > 0 && head >= last_update => (
+                head - last_update,
+                format!(
+                    "its LastUpdate is block #{last_update}, {} blocks ago",
+                    head - last_update
+                ),
+            ),
+            Some(_) => return None,
+            None => {
+                let st = state::read(&self.settings.state_file);
+                let ts = st.last_submit_ts.filter(|ts| *ts <= now)?;
+                let blocks = (now - ts) / schedule::BLOCK_S;
+                (
+                    blocks,
+                    format!("the last landing recorded in the state file was {} s ago (~{blocks} blocks by the wall clock)", now - ts),
+                )
+            }
+        };
+        let a = crate::chain_rules::Activity {
+            since,
+            cutoff: u64::from(cutoff),
+        };
+        if !a.alarming() {
+            return None;
+        }
+        let left = if a.remaining() == 0 {
+            "it is already out of consensus (inactive) until weights land".to_owned()
+        } else {
+            format!(
+                "it drops out of consensus in {} blocks (~{} s) unless weights land",
+                a.remaining(),
+                a.remaining().saturating_mul(schedule::BLOCK_S)
+            )
+        };
+        Some(format!(
+            " — NOTHING HAS LANDED for more than half of activity_cutoff {cutoff}{cutoff_note}: {what}; {left}"
+        ))
+    }
+
+    async fn tick_inner(&mut self, now: u64) -> TickReport {
         let s = self.settings.clone();
         let st = state::read(&s.state_file);
         let anchors = st.anchors();
@@ -339,14 +415,34 @@ impl Daemon {
                 )
             }
         };
+        let hp = match chain.hyperparams(s.netuid).await {
+            Ok(h) => h,
+            Err(e) => {
+                return warn(
+                    "chain-down",
+                    format!("{via} ({why}): hyperparameters read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
+                )
+            }
+        };
+        self.activity_cutoff = Some(hp.activity_cutoff);
+        // the validator's own uid and LastUpdate (None: not registered, or unreadable; the
+        // submit then names the cause)
+        let own = chain
+            .neuron(s.netuid, self.hotkey.public_key())
+            .await
+            .ok()
+            .flatten();
+        if let (Some(b), Some(n)) = (block, own) {
+            self.view = Some((b, n.last_update));
+        }
         let mut notes: Vec<String> = Vec::new();
         let mut level = Level::Info;
         // commit-reveal: the path of this submission, and the reveal of the last commit
         let submission = match chain.commit_reveal_state(s.netuid).await {
             Ok(cr) => commit_reveal::decide(&cr, unix_now_ms()),
-            Err(e) => match chain.hyperparams(s.netuid).await {
-                Ok(h) if !h.commit_reveal_weights_enabled => Ok(Submission::SetWeights),
-                _ => {
+            Err(e) => match hp.commit_reveal_weights_enabled {
+                false => Ok(Submission::SetWeights),
+                true => {
                     return warn(
                         "chain-down",
                         format!("{via} ({why}): commit-reveal state read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
@@ -412,6 +508,85 @@ impl Daemon {
             format!(" [{}]", notes.join("; "))
         };
 
+        // the subnet's weight rules, before anything is sent (`check` predicts the same)
+        if let Some(reason) = crate::chain_rules::refusal(
+            &resolved,
+            own.map(|n| n.uid),
+            metagraph.len(),
+            hp.min_allowed_weights,
+            hp.max_weight_limit,
+        ) {
+            let first = self.refused.as_ref() != Some(&(v.epoch, reason.clone()));
+            self.refused = Some((v.epoch, reason.clone()));
+            let line = if first {
+                format!(
+                    "{via} ({why}): the {} vector of {} uids cannot land: {reason}; nothing submitted (every poll of this epoch rechecks, and says this once); {}",
+                    source.as_str(),
+                    resolved.uids.len(),
+                    self.next_poll()
+                )
+            } else {
+                format!(
+                    "{via} ({why}): nothing submitted: the vector still breaks the subnet's weight rules (the reason was logged at this epoch's first refusal); {}",
+                    self.next_poll()
+                )
+            };
+            return TickReport {
+                level: if first { Level::Error } else { Level::Warn },
+                outcome: "refused",
+                line,
+            };
+        }
+        // the chain's rate limit: LastUpdate + WeightsSetRateLimit (also for commits). A vector
+        // the chain already holds is recorded as landed (a previous run stopped between the
+        // inclusion and its state write); anything else waits for that block.
+        if let (Some(b), Some(n)) = (block, own) {
+            if let Some(until) =
+                crate::chain_rules::rate_limited_until(b, n.last_update, hp.weights_rate_limit)
+            {
+                // a landing the state file does not know: this epoch was never recorded, or
+                // LastUpdate is past the state's own resubmit cadence (a resubmit that landed
+                // unrecorded); a normal landing sits a few blocks after last_submit_block
+                let unrecorded = match (anchors.last_applied, anchors.last_submit_block) {
+                    (Some(last), Some(lsb)) if v.epoch <= last => {
+                        n.last_update > lsb.saturating_add(s.resubmit_blocks)
+                    }
+                    _ => true,
+                };
+                let holds = unrecorded
+                    && matches!(submission, Submission::SetWeights)
+                    && chain.weights(s.netuid, n.uid).await.ok()
+                        == Some(crate::chain_rules::stored_row(&resolved));
+                if holds {
+                    let saved = self.save_submission(&st, &v, source, Some(n.last_update), now);
+                    return TickReport {
+                        level: if saved.is_empty() { Level::Info } else { Level::Warn },
+                        outcome: "reconciled",
+                        line: format!(
+                            "{via} ({why}): the chain already holds this vector (Weights row of uid {} matches, LastUpdate #{}): recorded as landed in block #{}, nothing submitted (a previous run stopped before writing its state, or another process with this hotkey set it); next resubmit in {} blocks, {}{notes}{saved}",
+                            n.uid,
+                            n.last_update,
+                            n.last_update,
+                            s.resubmit_blocks,
+                            self.next_poll()
+                        ),
+                    };
+                }
+                return warn(
+                    "rate-limited",
+                    format!(
+                        "{via} ({why}): the chain accepts weights from uid {} again at block #{until} (LastUpdate #{} + WeightsSetRateLimit {}), {} block(s) from now (~{} s); nothing submitted, state unchanged; {}{notes}",
+                        n.uid,
+                        n.last_update,
+                        hp.weights_rate_limit,
+                        until - b - 1,
+                        (until - b - 1).saturating_mul(schedule::BLOCK_S),
+                        self.next_poll()
+                    ),
+                );
+            }
+        }
+
         // 8. set_weights (or the timelocked commit), waiting for inclusion
         let signer = HotkeySigner(&self.hotkey);
         if let Submission::Commit {
@@ -442,18 +617,10 @@ impl Daemon {
             let inclusion = match result {
                 Ok(inc) => inc,
                 Err(e) => {
-                    let hint = chain::dispatch_hint(&e.name())
-                        .map(|h| format!(" — {h}"))
-                        .unwrap_or_default();
-                    return warn(
-                        "failed",
-                        format!(
-                            "{via} ({why}): {} of {} uids FAILED: {e}{hint}; state unchanged, {}{notes}",
-                            call.name(),
-                            resolved.uids.len(),
-                            self.retry()
-                        ),
-                    );
+                    let what = format!("{} of {} uids", call.name(), resolved.uids.len());
+                    return self
+                        .failed(&chain, &e, &hp, &format!("{via} ({why})"), &what, &notes)
+                        .await;
                 }
             };
             let record = CommitRecord {
@@ -480,7 +647,7 @@ impl Daemon {
                 &st,
                 &v,
                 source,
-                Some(inclusion.block).filter(|b| *b > 0).or(block),
+                block.or(Some(inclusion.block).filter(|b| *b > 0)),
                 now,
             );
             if !saved.is_empty() {
@@ -516,26 +683,35 @@ impl Daemon {
         let inclusion = match result {
             Ok(inc) => inc,
             Err(e) => {
-                let hint = chain::dispatch_hint(&e.name())
-                    .map(|h| format!(" — {h}"))
-                    .unwrap_or_default();
-                return warn(
-                    "failed",
-                    format!(
-                        "{via} ({why}): set_weights of {} uids FAILED: {e}{hint}; state unchanged, {}{notes}",
-                        resolved.uids.len(),
-                        self.retry()
-                    ),
-                );
+                // an uncertain outcome (the node went away, no inclusion seen): the chain
+                // may hold it after all; if so it is recorded as landed, never resent
+                if e.uncertain() {
+                    if let Some(n) = self.landed_anyway(&chain, &resolved, block).await {
+                        let saved = self.save_submission(&st, &v, source, Some(n), now);
+                        return TickReport {
+                            level: Level::Warn,
+                            outcome: "reconciled",
+                            line: format!(
+                                "{via} ({why}): set_weights of {} uids from {}: inclusion not confirmed ({e}), but the chain holds the vector (LastUpdate #{n}): recorded as landed in block #{n}; next resubmit in {} blocks, {}{notes}{saved}",
+                                resolved.uids.len(),
+                                source.as_str(),
+                                s.resubmit_blocks,
+                                self.next_poll()
+                            ),
+                        };
+                    }
+                }
+                let what = format!("set_weights of {} uids", resolved.uids.len());
+                return self
+                    .failed(&chain, &e, &hp, &format!("{via} ({why})"), &what, &notes)
+                    .await;
             }
         };
 
-        // 9. only now, write the state atomically
-        let landed_block = if inclusion.block > 0 {
-            Some(inclusion.block)
-        } else {
-            block
-        };
+        // 9. only now, write the state atomically. The cadence anchors on the block read
+        // before submitting (§7 step 8: RESUBMIT_BLOCKS 120 leaves 20 blocks of a 100-block
+        // rate limit for inclusion lag); the inclusion block only when none was read.
+        let landed_block = block.or(Some(inclusion.block).filter(|b| *b > 0));
         let saved = self.save_submission(&st, &v, source, landed_block, now);
         if !saved.is_empty() {
             level = Level::Warn;
@@ -585,6 +761,88 @@ impl Daemon {
             Ok(()) => String::new(),
             Err(e) => format!(" WARNING: landed but the state file was not written ({e}); the next tick may resubmit early"),
         }
+    }
+
+    /// The tick report of a failed submission (`set_weights` or a commit, `what` names it):
+    /// the error by name, the runtime's hint, and what happens next ([`Daemon::after_failure`]).
+    async fn failed(
+        &self,
+        chain: &Chain,
+        e: &chain::SubmitError,
+        hp: &chain::Hyperparams,
+        head: &str,
+        what: &str,
+        notes: &str,
+    ) -> TickReport {
+        let hint = chain::dispatch_hint(&e.name())
+            .map(|h| format!(" — {h}"))
+            .unwrap_or_default();
+        let after = self.after_failure(chain, e, hp).await;
+        TickReport {
+            level: Level::Warn,
+            outcome: "failed",
+            line: format!(
+                "{head}: {what} FAILED: {e}{hint}; state unchanged, {}{after}{notes}",
+                self.retry()
+            ),
+        }
+    }
+
+    /// After a failed submit: for a rate-limit refusal (`SettingWeightsTooFast`,
+    /// `CommittingWeightsTooFast`, pool `Custom(6)`), when the chain accepts weights again
+    /// (read fresh: `LastUpdate + WeightsSetRateLimit`), so the line says the validator waits;
+    /// for an uncertain outcome, that the next tick checks the chain first. Empty otherwise.
+    async fn after_failure(
+        &self,
+        chain: &Chain,
+        e: &chain::SubmitError,
+        hp: &chain::Hyperparams,
+    ) -> String {
+        let name = e.name();
+        let rate_limited = matches!(
+            name.as_str(),
+            "SettingWeightsTooFast" | "CommittingWeightsTooFast" | "Custom(6)"
+        );
+        if rate_limited {
+            let own = chain
+                .neuron(self.settings.netuid, self.hotkey.public_key())
+                .await
+                .ok()
+                .flatten();
+            if let Some(n) = own.filter(|n| n.last_update > 0) {
+                return format!(
+                    "; the chain accepts weights again at block #{} (LastUpdate #{} + WeightsSetRateLimit {}): nothing is resubmitted before then",
+                    n.last_update.saturating_add(hp.weights_rate_limit),
+                    n.last_update,
+                    hp.weights_rate_limit
+                );
+            }
+        }
+        if e.uncertain() {
+            return "; it may still land: the next tick reads the chain's Weights row and LastUpdate before resubmitting".to_owned();
+        }
+        String::new()
+    }
+
+    /// After an uncertain submit: `Some(LastUpdate)` when the chain now holds `resolved` as
+    /// this validator's Weights row with a `LastUpdate` after `read_before` (the block read
+    /// before submitting), i.e. the extrinsic landed although its inclusion was not seen.
+    async fn landed_anyway(
+        &self,
+        chain: &Chain,
+        resolved: &schedule::Resolved,
+        read_before: Option<u64>,
+    ) -> Option<u64> {
+        let s = &self.settings;
+        let n = chain
+            .neuron(s.netuid, self.hotkey.public_key())
+            .await
+            .ok()??;
+        if n.last_update <= read_before.unwrap_or(0) {
+            return None;
+        }
+        let row = chain.weights(s.netuid, n.uid).await.ok()?;
+        (row == crate::chain_rules::stored_row(resolved)).then_some(n.last_update)
     }
 
     /// Checks the reveal of the last recorded commit once its reveal block plus

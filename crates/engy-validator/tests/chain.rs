@@ -7,96 +7,15 @@
 
 mod common;
 
+use common::chain::*;
 use common::*;
 use engy_devnet::provider::{Fault, ProviderDouble};
 use engy_validator::chain::{Chain, Sr25519Signer};
-use engy_validator::daemon::HotkeySigner;
 use engy_validator::schedule;
 use subxt::dynamic::Value;
 
-const NETUID: u16 = 53;
 /// Above the harness's weights_rate_limit (100) so a due resubmit lands.
 const RESUBMIT: u64 = 101;
-
-fn chain_url() -> Option<String> {
-    std::env::var("ENGY_SUBTENSOR_URL")
-        .ok()
-        .filter(|s| !s.is_empty())
-}
-
-fn http_url(ws: &str) -> String {
-    ws.replacen("ws://", "http://", 1)
-        .replacen("wss://", "https://", 1)
-}
-
-/// chopsticks `dev_newBlock` with `params` (e.g. `{"count":1}` or `{"unsafeBlockHeight":H}`).
-async fn new_block(url: &str, params: serde_json::Value) {
-    let r: serde_json::Value = reqwest::Client::new()
-        .post(http_url(url))
-        .json(
-            &serde_json::json!({"id":1,"jsonrpc":"2.0","method":"dev_newBlock","params":[params]}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert!(r.get("error").is_none(), "dev_newBlock: {r}");
-}
-
-async fn sudo(chain: &Chain, call: &str, args: Vec<Value>) {
-    let inner = subxt::dynamic::tx("AdminUtils", call, args).into_value();
-    let tx = subxt::dynamic::tx("Sudo", "sudo", vec![inner]);
-    let alice = key(ALICE_SEED);
-    chain
-        .submit(&tx, &HotkeySigner(&alice))
-        .await
-        .unwrap_or_else(|e| panic!("sudo {call}: {e}"));
-}
-
-/// Sets the knobs the scenario relies on and checks they read back.
-async fn baseline(chain: &Chain) {
-    sudo(
-        chain,
-        "sudo_set_weights_set_rate_limit",
-        vec![Value::u128(NETUID.into()), Value::u128(100)],
-    )
-    .await;
-    sudo(
-        chain,
-        "sudo_set_commit_reveal_weights_enabled",
-        vec![Value::u128(NETUID.into()), Value::bool(false)],
-    )
-    .await;
-    sudo(
-        chain,
-        "sudo_set_weights_version_key",
-        vec![Value::u128(NETUID.into()), Value::u128(0)],
-    )
-    .await;
-    let h = chain.hyperparams(NETUID).await.unwrap();
-    assert_eq!(
-        (
-            h.weights_rate_limit,
-            h.commit_reveal_weights_enabled,
-            h.weights_version_key
-        ),
-        (100, false, 0)
-    );
-}
-
-async fn head(chain: &Chain) -> u64 {
-    chain.block_number().await.unwrap()
-}
-
-/// Jumps the chain so that the next block is at least `height`.
-async fn jump_to(url: &str, chain: &Chain, height: u64) {
-    if head(chain).await < height {
-        new_block(url, serde_json::json!({ "unsafeBlockHeight": height })).await;
-    }
-    assert!(head(chain).await >= height);
-}
 
 /// Makes the validator's resubmit due (wall clock and blocks) and the chain's rate limit pass.
 async fn make_due(url: &str, chain: &Chain, env: &Env, uid: u16) {
@@ -205,6 +124,7 @@ async fn validator_on_real_subtensor() {
     assert!(!text.contains("FAIL"), "{text}");
 
     // -- a new epoch lands; Weights reads back the vector; the ghost is dropped with its share
+    let read_before = head(&chain).await;
     let (ok, out) = env.tick().await;
     assert!(ok);
     assert!(out.contains(&format!("epoch {epoch} verified (new epoch): set_weights of 3 uids from payload landed in block #")), "{out}");
@@ -214,11 +134,16 @@ async fn validator_on_real_subtensor() {
     );
     let st = env.state();
     assert_eq!(st.last_applied, Some(epoch));
-    assert_eq!(st.last_submit_block, Some(last_update(&chain, uid).await));
+    // issue 13 item 7: the cadence anchors on the block read before submitting (the
+    // protocol leaves 20 of its 120 blocks for inclusion lag), not on the inclusion block
+    assert_eq!(st.last_submit_block, Some(read_before));
+    assert_eq!(last_update(&chain, uid).await, read_before + 1);
     assert_eq!(st.cached_weights.as_deref(), Some(v1.as_slice()));
     assert_weights(&chain, uid, &v1).await;
 
-    // -- a resubmit inside the rate limit is refused by name and the state does not advance
+    // -- issue 13 item 5: a resubmit the chain's rate limit must refuse (RESUBMIT_BLOCKS 1,
+    //    LastUpdate 2 blocks ago) is not sent poll after poll: the validator waits until
+    //    LastUpdate + WeightsSetRateLimit, says so, and nothing reaches the chain
     env.age_state(3600);
     new_block(&url, serde_json::json!({"count": 1})).await;
     let before = std::fs::read(env.state_file()).unwrap();
@@ -228,17 +153,34 @@ async fn validator_on_real_subtensor() {
     };
     eager.set("HOME", env.home.path().to_str().unwrap());
     eager.set("ENGY_SN53_RESUBMIT_BLOCKS", "1");
+    let lu = last_update(&chain, uid).await;
+    let h0 = head(&chain).await;
+    for _ in 0..2 {
+        let (ok, out) = eager.tick().await;
+        assert!(ok);
+        assert!(
+            out.contains(&format!(
+                "the chain accepts weights from uid {uid} again at block #{} (LastUpdate #{lu} + WeightsSetRateLimit 100)",
+                lu + 100
+            )),
+            "{out}"
+        );
+        assert!(out.contains("nothing submitted"), "{out}");
+        assert!(!out.contains("SettingWeightsTooFast"), "{out}");
+        // no extrinsic: instant block building would have made a block for it
+        assert_eq!(head(&chain).await, h0);
+        assert_eq!(last_update(&chain, uid).await, lu);
+        assert_eq!(std::fs::read(env.state_file()).unwrap(), before);
+    }
+    // ... and from that block on it submits (the next block is #LastUpdate + 100)
+    jump_to(&url, &chain, lu + 99).await;
     let (ok, out) = eager.tick().await;
-    assert!(ok);
-    assert!(
-        out.contains("SubtensorModule.SettingWeightsTooFast"),
-        "{out}"
-    );
-    assert!(out.contains("state unchanged"), "{out}");
-    assert_eq!(std::fs::read(env.state_file()).unwrap(), before);
+    assert!(ok && out.contains("landed in block #"), "{out}");
+    assert_eq!(last_update(&chain, uid).await, lu + 100);
 
-    // -- and lands once the chain has moved past it
+    // -- and the daemon with the real interval lands once the chain has moved past it
     make_due(&url, &chain, &env, uid).await;
+    let read_before = head(&chain).await;
     let (ok, out) = env.tick().await;
     assert!(ok);
     assert!(
@@ -247,7 +189,7 @@ async fn validator_on_real_subtensor() {
     );
     let st2 = env.state();
     assert!(st2.last_submit_block > st.last_submit_block);
-    assert_eq!(st2.last_submit_block, Some(last_update(&chain, uid).await));
+    assert_eq!(st2.last_submit_block, Some(read_before));
 
     // -- a provider outage resubmits the cached vector
     provider.set_fault(Fault::Status500);

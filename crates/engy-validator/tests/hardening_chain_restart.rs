@@ -329,7 +329,7 @@ async fn chain_killed_mid_tick_and_restarted() {
     let s0 = std::fs::read(env.state_file()).unwrap();
     let st0 = env.state();
     assert_eq!(st0.last_applied, Some(e0));
-    assert_eq!(st0.last_submit_block, Some(203));
+    assert_eq!(st0.last_submit_block, Some(202)); // read before submitting; landed in #203
     assert_eq!(
         chain.weights(NETUID, uid).await.unwrap(),
         stored(&chain, &v0).await
@@ -392,7 +392,8 @@ async fn chain_killed_mid_tick_and_restarted() {
     let st1 = env.state();
     let s1 = std::fs::read(env.state_file()).unwrap();
     assert_eq!(st1.last_applied, Some(e1));
-    assert_eq!(st1.last_submit_block, Some(charlie(&chain).await.1));
+    // the block read before submitting (issue 13 item 7): one before the inclusion here
+    assert_eq!(st1.last_submit_block, Some(charlie(&chain).await.1 - 1));
     // the landing's wall clock, not the start of the tick held through the restart
     assert!(
         st1.last_submit_ts >= Some(released),
@@ -439,6 +440,13 @@ async fn chain_killed_mid_tick_and_restarted() {
     p.hold_fetches(true);
     let n = p.fetches();
     fetch_started(&p, n, &lines.seen).await;
+    // past the chain's rate limit of e1's landing (LastUpdate #203 + 100), which the
+    // validator now waits for instead of sending what the chain must refuse (issue 13 item 5)
+    own.rpc(
+        "dev_newBlock",
+        serde_json::json!([{ "unsafeBlockHeight": 203 + 100 }]),
+    )
+    .await;
     own.rpc("dev_setBlockBuildMode", serde_json::json!(["Manual"]))
         .await;
     p.publish(e2, &v2);
@@ -504,7 +512,7 @@ async fn chain_killed_mid_tick_and_restarted() {
     );
     let st2 = env.state();
     assert_eq!(st2.last_applied, Some(e2));
-    assert_eq!(st2.last_submit_block, Some(charlie(&chain).await.1));
+    assert_eq!(st2.last_submit_block, Some(charlie(&chain).await.1 - 1));
     assert!(st2.last_submit_ts >= Some(released));
     assert_eq!(st2.cached_weights.as_deref(), Some(v2.as_slice()));
     assert_eq!(

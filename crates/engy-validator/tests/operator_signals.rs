@@ -347,3 +347,47 @@ async fn a_state_path_blocked_by_a_file_or_a_directory_is_named_once() {
         "{out}"
     );
 }
+
+/// Item 3 with the chain unreachable for many ticks: the last landing recorded in the state
+/// file, on the wall clock, against subtensor's default activity_cutoff (said as such: the
+/// chain was never reached). `health` stays the loop's liveness.
+#[tokio::test]
+async fn an_unreachable_chain_for_half_the_activity_cutoff_is_an_error() {
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    p.publish(5, &weights());
+    let env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    let now = engy_validator::liveness::unix_now();
+    let old = State {
+        last_applied: Some(5),
+        last_submit_block: Some(1000),
+        last_submit_ts: Some(now - 40_000),
+        cached_weights: Some(weights()),
+        cached_digest: None,
+    };
+    state::write(&env.state_file(), &old).unwrap();
+    let (ok, out) = env.tick().await;
+    assert!(ok);
+    let line = out
+        .lines()
+        .find(|l| l.contains("chain unreachable"))
+        .unwrap_or_else(|| panic!("no tick line: {out}"));
+    assert!(line.contains(" ERROR "), "{line}");
+    assert!(
+        line.contains("NOTHING HAS LANDED for more than half of activity_cutoff 5000 (subtensor's default: not read from the chain yet)"),
+        "{line}"
+    );
+    assert!(line.contains("~3333 blocks by the wall clock"), "{line}");
+    assert!(
+        line.contains("drops out of consensus in 1667 blocks"),
+        "{line}"
+    );
+    assert!(env.run(&["health"]).await.status.success());
+    // a recent landing: no alarm
+    let recent = State {
+        last_submit_ts: Some(now - 2_000),
+        ..old
+    };
+    state::write(&env.state_file(), &recent).unwrap();
+    let (_, out) = env.tick().await;
+    assert!(!out.contains("NOTHING HAS LANDED"), "{out}");
+}

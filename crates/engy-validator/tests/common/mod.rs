@@ -2,6 +2,8 @@
 //! real binary as a child process, dev keys of the subtensor harness.
 #![allow(dead_code)]
 
+pub mod chain;
+
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
