@@ -1,10 +1,10 @@
-//! Gateway → miner frame decoding (`engy_miner::legs::decode_frame`, PROTOCOL.md §2) on
+//! Gateway → miner frame decoding (`engy_miner::gateway::decode_frame`, PROTOCOL.md §2) on
 //! arbitrary text, and on frames built from fuzzer bytes. Never panics; deterministic;
 //! formatting (whitespace, key order) never changes the decoded frame; a frame built from
 //! known fields decodes to exactly those fields (serve/cancel need a non-empty string
-//! `corr_id`; `stream` is true only for JSON `true`; unknown types are `Other`).
+//! `corr_id`; `stream` by Python truthiness; unknown types are `Unknown`).
 #![no_main]
-use engy_miner::legs::{decode_frame, Frame, FrameError, ServeFrame};
+use engy_miner::gateway::{decode_frame, Frame, FrameError, ServeFrame};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
 
@@ -98,7 +98,7 @@ fuzz_target!(|data: &[u8]| {
         "serve" => Ok(Frame::Serve(ServeFrame {
             corr_id: corr.clone(),
             request: if s & 4 == 0 { request } else { Value::Null },
-            stream: stream_v == Some(json!(true)),
+            stream: matches!(&stream_v, Some(v) if engy_core::wire::truthy(v)),
         })),
         "cancel" => Ok(Frame::Cancel { corr_id: corr.clone() }),
         "ping" => Ok(Frame::Ping),
@@ -107,7 +107,7 @@ fuzz_target!(|data: &[u8]| {
         "deny" => Ok(Frame::Deny {
             reason: if s & 8 == 0 { reason } else { Value::Null },
         }),
-        _ => Ok(Frame::Other { kind: kind.clone() }),
+        _ => Ok(Frame::Unknown { kind: kind.clone() }),
     };
     assert_eq!(got, want, "{t}");
 });

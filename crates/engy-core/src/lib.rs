@@ -6,6 +6,8 @@
 //! * [`toploc`]: TOPLOC activation proofs, byte-compatible with PyPI `toploc` 0.1.6 (§5).
 //! * [`identity`]: the cheap checkpoint identity `model_root` (§4).
 //! * [`commit`]: Merkle weight commitments over safetensors checkpoints (specs/SCHEME.md).
+//! * [`wire`]: the miner's typed wire messages: gateway frames both ways, `/generate` bodies,
+//!   the commitment (docs/PROTOCOL.md §2–§3).
 #![deny(unsafe_code)]
 
 pub mod commit;
@@ -14,3 +16,4 @@ pub mod identity;
 pub mod keys;
 pub mod payload;
 pub mod toploc;
+pub mod wire;

@@ -8,6 +8,8 @@
 //!   worker index, so tests can wait on what a miner sent ([`GatewayDouble::wait_for`]).
 //! * On command it sends `serve`, `cancel`, `ping`, `reconnect`, `admit`, `deny`, or drops a
 //!   connection without a close frame ([`GatewayDouble::drop_conn`]).
+//! * Frames are the types of [`engy_core::wire`]: the double writes [`GatewayFrame`]s and
+//!   reads the miner's with [`Frame::miner_frame`] (strict: unknown fields refused).
 //! * [`GatewayDouble::submit`] routes a chat request like the gateway does: to the live,
 //!   HELLO'd leg with the most free capacity (`capacity.max_inflight` minus outstanding).
 use std::collections::HashMap;
@@ -21,6 +23,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use engy_core::wire::{GatewayFrame, Serve};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -56,6 +59,15 @@ impl Frame {
     pub fn kind(&self) -> &str {
         self.value.get("type").and_then(Value::as_str).unwrap_or("")
     }
+    /// The frame read strictly as one of the miner's wire frames
+    /// ([`engy_core::wire::MinerFrame::parse_strict`]: unknown types and fields refused).
+    ///
+    /// # Errors
+    /// The serde error.
+    pub fn miner_frame(&self) -> Result<engy_core::wire::MinerFrame, serde_json::Error> {
+        serde_json::from_value(self.value.clone())
+    }
+
     /// The frame's `"corr_id"`, or `""`.
     pub fn corr_id(&self) -> &str {
         self.value
@@ -111,6 +123,8 @@ enum Cmd {
     Send(Value),
     /// Several frames written back to back, flushed once.
     SendTogether(Vec<Value>),
+    /// A websocket close frame with this code and reason, then the socket closes.
+    Close(u16, String),
     Drop,
 }
 
@@ -349,36 +363,59 @@ impl GatewayDouble {
     /// `serve {corr_id, request, stream}` on `conn`.
     pub fn serve(&self, conn: u64, corr_id: &str, request: Value, stream: bool) -> bool {
         lock(&self.inner.outstanding).insert(corr_id.to_string(), conn);
-        self.send(
-            conn,
-            json!({"type":"serve","corr_id":corr_id,"request":request,"stream":stream}),
-        )
+        let frame = GatewayFrame::Serve(Serve {
+            corr_id: corr_id.to_string(),
+            request,
+            stream,
+        });
+        self.send(conn, frame.to_value())
     }
 
     /// `cancel {corr_id}` on `conn` (the gateway stops waiting for it).
     pub fn cancel(&self, conn: u64, corr_id: &str) -> bool {
         lock(&self.inner.outstanding).remove(corr_id);
-        self.send(conn, json!({"type":"cancel","corr_id":corr_id}))
+        self.send(
+            conn,
+            GatewayFrame::Cancel {
+                corr_id: corr_id.to_string(),
+            }
+            .to_value(),
+        )
     }
 
     /// `ping` on `conn`.
     pub fn ping(&self, conn: u64) -> bool {
-        self.send(conn, json!({"type":"ping"}))
+        self.send(conn, GatewayFrame::Ping.to_value())
     }
 
     /// `reconnect` on `conn` (gateway draining).
     pub fn reconnect(&self, conn: u64) -> bool {
-        self.send(conn, json!({"type":"reconnect"}))
+        self.send(conn, GatewayFrame::Reconnect.to_value())
     }
 
     /// `admit` on `conn`.
     pub fn admit(&self, conn: u64) -> bool {
-        self.send(conn, json!({"type":"admit"}))
+        self.send(conn, GatewayFrame::Admit.to_value())
     }
 
     /// `deny {reason}` on `conn`.
     pub fn deny(&self, conn: u64, reason: &str) -> bool {
-        self.send(conn, json!({"type":"deny","reason":reason}))
+        self.send(
+            conn,
+            GatewayFrame::Deny {
+                reason: Value::String(reason.to_string()),
+            }
+            .to_value(),
+        )
+    }
+
+    /// Close `conn` with a websocket close frame (RFC 6455 §5.5.1: `code`, `reason`), as a
+    /// gateway does when it restarts (1001 "going away") or refuses a leg.
+    pub fn close(&self, conn: u64, code: u16, reason: &str) -> bool {
+        lock(&self.inner.conns)
+            .get(&conn)
+            .map(|c| c.tx.send(Cmd::Close(code, reason.to_string())).is_ok())
+            .unwrap_or(false)
     }
 
     /// Drop `conn` abruptly: the socket closes without a close frame.
@@ -478,6 +515,11 @@ async fn conn_task(st: Arc<Inner>, worker: usize, socket: WebSocket) {
                     break;
                 }
             }
+                Some(Cmd::Close(code, reason)) => {
+                    let frame = axum::extract::ws::CloseFrame { code, reason: reason.into() };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
                 Some(Cmd::Drop) | None => break,
             },
             msg = stream.next() => match msg {

@@ -21,8 +21,8 @@ use engy_core::toploc::{
     bf16_bits_to_f32, build_proofs, build_proofs_base64, f32_to_bf16_bits, select_topk,
     verify_proofs, Dtype, Params,
 };
-use engy_miner::decimal::parse_bf16;
-use engy_miner::engine::ProofAcc;
+use engy_miner::proof::ProofAcc;
+use engy_miner::scan::decimal::parse_bf16;
 use engy_miner::scan::{
     scan_reply, scan_reply_from, DropRows, HiddenMode, ReplySource, RowSink, ScanError, SseReader,
 };

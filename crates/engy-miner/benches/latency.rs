@@ -103,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
         .env("CHECKPOINT", &ckpt)
         .env("SERVE_URL", sglang.url())
         .env("ENGY_MINER_LOCK", dir.path().join("miner.lock"))
-        .env("MAX_INFLIGHT", streams.to_string())
+        .env("MAX_INFLIGHT", streams.max(8).to_string())
         .env("STREAM_FLUSH_S", "0")
         .stdout(Stdio::null())
         .stderr(log)

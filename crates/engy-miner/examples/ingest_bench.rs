@@ -21,7 +21,7 @@
 use std::process::ExitCode;
 
 use engy_core::toploc::Params;
-use engy_miner::engine::ProofAcc;
+use engy_miner::proof::ProofAcc;
 use engy_miner::scan::{scan_reply_from, HiddenMode, ReplySource, ScanError, SseReader};
 
 #[path = "../benches/harness/mod.rs"]

@@ -205,6 +205,23 @@ impl Prompter {
         self.encode(&text)
     }
 
+    /// Render and tokenize the probe conversation the miner checks at start-up (a system
+    /// and a user message); returns its token count.
+    ///
+    /// # Errors
+    /// As [`Prompter::prompt_ids`]; [`ChatError::Render`] when it renders to nothing.
+    pub fn probe(&self) -> Result<usize, ChatError> {
+        let msgs = serde_json::json!([
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello!"}
+        ]);
+        let ids = self.prompt_ids(&msgs)?;
+        if ids.is_empty() {
+            return Err(ChatError::Render("it renders to an empty prompt".into()));
+        }
+        Ok(ids.len())
+    }
+
     /// Tokenize text without adding special tokens.
     ///
     /// # Errors

@@ -81,10 +81,22 @@ pub async fn run(opts: &Opts) -> ExitCode {
     for serve in opts.serve_urls() {
         check_serve(&mut r, &client, &serve, hidden, opts).await;
     }
+    // The key itself is never printed, only whether the miner would start with it.
+    match opts.miner_key.as_ref().filter(|k| !k.expose().is_empty()) {
+        Some(_) => r.ok("MINER_KEY", "set"),
+        None => r.fail(
+            "MINER_KEY",
+            "not set (the miner refuses to start without it)",
+            "export MINER_KEY=<your miner key>",
+        ),
+    }
+    if let Err(e) = opts.validate() {
+        r.fail("settings", &e, "see docs/MINER.md \"Configuration\"");
+    }
     match opts.gw.as_deref().filter(|g| !g.is_empty()) {
         None => r.fail("gateway", "GW not set", "export GW=wss://<gateway-host>/gw"),
         Some(gw) => {
-            let url = format!("{}/meta", crate::legs::http_base(gw));
+            let url = format!("{}/meta", crate::gateway::http_base(gw));
             match client
                 .get(&url)
                 .timeout(Duration::from_secs(10))
@@ -274,10 +286,20 @@ async fn check_serve(
     {
         r.fail(
             &what,
-            format!(
-                "{} rows of {} (expected 4 of {:?}), ragged {:?}",
-                rows.n_rows, rows.width, hidden, rows.ragged
-            ),
+            {
+                let expected = match hidden {
+                    Some(h) => format!("4 rows of {h} (config.json hidden_size)"),
+                    None => "4 rows".to_string(),
+                };
+                let ragged = match rows.ragged {
+                    Some((i, w)) => format!("; row {i} has {w} values"),
+                    None => String::new(),
+                };
+                format!(
+                    "{} rows of {} values, expected {expected}{ragged}",
+                    rows.n_rows, rows.width
+                )
+            },
             "the serve must run the checkpoint given by --checkpoint, without speculative decoding",
         );
         return;
@@ -298,7 +320,13 @@ async fn check_serve(
             }
             Ok(res) => r.fail(
                 &what,
-                format!("verification mismatches: {res:?}"),
+                format!(
+                    "verification mismatches (exp_mismatches per batch): {}",
+                    res.iter()
+                        .map(|v| v.exp_mismatches.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
                 "report this (the proof library disagrees with itself)",
             ),
             Err(e) => r.fail(&what, e, "report this"),

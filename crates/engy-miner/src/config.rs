@@ -191,6 +191,126 @@ impl Opts {
     }
 }
 
+/// The gateway's lower bound on a miner's total concurrency (PROTOCOL.md §2, leg plan).
+pub const GATEWAY_MIN_INFLIGHT: u64 = 8;
+
+/// Seconds after which the gateway calls a leg stale without a heartbeat (PROTOCOL.md §2).
+pub const GATEWAY_STALE_S: f64 = 90.0;
+
+/// A setting the miner refuses to start with: `var` is the environment variable (the flag
+/// is named in `msg`), `msg` says what is wrong and what to set instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{var}: {msg}")]
+pub struct ConfigError {
+    /// The environment variable the operator set (or must set).
+    pub var: &'static str,
+    /// What is wrong, with the accepted range.
+    pub msg: String,
+}
+
+fn bad(var: &'static str, msg: impl Into<String>) -> ConfigError {
+    ConfigError {
+        var,
+        msg: msg.into(),
+    }
+}
+
+/// Finite and > 0.
+fn positive(v: f64) -> bool {
+    v.is_finite() && v > 0.0
+}
+
+impl Opts {
+    /// Refuse settings the miner cannot run with (docs/MINER.md "Configuration"): each
+    /// error names the variable. Checked before anything is dialed or loaded.
+    ///
+    /// # Errors
+    /// The first [`ConfigError`] found, in the order of the settings table.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_inflight < GATEWAY_MIN_INFLIGHT {
+            return Err(bad(
+                "MAX_INFLIGHT",
+                format!(
+                    "{} is below the gateway's minimum of {GATEWAY_MIN_INFLIGHT} concurrent requests (--max-inflight); set MAX_INFLIGHT={GATEWAY_MIN_INFLIGHT} or more",
+                    self.max_inflight
+                ),
+            ));
+        }
+        if self.max_tokens == 0 {
+            return Err(bad(
+                "MAX_TOKENS",
+                "must be at least 1: it is the max_tokens of a request that sends none (--max-tokens, default 512)",
+            ));
+        }
+        if self.max_output_tokens == 0 {
+            return Err(bad(
+                "MAX_OUTPUT_TOKENS",
+                "must be at least 1: it caps every request's output and is advertised to the gateway (--max-output-tokens, default 32768)",
+            ));
+        }
+        if !positive(self.max_request_s) {
+            return Err(bad(
+                "MAX_REQUEST_S",
+                format!(
+                    "must be a number of seconds above 0, got {} (--max-request-s, default 1800)",
+                    self.max_request_s
+                ),
+            ));
+        }
+        if let Some(s) = self.serve_http_s {
+            if !positive(s) {
+                return Err(bad(
+                    "SERVE_HTTP_S",
+                    format!("must be a number of seconds above 0, got {s} (--serve-http-s; unset = MAX_REQUEST_S)"),
+                ));
+            }
+        }
+        if self.max_response_mb == Some(0) {
+            return Err(bad(
+                "ENGY_MAX_RESPONSE_MB",
+                "must be at least 1 MiB (--max-response-mb; unset = sized from TOPLOC_GEN_CHUNK and hidden_size)",
+            ));
+        }
+        if !positive(self.heartbeat_s) || self.heartbeat_s >= GATEWAY_STALE_S {
+            return Err(bad(
+                "ENGY_HEARTBEAT_S",
+                format!(
+                    "must be above 0 and below the gateway's {GATEWAY_STALE_S} s staleness, got {} (--heartbeat-s, default 30)",
+                    self.heartbeat_s
+                ),
+            ));
+        }
+        if !(self.stream_flush_s.is_finite() && self.stream_flush_s >= 0.0) {
+            return Err(bad(
+                "STREAM_FLUSH_S",
+                format!(
+                    "must be 0 or more seconds, got {} (--stream-flush-s, default 0.05)",
+                    self.stream_flush_s
+                ),
+            ));
+        }
+        if !(self.drain_s.is_finite() && self.drain_s >= 0.0) {
+            return Err(bad(
+                "ENGY_DRAIN_S",
+                format!(
+                    "must be 0 or more seconds, got {} (--drain-s, default 30)",
+                    self.drain_s
+                ),
+            ));
+        }
+        for (var, v) in [
+            ("TOPLOC_TOPK", self.toploc_topk),
+            ("TOPLOC_DBS", self.toploc_dbs),
+            ("TOPLOC_GEN_CHUNK", self.gen_chunk),
+        ] {
+            if v == 0 {
+                return Err(bad(var, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A non-negative, finite seconds value as a Duration (bad values → 0).
 pub fn secs(s: f64) -> Duration {
     if s.is_finite() && s > 0.0 {

@@ -15,11 +15,12 @@ use sha2::{Digest, Sha256};
 pub mod chat;
 pub mod check;
 pub mod config;
-pub mod decimal;
-pub mod engine;
+pub mod gateway;
 pub mod hw;
-pub mod legs;
+pub mod job;
+pub mod proof;
 pub mod scan;
+pub mod serve;
 
 use config::Opts;
 
@@ -90,11 +91,29 @@ pub fn check_gw(gw: &str) -> Result<(), String> {
 
 /// `hidden_size` of `<checkpoint>/config.json` (top level or `text_config`), if any.
 pub fn hidden_size(checkpoint: &Path) -> Option<usize> {
-    let raw = std::fs::read(checkpoint.join("config.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&raw).ok()?;
+    checkpoint_hidden_size(checkpoint).ok()
+}
+
+/// `hidden_size` of `<checkpoint>/config.json` (top level, else `text_config`, as
+/// multimodal checkpoints nest it): every hidden-state row must have this many values.
+///
+/// # Errors
+/// A sentence naming the file and what is wrong with it (unreadable, not JSON, no positive
+/// integer `hidden_size`).
+pub fn checkpoint_hidden_size(checkpoint: &Path) -> Result<usize, String> {
+    let path = checkpoint.join("config.json");
+    let raw = std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&raw).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
     v.get("hidden_size")
         .or_else(|| v.pointer("/text_config/hidden_size"))
         .and_then(serde_json::Value::as_u64)
         .filter(|h| *h > 0)
-        .map(|h| h as usize)
+        .and_then(|h| usize::try_from(h).ok())
+        .ok_or_else(|| {
+            format!(
+                "{} has no positive integer hidden_size (top level or text_config)",
+                path.display()
+            )
+        })
 }

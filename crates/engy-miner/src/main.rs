@@ -5,26 +5,18 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use anyhow::Context;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use engy_miner::config::{self, secs, Cli, Cmd, Opts};
-use engy_miner::{chat, check, engine, hidden_size, hw, legs, worker_name};
+use engy_miner::{chat, check, gateway, hw, serve, worker_name};
 
 /// Exit code for a bad configuration.
 const EXIT_CONFIG: u8 = 2;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+    init_logging();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -39,6 +31,28 @@ fn main() -> ExitCode {
         Some(Cmd::Check) => rt.block_on(check::run(&cli.opts)),
         Some(Cmd::Run) | None => rt.block_on(run(cli.opts)),
     }
+}
+
+/// `RUST_LOG` (default `info`) to stderr, with one rule no filter can lift: the websocket
+/// library's TRACE events are dropped, because they dump whole frames and the HELLO frame
+/// carries MINER_KEY (docs/SECURITY.md).
+fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let no_frame_dumps = tracing_subscriber::filter::filter_fn(|meta| {
+        let t = meta.target();
+        !(*meta.level() == tracing::Level::TRACE
+            && (t.starts_with("tungstenite") || t.starts_with("tokio_tungstenite")))
+    });
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .with_filter(no_frame_dumps);
+    tracing_subscriber::registry().with(filter).with(fmt).init();
 }
 
 fn config_error(msg: impl std::fmt::Display) -> ExitCode {
@@ -67,8 +81,8 @@ async fn run(opts: Opts) -> ExitCode {
     if opts.serve_urls().is_empty() {
         return config_error("--serve-url / SERVE_URL is empty");
     }
-    if opts.toploc_topk == 0 || opts.toploc_dbs == 0 || opts.gen_chunk == 0 {
-        return config_error("TOPLOC_TOPK, TOPLOC_DBS and TOPLOC_GEN_CHUNK must be at least 1");
+    if let Err(e) = opts.validate() {
+        return config_error(e);
     }
     // One miner per node (§2.3): a second instance says so and exits 0.
     let lock_file = match std::fs::OpenOptions::new()
@@ -93,7 +107,12 @@ async fn run(opts: Opts) -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    match serve(opts, gw, miner_key, &checkpoint).await {
+    // The checkpoint must be able to serve before HELLO announces it (CHECKPOINT).
+    let ckpt = match Checkpoint::load(&checkpoint) {
+        Ok(c) => c,
+        Err(e) => return config_error(e),
+    };
+    match serve(opts, gw, miner_key, &checkpoint, ckpt).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -102,22 +121,54 @@ async fn run(opts: Opts) -> ExitCode {
     }
 }
 
+/// What start-up needs from the checkpoint folder, each part proven to work.
+struct Checkpoint {
+    prompter: chat::Prompter,
+    model_root: String,
+    hidden: usize,
+}
+
+impl Checkpoint {
+    /// Load the tokenizer and chat template and render a probe conversation; read
+    /// `hidden_size` and `model_root`. The error names CHECKPOINT and the cause.
+    fn load(dir: &Path) -> Result<Self, String> {
+        let at = dir.display();
+        let prompter = chat::Prompter::load(dir).map_err(|e| {
+            format!("CHECKPOINT {at}: cannot load the tokenizer or chat template: {e}")
+        })?;
+        prompter.probe().map_err(|e| {
+            format!("CHECKPOINT {at}: the chat template cannot render a system + user conversation: {e}")
+        })?;
+        let hidden =
+            engy_miner::checkpoint_hidden_size(dir).map_err(|e| format!("CHECKPOINT {at}: {e}"))?;
+        let model_root = engy_core::identity::model_root(dir)
+            .map_err(|e| format!("CHECKPOINT {at}: cannot compute model_root: {e}"))?;
+        Ok(Self {
+            prompter,
+            model_root,
+            hidden,
+        })
+    }
+}
+
 async fn serve(
     opts: Opts,
     gw: String,
     miner_key: config::Secret,
     checkpoint: &Path,
+    ckpt: Checkpoint,
 ) -> anyhow::Result<()> {
     let mut signals = Signals::install();
-    tracing::info!(checkpoint = %checkpoint.display(), "loading tokenizer and chat template");
-    let prompter = Arc::new(
-        chat::Prompter::load(checkpoint).context("loading the checkpoint's tokenizer/template")?,
-    );
-    let model_root = engy_core::identity::model_root(checkpoint).context("computing model_root")?;
-    let hidden = hidden_size(checkpoint);
-    let reply_cap = opts.reply_cap(hidden.unwrap_or(8192));
-    let engine = Arc::new(engine::Engine::new(
-        engine::EngineConfig {
+    tracing::info!(checkpoint = %checkpoint.display(), hidden_size = ckpt.hidden, "checkpoint loaded; its chat template renders");
+    let Checkpoint {
+        prompter,
+        model_root,
+        hidden,
+    } = ckpt;
+    let prompter = Arc::new(prompter);
+    let reply_cap = opts.reply_cap(hidden);
+    let engine = Arc::new(serve::Engine::new(
+        serve::EngineConfig {
             model_root: model_root.clone(),
             topk: opts.toploc_topk,
             dbs: opts.toploc_dbs,
@@ -125,7 +176,7 @@ async fn serve(
             max_output_tokens: opts.max_output_tokens,
             gen_chunk: opts.gen_chunk,
             serve_timeout: opts.serve_timeout(),
-            hidden_size: hidden,
+            hidden_size: Some(hidden),
             reply_cap,
         },
         prompter,
@@ -138,7 +189,7 @@ async fn serve(
     });
     let hw = hw::detect().await;
     let worker_name = worker_name(&opts);
-    let identity = legs::Identity {
+    let identity = gateway::Identity {
         gw: gw.clone(),
         miner_key,
         model: opts.model.clone(),
@@ -154,20 +205,21 @@ async fn serve(
         heartbeat: secs(opts.heartbeat_s).max(std::time::Duration::from_millis(100)),
         flush: secs(opts.stream_flush_s),
     };
-    let n = legs::worker_count(&gw, opts.gw_workers).await;
-    let (workers, per_leg) = legs::leg_plan(n, opts.max_inflight);
+    let n = gateway::worker_count(&gw, opts.gw_workers).await;
+    let (workers, per_leg) = gateway::leg_plan(n, opts.max_inflight);
     tracing::info!(
         gw = %gw, model = %opts.model, root = %model_root.get(..12).unwrap_or(&model_root),
-        serves = ?opts.serve_urls(), workers = n, legs = ?workers, leg_inflight = per_leg,
+        serves = %opts.serve_urls().join(", "), workers = n,
+        legs = %workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", "), leg_inflight = per_leg,
         total_inflight = per_leg * workers.len() as u64, worker_name = %worker_name,
-        hidden_size = ?hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
+        hidden_size = hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
     );
     tracing::info!(hw = %hw, "hardware");
-    let hub = legs::Hub::new(identity, engine);
+    let hub = gateway::Hub::new(identity, engine);
     let shutdown = CancellationToken::new();
     let mut tasks = Vec::new();
     for w in workers {
-        tasks.push(tokio::spawn(legs::run_leg(
+        tasks.push(tokio::spawn(gateway::run_leg(
             Arc::clone(&hub),
             w,
             n,
@@ -187,18 +239,19 @@ async fn serve(
         "signal received; draining in-flight requests, then closing the legs"
     );
     let deadline = tokio::time::Instant::now() + drain;
-    while hub.inflight.load(Ordering::SeqCst) > 0 {
-        let wait = hub.idle.notified();
-        if hub.inflight.load(Ordering::SeqCst) == 0 {
-            break;
-        }
-        if tokio::time::timeout_at(deadline, wait).await.is_err() {
+    if !wait_idle(&hub, deadline).await {
+        tracing::warn!(
+            inflight = hub.inflight.load(Ordering::SeqCst),
+            "drain timed out; aborting the remaining requests (each is answered with an error)"
+        );
+        hub.abort_all("the miner is shutting down (SIGTERM) and the drain timed out");
+        // Their error responses go out before the legs close (each leg writes in order).
+        let answered = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        if !wait_idle(&hub, answered).await {
             tracing::warn!(
                 inflight = hub.inflight.load(Ordering::SeqCst),
-                "drain timed out; aborting the remaining requests"
+                "aborted requests did not finish within 5 s; closing the legs anyway"
             );
-            hub.cancel_all("shutdown");
-            break;
         }
     }
     shutdown.cancel();
@@ -209,6 +262,22 @@ async fn serve(
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Wait until no request is in flight; false at `deadline`.
+async fn wait_idle(hub: &gateway::Hub, deadline: tokio::time::Instant) -> bool {
+    loop {
+        let wait = hub.idle.notified();
+        tokio::pin!(wait);
+        // Registered before the check: a notify between the check and the await is kept.
+        wait.as_mut().enable();
+        if hub.inflight.load(Ordering::SeqCst) == 0 {
+            return true;
+        }
+        if tokio::time::timeout_at(deadline, wait).await.is_err() {
+            return hub.inflight.load(Ordering::SeqCst) == 0;
+        }
+    }
 }
 
 /// SIGTERM/SIGINT listeners, installed before the slow start-up steps (`/meta`, hardware

@@ -108,3 +108,89 @@ fn template_errors_are_reported_not_panics() {
     assert!(p.render(&json!({"not": "a list"})).is_err());
     assert!(p.render(&json!([{"content": "no role"}])).is_err());
 }
+
+/// A template that renders `content` given as a list of typed parts (as multimodal chat
+/// templates do), and one that renders anything but a string as empty (as Qwen3's does).
+const PARTS_TEMPLATE: &str = "{%- macro text_of(content) -%}\
+{%- if content is string -%}{{ content }}\
+{%- elif content is iterable and content is not mapping -%}\
+{%- for part in content -%}\
+{%- if part is mapping and part.type == 'text' -%}{{ part.text }}\
+{%- elif part is mapping and ('image' in part or part.type == 'image') -%}<|image|>\
+{%- endif -%}\
+{%- endfor -%}\
+{%- endif -%}\
+{%- endmacro -%}\
+{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' }}{{ text_of(m.content) }}{{ '<|im_end|>\\n' }}{%- endfor -%}\
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}";
+
+const STRING_ONLY_TEMPLATE: &str = "{%- for m in messages -%}\
+{%- if m.content is string -%}{%- set c = m.content -%}{%- else -%}{%- set c = '' -%}{%- endif -%}\
+{{ '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}";
+
+#[test]
+fn content_as_a_list_of_parts_renders_as_transformers_renders_it() {
+    let convs = json!([
+        [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there."}]}],
+        [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+         {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image", "image": "x.png"}, {"type": "text", "text": "B"}]}],
+        [{"role": "user", "content": []}],
+    ]);
+    for (name, template, first) in [
+        (
+            "parts",
+            PARTS_TEMPLATE,
+            "<|im_start|>user\nHello there.<|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            "string-only",
+            STRING_ONLY_TEMPLATE,
+            "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("ckpt");
+        write_checkpoint(
+            &ckpt,
+            &CheckpointSpec {
+                hidden_size: 64,
+                vocab_size: 500,
+            },
+        )
+        .unwrap();
+        std::fs::write(ckpt.join("chat_template.jinja"), template).unwrap();
+        let p = Prompter::load(&ckpt).unwrap();
+        assert_eq!(p.render(&convs[0]).unwrap(), first, "{name}");
+        let ours: Vec<Vec<u32>> = convs
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| p.prompt_ids(c).unwrap_or_else(|e| panic!("{name}: {e}")))
+            .collect();
+        if !common::python_has_transformers() {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI needs python3 with transformers"
+            );
+            eprintln!("SKIPPED: python3 with `transformers` not found");
+            return;
+        }
+        let convs_path = dir.path().join("convs.json");
+        std::fs::write(&convs_path, convs.to_string()).unwrap();
+        let out = std::process::Command::new("python3")
+            .arg(common::script("hf_chat_template.py"))
+            .arg(&ckpt)
+            .arg(&convs_path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let theirs: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ours, theirs, "{name}");
+    }
+}

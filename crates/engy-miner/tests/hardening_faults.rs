@@ -546,7 +546,17 @@ async fn cancel_floods_duplicates_and_unknown_corr_ids_leave_no_stuck_slot() {
     assert!(fx.gw.serve(legs[0], "behind", chat("Next.", 8), true));
     assert_ok(&fx.gw.wait_response("behind", T).await.unwrap());
     assert_eq!(fx.sglang.generate_log().len(), n0 + 1, "one call: `behind`");
-    assert!(fx.gw.frames_for("pre-cancelled").is_empty());
+    // Cancelled just before its serve: not run, answered once as cancelled (§2.5).
+    let pre = fx
+        .gw
+        .wait_response("pre-cancelled", T)
+        .await
+        .expect("pre-cancelled answered");
+    assert!(
+        pre["error"].as_str().unwrap().contains("cancelled"),
+        "{pre}"
+    );
+    assert_eq!(fx.gw.frames_for("pre-cancelled").len(), 1);
     println!("cancel flood: {sent} cancel frames");
     terminate_idle(m).await;
 }
@@ -982,10 +992,16 @@ async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero
     assert!(log.contains("drain timed out"), "{log}");
     assert!(!log.contains("panicked"), "{log}");
     wait_abort_of(&fx, &rid).await;
+    // Issue 14: the request still gets its one terminal frame, an error (PROTOCOL.md §2.6).
+    let frames = fx.gw.frames_for("stuck");
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    let resp = &frames[0].value;
+    assert_eq!(resp["type"], "response");
     assert!(
-        fx.gw.frames_for("stuck").is_empty(),
-        "nothing after a shutdown cancel"
+        resp["error"].as_str().unwrap().contains("shutting down"),
+        "{resp}"
     );
+    assert!(frames[0].miner_frame().is_ok(), "{resp}");
 }
 
 /// Regression (same fix): a gateway that re-sends a request under the same corr_id on
@@ -994,7 +1010,7 @@ async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corr_id_resent_on_another_leg_survives_the_first_legs_end() {
     let fx = Fixture::new(HIDDEN, 2, SglangConfig::default()).await;
-    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("MAX_INFLIGHT", "4")]);
+    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("MAX_INFLIGHT", "8")]);
     let legs = fx.gw.wait_legs(2, T).await.unwrap();
     let (a, b) = (legs[0].id, legs[1].id);
     fx.sglang

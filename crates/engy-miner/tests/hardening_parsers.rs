@@ -22,7 +22,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, Waker};
 
 use engy_miner::chat::{ChatError, Prompter};
-use engy_miner::legs::{decode_frame, Frame, FrameError, ServeFrame};
+use engy_miner::gateway::{decode_frame, Frame, FrameError, ServeFrame};
 use engy_miner::scan::{
     scan_reply, scan_reply_from, HiddenMode, Reply, ReplySource, RowSink, ScanError, SliceSource,
     SseReader,
@@ -479,14 +479,14 @@ proptest! {
             "serve" => Ok(Frame::Serve(ServeFrame {
                 corr_id: corr_s,
                 request: if with_request { request } else { Value::Null },
-                stream: stream == Some(json!(true)),
+                stream: matches!(&stream, Some(v) if engy_core::wire::truthy(v)),
             })),
             "cancel" => Ok(Frame::Cancel { corr_id: corr_s }),
             "ping" => Ok(Frame::Ping),
             "reconnect" => Ok(Frame::Reconnect),
             "admit" => Ok(Frame::Admit),
             "deny" => Ok(Frame::Deny { reason: json!(content) }),
-            _ => Ok(Frame::Other { kind: kind.clone() }),
+            _ => Ok(Frame::Unknown { kind: kind.clone() }),
         };
         prop_assert_eq!(decode_frame(&text), want);
     }

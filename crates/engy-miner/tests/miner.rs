@@ -11,12 +11,15 @@ const HIDDEN: usize = 128;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_fields_and_leg_plan() {
-    let fx = Fixture::new(HIDDEN, 4, SglangConfig::default()).await;
-    // MAX_INFLIGHT < N: 2 legs at 1 each, on distinct workers.
-    let mut m = fx.miner(&[("MAX_INFLIGHT", "2"), ("ENGY_WORKER_NAME", "rig-a")]);
-    let legs = fx.gw.wait_legs(2, T).await.expect("2 legs");
-    assert_eq!(legs.len(), 2);
-    assert_ne!(legs[0].worker, legs[1].worker);
+    let fx = Fixture::new(HIDDEN, 10, SglangConfig::default()).await;
+    // MAX_INFLIGHT < N: 8 legs at 1 each, on distinct workers.
+    let mut m = fx.miner(&[("MAX_INFLIGHT", "8"), ("ENGY_WORKER_NAME", "rig-a")]);
+    let legs = fx.gw.wait_legs(8, T).await.expect("8 legs");
+    assert_eq!(legs.len(), 8);
+    let mut distinct: Vec<usize> = legs.iter().map(|l| l.worker).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 8);
     let root = engy_core::identity::model_root(&fx.ckpt()).unwrap();
     for l in &legs {
         let h = l.hello.as_ref().unwrap();
@@ -28,7 +31,7 @@ async fn hello_fields_and_leg_plan() {
         assert_eq!(h["instance_id"], "rig-a");
         assert_eq!(h["worker_id"].as_str().unwrap().len(), 32);
         assert_eq!(h["capacity"]["max_inflight"], 1);
-        assert_eq!(h["capacity"]["max_inflight_total"], 2);
+        assert_eq!(h["capacity"]["max_inflight_total"], 8);
         assert_eq!(h["capacity"]["max_input_tokens"], 229_376);
         assert_eq!(h["capacity"]["max_output_tokens"], 32_768);
         assert_eq!(h["capacity"]["max_request_s"], 1800.0);
@@ -42,7 +45,7 @@ async fn hello_fields_and_leg_plan() {
         assert_eq!(hb["capacity"]["max_inflight"], 1);
         assert_eq!(hb["inflight"], 0);
     }
-    assert_eq!(fx.gw.live_legs().len(), 2);
+    assert_eq!(fx.gw.live_legs().len(), 8);
     assert!(
         !m.log_text().contains(KEY),
         "the miner key must never be logged"
@@ -50,7 +53,7 @@ async fn hello_fields_and_leg_plan() {
     assert_eq!(m.terminate().and_then(|s| s.code()), Some(0));
 
     // MAX_INFLIGHT ≥ N: one leg per worker, floor(MAX_INFLIGHT / N) each.
-    let _m2 = fx.miner(&[("MAX_INFLIGHT", "9")]);
+    let _m2 = fx.miner(&[("MAX_INFLIGHT", "25")]);
     let legs = fx
         .gw
         .wait_for(T, |_, conns| {
@@ -59,17 +62,17 @@ async fn hello_fields_and_leg_plan() {
                 .filter(|c| c.alive && c.hello.is_some())
                 .cloned()
                 .collect();
-            (live.len() == 4).then_some(live)
+            (live.len() == 10).then_some(live)
         })
         .await
-        .expect("4 legs");
+        .expect("10 legs");
     let mut workers: Vec<usize> = legs.iter().map(|l| l.worker).collect();
     workers.sort_unstable();
-    assert_eq!(workers, vec![0, 1, 2, 3]);
+    assert_eq!(workers, (0..10).collect::<Vec<_>>());
     for l in &legs {
         let h = l.hello.as_ref().unwrap();
         assert_eq!(h["capacity"]["max_inflight"], 2);
-        assert_eq!(h["capacity"]["max_inflight_total"], 9);
+        assert_eq!(h["capacity"]["max_inflight_total"], 25);
         assert!(h["worker_name"].as_str().unwrap().starts_with("ins-"));
     }
 }
@@ -562,6 +565,7 @@ async fn run_check(fx: &Fixture) -> std::process::Output {
             .env("CHECKPOINT", ckpt)
             .env("SERVE_URL", serve)
             .env("GW", gw)
+            .env("MINER_KEY", KEY)
             .output()
             .unwrap()
     })

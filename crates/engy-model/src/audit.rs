@@ -1,7 +1,7 @@
 //! The auditor: re-derive a commitment's hidden states from the pinned weights and check its
 //! TOPLOC proofs.
 //!
-//! Input: a miner commitment (PROTOCOL.md §3.10: `{model_root, output_token_ids, toploc:
+//! Input: a miner commitment ([`engy_core::wire::Commitment`], docs/PROTOCOL.md §3.10: `{model_root, output_token_ids, toploc:
 //! {proofs, topk, decode_batching_size, skip_prefill, n_tokens, prompt_ids}}`) and a checkpoint.
 //!
 //! 1. Shape checks. Anything the miner got wrong in form (another `model_root`, `n_tokens` not
@@ -23,9 +23,10 @@
 //! 5. Score: the mean over batches of `exp_mismatches / topk`, in `[0, 1]` (the SN53 one-pager's
 //!    "mean top-k mismatch count normalised by topk"). Reported with every verdict that got as
 //!    far as verification.
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use engy_core::toploc::{self, Dtype, Params, ProofPoly};
+use engy_core::wire::Commitment;
 
 use crate::{Model, ModelError};
 
@@ -131,24 +132,6 @@ impl AuditReport {
     }
 }
 
-/// The commitment's wire shape (PROTOCOL.md §3.10). Unknown fields are ignored.
-#[derive(Debug, Clone, Deserialize)]
-struct WireCommitment {
-    model_root: String,
-    output_token_ids: Vec<u64>,
-    toploc: WireToploc,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct WireToploc {
-    proofs: Vec<String>,
-    topk: u64,
-    decode_batching_size: u64,
-    skip_prefill: bool,
-    n_tokens: u64,
-    prompt_ids: Vec<u64>,
-}
-
 /// Audits `commitment` (the §3.10 object, or any object holding it under `"commitment"`, such
 /// as a gateway `response` frame) against `model`, whose checkpoint has `model_root`.
 ///
@@ -170,7 +153,7 @@ pub fn audit(
     if value.is_null() {
         return Ok(AuditReport::unproven("the commitment is null", p));
     }
-    let c: WireCommitment = match serde_json::from_value(value.clone()) {
+    let c: Commitment = match serde_json::from_value(value.clone()) {
         Ok(c) => c,
         Err(e) => {
             return Ok(AuditReport::unproven(
@@ -194,16 +177,17 @@ struct Checked {
     params: Params,
 }
 
-fn ids_in_vocab(ids: &[u64], vocab: usize, what: &str) -> Result<Vec<u32>, String> {
+fn ids_in_vocab(ids: &[u32], vocab: usize, what: &str) -> Result<Vec<u32>, String> {
     ids.iter()
         .enumerate()
         .map(|(i, &id)| {
-            u32::try_from(id)
-                .ok()
-                .filter(|&v| (v as usize) < vocab)
-                .ok_or_else(|| {
-                    format!("{what}[{i}] = {id} is outside the vocabulary (size {vocab})")
-                })
+            if (id as usize) < vocab {
+                Ok(id)
+            } else {
+                Err(format!(
+                    "{what}[{i}] = {id} is outside the vocabulary (size {vocab})"
+                ))
+            }
         })
         .collect()
 }
@@ -211,7 +195,7 @@ fn ids_in_vocab(ids: &[u64], vocab: usize, what: &str) -> Result<Vec<u32>, Strin
 fn check_shape(
     model: &Model,
     model_root: &str,
-    c: &WireCommitment,
+    c: &Commitment,
     p: &AuditParams,
 ) -> Result<Checked, String> {
     let cfg = model.config();

@@ -169,6 +169,17 @@ pub struct GenerateRecord {
     pub events: Vec<EventMark>,
 }
 
+impl GenerateRecord {
+    /// The request body read as the miner's typed `/generate` body
+    /// ([`engy_core::wire::GenerateRequest`]): what engy-miner sends must parse.
+    ///
+    /// # Errors
+    /// The serde error naming the field that does not fit.
+    pub fn wire_request(&self) -> Result<engy_core::wire::GenerateRequest, serde_json::Error> {
+        serde_json::from_value(self.request.clone())
+    }
+}
+
 /// When one intermediate SSE event left the double, and the length in bytes of the
 /// cumulative `text` it carried (§2.7).
 #[derive(Debug, Clone, Copy)]
@@ -900,11 +911,7 @@ impl Generation {
                 if self.st.cfg.record {
                     let mark = EventMark {
                         at: Instant::now(),
-                        text_len: self
-                            .st
-                            .backend
-                            .decode(&acc.output_ids)
-                            .map_or(0, |t| t.len()),
+                        text_len: self.visible_text(&acc, false).len(),
                     };
                     self.st.update_record(self.idx, |r| r.events.push(mark));
                 }
@@ -1065,10 +1072,25 @@ impl Generation {
         }
     }
 
+    /// The cumulative text of an event: on a streamed event before the last, trailing
+    /// U+FFFD (an incomplete UTF-8 sequence of the last tokens) is held back until the
+    /// bytes complete, as sglang's incremental detokenizer does (sglang-native-api.md
+    /// §2.7); the last event and a non-stream body carry the whole decode.
+    fn visible_text(&self, acc: &Acc, last: bool) -> String {
+        let text = self.st.backend.decode(&acc.output_ids).unwrap_or_default();
+        if last || !self.req.stream {
+            return text;
+        }
+        let keep = text.trim_end_matches('\u{fffd}').len();
+        let mut text = text;
+        text.truncate(keep);
+        text
+    }
+
     /// One reply object (non-stream body or SSE event payload), keys in sglang's order.
     fn render(&self, acc: &Acc, finish: &Value, first: bool, last: bool) -> String {
         let mut s = String::with_capacity(256 + acc.elements.len() * 16);
-        let text = self.st.backend.decode(&acc.output_ids).unwrap_or_default();
+        let text = self.visible_text(acc, last);
         s.push_str("{\"text\":");
         s.push_str(&Value::String(text).to_string());
         s.push_str(",\"output_ids\":");

@@ -287,9 +287,10 @@ pub async fn wait_abort_of(fx: &Fixture, rid: &str) {
         .unwrap_or_else(|| panic!("no /abort_request for {rid}"));
 }
 
-/// Env that turns the periodic heartbeat off (one per hour), so the n-th heartbeat of a leg
-/// is the answer to its n-th `ping` (see [`cancel_fenced`]).
-pub const NO_PERIODIC_HEARTBEAT: (&str, &str) = ("ENGY_HEARTBEAT_S", "3600");
+/// Env that keeps the periodic heartbeat out of a test (the longest period the miner
+/// accepts, under the gateway's 90 s staleness; every test ends sooner), so the n-th
+/// heartbeat of a leg is the answer to its n-th `ping` (see [`cancel_fenced`]).
+pub const NO_PERIODIC_HEARTBEAT: (&str, &str) = ("ENGY_HEARTBEAT_S", "89");
 
 /// `cancel {corr_id}` followed by a `ping` on the same leg. A leg handles the gateway's
 /// frames in order and writes its own through one FIFO, so the heartbeat answering that
