@@ -121,6 +121,8 @@ pub struct Daemon {
     /// The epoch and reason of the last vector refused by the subnet's weight rules, so the
     /// reason is logged in full once per epoch.
     refused: Option<(u64, String)>,
+    /// Metrics, when `--metrics-addr` serves them.
+    metrics: Option<crate::metrics::Metrics>,
 }
 
 fn short(hk: &str) -> String {
@@ -142,7 +144,14 @@ impl Daemon {
             activity_cutoff: None,
             view: None,
             refused: None,
+            metrics: None,
         })
+    }
+
+    /// Records every tick in `metrics` (served by `--metrics-addr`).
+    pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Daemon {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The settings.
@@ -207,9 +216,19 @@ impl Daemon {
                         fallback_reason: None,
                     })
                 }
-                Err(e) => format!("payload rejected: {}", e.reason_word()),
+                Err(e) => {
+                    self.provider_error(e.reason_word());
+                    format!("payload rejected: {}", e.reason_word())
+                }
             },
-            Err(e) => format!("fetch failed: {e}"),
+            Err(e) => {
+                self.provider_error(&match &e {
+                    crate::provider::FetchError::Status(code) => format!("http_{code}"),
+                    crate::provider::FetchError::Transport(_) => "transport".to_owned(),
+                    crate::provider::FetchError::TooLarge(_) => "too_large".to_owned(),
+                });
+                format!("fetch failed: {e}")
+            }
         };
         match (&st.cached_weights, st.last_applied) {
             (Some(w), Some(epoch)) => Ok(Vector {
@@ -238,6 +257,22 @@ impl Daemon {
                 report.level = Level::Error;
                 report.line.push_str(&alarm);
             }
+        }
+        if let Some(m) = &self.metrics {
+            m.tick(report.outcome);
+            if report.outcome == "chain-down" {
+                m.chain_error(if report.line.contains("chain unreachable") {
+                    "unreachable"
+                } else {
+                    "read"
+                });
+            }
+            let st = state::read(&self.settings.state_file);
+            m.last_landing(
+                st.last_submit_block,
+                st.last_submit_ts,
+                crate::liveness::unix_now(),
+            );
         }
         report
     }
@@ -314,6 +349,9 @@ impl Daemon {
             Ok(v) => v,
             Err(line) => return warn("nothing", line),
         };
+        if let Some(m) = &self.metrics {
+            m.epoch(v.epoch);
+        }
         let via = match &v.fallback_reason {
             Some(r) => format!("{r}; using cached epoch {}", v.epoch),
             None => format!("epoch {} verified", v.epoch),
@@ -451,7 +489,11 @@ impl Daemon {
             },
         };
         // its own log line (INFO revealed / ERROR not revealed), once per commit
-        let _ = self.check_reveal(&chain, block).await;
+        if let Some((is_error, _)) = self.check_reveal(&chain, block).await {
+            if let Some(m) = &self.metrics {
+                m.reveal(!is_error);
+            }
+        }
         let submission = match submission {
             Ok(sub) => sub,
             Err(e) => {
@@ -763,6 +805,12 @@ impl Daemon {
         }
     }
 
+    fn provider_error(&self, name: &str) {
+        if let Some(m) = &self.metrics {
+            m.provider_error(name);
+        }
+    }
+
     /// The tick report of a failed submission (`set_weights` or a commit, `what` names it):
     /// the error by name, the runtime's hint, and what happens next ([`Daemon::after_failure`]).
     async fn failed(
@@ -774,6 +822,9 @@ impl Daemon {
         what: &str,
         notes: &str,
     ) -> TickReport {
+        if let Some(m) = &self.metrics {
+            m.chain_error(&e.name());
+        }
         let hint = chain::dispatch_hint(&e.name())
             .map(|h| format!(" — {h}"))
             .unwrap_or_default();

@@ -12,6 +12,7 @@
 //! * [`chain_rules`]: the runtime's weight rules, predicted (refusals, stored row, rate
 //!   limit, activity).
 //! * [`chain`]: the subxt client, dynamic against the node's metadata (§7 steps 4, 8).
+//! * [`metrics`]: the Prometheus metrics of `--metrics-addr`.
 //! * [`daemon`]: the tick loop; [`check`]: the operator preflight.
 //! * [`wallet`]: the hotkey file, decrypted with ENGY_SN53_WALLET_PASSWORD[_FILE].
 #![deny(unsafe_code)]
@@ -24,6 +25,7 @@ pub mod commit_reveal;
 pub mod config;
 pub mod daemon;
 pub mod liveness;
+pub mod metrics;
 pub mod provider;
 pub mod schedule;
 pub mod state;

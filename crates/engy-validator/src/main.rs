@@ -48,21 +48,33 @@ struct RunArgs {
     /// Exit 0 after this many ticks (one-shot runs and tests); default: run forever.
     #[arg(long, env = "ENGY_SN53_MAX_TICKS")]
     ticks: Option<u64>,
+    /// Log line format: `text` (default) or `json` (one object per line, for log shippers).
+    /// The filter is ENGY_LOG (default `info`).
+    #[arg(long, env = "ENGY_SN53_LOG_FORMAT", value_enum, default_value_t = engy_telemetry::log::LogFormat::Text)]
+    log_format: engy_telemetry::log::LogFormat,
+    /// Serve Prometheus metrics at http://<ADDR>/metrics (e.g. 127.0.0.1:9615); off by default.
+    #[arg(long, env = "ENGY_SN53_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("ENGY_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
-        .with_writer(std::io::stdout)
-        .init();
+/// Installs the logger; a bad ENGY_LOG is a usage error (exit 2) naming the variable.
+fn init_logging(format: engy_telemetry::log::LogFormat) -> Result<(), ExitCode> {
+    engy_telemetry::log::init(&engy_telemetry::log::LogConfig {
+        filter_var: "ENGY_LOG",
+        default_filter: "info",
+        format,
+        target: engy_telemetry::log::LogTarget::Stdout,
+    })
+    .map_err(|e| {
+        eprintln!("engy-validator: {e}");
+        ExitCode::from(2)
+    })
 }
 
 fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    init_logging();
+    if let Err(code) = init_logging(args.log_format) {
+        return Ok(code);
+    }
     let s = args.node.settings()?;
     let loaded = engy_validator::wallet::load_hotkey(&s)
         .with_context(|| format!("wallet {}/{}", s.wallet, s.wallet_hotkey))?;
@@ -198,7 +210,20 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let d = daemon::Daemon::new(s.clone(), loaded.hotkey)?;
+        let mut d = daemon::Daemon::new(s.clone(), loaded.hotkey)?;
+        if let Some(addr) = args.metrics_addr {
+            let mut registry = engy_telemetry::prometheus_client::registry::Registry::default();
+            let metrics = engy_validator::metrics::Metrics::register(&mut registry);
+            let server = engy_telemetry::metrics::serve(
+                addr,
+                std::sync::Arc::new(registry),
+                std::future::pending(),
+            )
+            .await
+            .with_context(|| format!("ENGY_SN53_METRICS_ADDR / --metrics-addr {addr}"))?;
+            tracing::info!("metrics at http://{}/metrics", server.local_addr());
+            d = d.with_metrics(metrics);
+        }
         daemon::run(d, args.ticks).await
     })?;
     Ok(ExitCode::SUCCESS)

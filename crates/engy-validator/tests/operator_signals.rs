@@ -391,3 +391,95 @@ async fn an_unreachable_chain_for_half_the_activity_cutoff_is_an_error() {
     let (_, out) = env.tick().await;
     assert!(!out.contains("NOTHING HAS LANDED"), "{out}");
 }
+
+/// `--log-format json` and `--metrics-addr` through the real binary: every log line is one
+/// JSON object; /metrics on 127.0.0.1 counts the tick by outcome and the chain error by
+/// name. `ENGY_LOG=garbage===` is a usage error naming ENGY_LOG.
+#[tokio::test]
+async fn json_logs_and_metrics() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
+    p.publish(5, &weights());
+    let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
+    env.set("ENGY_SN53_POLL_S", "300");
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.args([
+        "run",
+        "--log-format",
+        "json",
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ])
+    .env_clear()
+    .stdout(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    for (k, v) in &env.vars {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut addr = None;
+    let mut tick = None;
+    while let Some(line) = lines.next_line().await.unwrap() {
+        eprintln!("[validator] {line}");
+        let v: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        let message = v["message"]
+            .as_str()
+            .or(v["fields"]["message"].as_str())
+            .unwrap_or_else(|| panic!("no message: {line}"))
+            .to_owned();
+        assert!(
+            v["level"].is_string() && v["timestamp"].is_string(),
+            "{line}"
+        );
+        if let Some(rest) = message.strip_prefix("metrics at http://") {
+            addr = Some(rest.trim_end_matches("/metrics").to_owned());
+        }
+        if message.contains("chain unreachable") && message.contains("next poll in 300 s") {
+            assert_eq!(v["level"], "WARN", "{line}");
+            tick = Some(message);
+            break;
+        }
+    }
+    assert!(tick.is_some());
+    let addr = addr.expect("the metrics address is logged at start-up");
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    eprintln!("{text}");
+    for want in [
+        "engy_validator_ticks_total{outcome=\"chain-down\"} 1",
+        "engy_validator_chain_errors_total{name=\"unreachable\"} 1",
+        "engy_validator_epoch 5",
+        "engy_validator_landings_total 0",
+        "engy_validator_commits_total 0",
+    ] {
+        assert!(text.contains(want), "{want} not in:\n{text}");
+    }
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    assert_eq!(child.wait().await.unwrap().code(), Some(0));
+
+    // off by default: no metrics line
+    env.set("ENGY_SN53_POLL_S", "1");
+    let (_, out) = env.tick().await;
+    assert!(!out.contains("metrics at"), "{out}");
+
+    // a filter that does not parse: exit 2, the variable named
+    env.set("ENGY_LOG", "garbage===");
+    let out = env.run(&["run", "--ticks", "1"]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("ENGY_LOG=\"garbage===\" is not a log filter"),
+        "{}",
+        stderr(&out)
+    );
+}
