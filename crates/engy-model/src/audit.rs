@@ -84,10 +84,12 @@ pub struct BatchAudit {
     pub rows: usize,
     /// Top-k positions whose bf16 exponent differs (0..=topk).
     pub exp_mismatches: u64,
-    /// Mean mantissa error where exponents match (toploc's statistic; 2^64 if none matched).
-    pub mant_err_mean: f64,
-    /// Upper median of the same.
-    pub mant_err_median: f64,
+    /// Mean mantissa error (0..=127) over the top-k positions whose exponents match; `None`
+    /// (JSON `null`) when no exponent matched, where toploc reports its 2^64 sentinel
+    /// ([`toploc::NO_EXPONENT_MATCH`]).
+    pub mant_err_mean: Option<f64>,
+    /// Upper median of the same; `None` when no exponent matched.
+    pub mant_err_median: Option<f64>,
     /// `exp_mismatches <= toploc_v`.
     pub pass: bool,
 }
@@ -116,7 +118,9 @@ pub struct AuditReport {
 }
 
 impl AuditReport {
-    fn unproven(reason: impl Into<String>, params: AuditParams) -> Self {
+    /// The report of a commitment that could not be checked: verdict `unproven` with
+    /// `reason`, no score, no batches.
+    pub fn unproven(reason: impl Into<String>, params: AuditParams) -> Self {
         Self {
             verdict: Verdict::Unproven {
                 reason: reason.into(),
@@ -130,6 +134,12 @@ impl AuditReport {
             params,
         }
     }
+}
+
+/// toploc's mantissa statistic, or `None` for its "no exponent matched" sentinel (2^64,
+/// [`toploc::NO_EXPONENT_MATCH`]), which is a marker, not a mean.
+fn mantissa_stat(v: f64) -> Option<f64> {
+    (v != toploc::NO_EXPONENT_MATCH).then_some(v)
 }
 
 /// Audits `commitment` (the §3.10 object, or any object holding it under `"commitment"`, such
@@ -317,8 +327,8 @@ fn verify(model: &Model, c: Checked, p: AuditParams) -> Result<AuditReport, Mode
         report.batches.push(BatchAudit {
             rows,
             exp_mismatches: r.exp_mismatches,
-            mant_err_mean: r.mant_err_mean,
-            mant_err_median: r.mant_err_median,
+            mant_err_mean: mantissa_stat(r.mant_err_mean),
+            mant_err_median: mantissa_stat(r.mant_err_median),
             pass,
         });
     }

@@ -1,15 +1,14 @@
 //! engy-validator: the light validator that keeps the master-signed SN53 weight vector on chain.
 //!
 //! Subcommands: `run` (the daemon), `check` (operator preflight), `health` (container
-//! HEALTHCHECK), `audit` (re-derive a miner's hidden states and check its TOPLOC proof),
-//! `spec` (Merkle weight commitments over a checkpoint).
+//! HEALTHCHECK), `spec` (Merkle weight commitments over a checkpoint). The auditor is the
+//! separate `engy-audit` binary, so this image carries no model runtime.
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use engy_validator::{check, config, daemon, liveness};
 
-mod audit;
 mod spec;
 
 /// engy SN53 light validator.
@@ -35,8 +34,6 @@ enum Command {
     /// Container HEALTHCHECK: exit 0 only when the heartbeat file is fresh
     /// (younger than max(3 × POLL_S, 900 s)).
     Health(config::FileArgs),
-    /// Audit a miner commitment against a checkpoint (teacher-forced recompute + TOPLOC verify).
-    Audit(audit::AuditArgs),
     /// Build, verify, open and inspect Merkle weight commitments (specs/SCHEME.md).
     Spec(spec::SpecArgs),
 }
@@ -318,7 +315,6 @@ fn main() -> ExitCode {
                 }
             })()
         }
-        Command::Audit(args) => audit::main(args),
         Command::Spec(args) => spec::main(args),
     };
     match result {

@@ -1,0 +1,182 @@
+//! `engy-audit audit`: re-derive a miner commitment's hidden states from a checkpoint in one
+//! teacher-forced pass and check its TOPLOC proofs (PROTOCOL.md §3.10, §4, §5; the rules are in
+//! [`engy_model::audit`]). The checkpoint may be any architecture `engy_model::arch`
+//! implements (`qwen3_moe`, `qwen3_5_moe`, `glm_moe_dsa`), in bf16, block FP8 or NVFP4; weights
+//! are dequantised layer by layer from the mmapped shards (`--resident` keeps them decoded).
+//!
+//! Exit codes: 0 `pass`, 1 `cheat`, 2 `unproven` (the commitment is malformed or mis-shaped:
+//! the reason is printed), 3 the audit itself could not run (unreadable checkpoint or
+//! commitment file, unsupported architecture). A reader that closes standard output early
+//! (`engy-audit audit … | head -1`) ends the printing quietly; the exit code is still the
+//! verdict's.
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use engy_model::audit::{audit, AuditParams, AuditReport, Verdict};
+use engy_model::{LoadOptions, Model, Residency};
+
+/// Arguments of `engy-audit audit`.
+#[derive(clap::Args, Debug)]
+pub struct AuditArgs {
+    /// Checkpoint directory (config.json, *.safetensors) the commitment claims to be served
+    /// from.
+    #[arg(long, env = "ENGY_CHECKPOINT", value_name = "DIR")]
+    pub checkpoint: PathBuf,
+    /// JSON file holding the commitment (PROTOCOL.md §3.10), or a gateway `response` frame
+    /// containing it under "commitment"; `-` reads standard input.
+    #[arg(long)]
+    pub commitment: PathBuf,
+    /// Proof top-k the commitment must use (model spec `toploc_k`).
+    #[arg(long, default_value_t = 128)]
+    pub toploc_k: usize,
+    /// A decode batch passes with at most this many exponent mismatches (model spec
+    /// `toploc_v`).
+    #[arg(long, default_value_t = 40)]
+    pub toploc_v: u64,
+    /// The commitment passes when at least this fraction of its batches pass (model spec
+    /// `toploc_p`, 0..=1).
+    #[arg(long, default_value_t = 0.99)]
+    pub toploc_p: f64,
+    /// Print the full report as one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep every dequantised weight in memory (f32) instead of decoding each layer as it is
+    /// used; faster for repeated passes, 4 bytes per parameter.
+    #[arg(long)]
+    pub resident: bool,
+}
+
+const EXIT_PASS: u8 = 0;
+const EXIT_CHEAT: u8 = 1;
+const EXIT_UNPROVEN: u8 = 2;
+const EXIT_ERROR: u8 = 3;
+
+/// Runs `engy-audit audit` (exit codes in the module docs).
+pub fn main(args: &AuditArgs) -> ExitCode {
+    let report = match run(args) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("engy-audit audit: error: {e:#}");
+            eprintln!("no verdict: fix the input above and run the audit again");
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
+    let code = match report.verdict {
+        Verdict::Pass => EXIT_PASS,
+        Verdict::Cheat => EXIT_CHEAT,
+        Verdict::Unproven { .. } => EXIT_UNPROVEN,
+    };
+    let text = if args.json {
+        match serde_json::to_string(&report) {
+            Ok(s) => s + "\n",
+            Err(e) => {
+                eprintln!("engy-audit audit: error: serialising the report: {e}");
+                return ExitCode::from(EXIT_ERROR);
+            }
+        }
+    } else {
+        report_text(&report)
+    };
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::from(code),
+        // The reader has gone (`| head -1`): what it read is what it wanted; the verdict
+        // stands.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("engy-audit audit: error: writing the report to standard output: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&args.toploc_p),
+        "--toploc-p must be within 0..=1, got {}",
+        args.toploc_p
+    );
+    anyhow::ensure!(args.toploc_k > 0, "--toploc-k must be at least 1");
+    let text = if args.commitment.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")?
+    } else {
+        std::fs::read_to_string(&args.commitment)
+            .with_context(|| format!("reading {}", args.commitment.display()))?
+    };
+    let params = AuditParams {
+        toploc_k: args.toploc_k,
+        toploc_v: args.toploc_v,
+        toploc_p: args.toploc_p,
+    };
+    let value: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        // Not JSON at all: the commitment is unproven, the audit itself worked.
+        Err(e) => {
+            return Ok(AuditReport::unproven(
+                format!("the commitment file is not JSON: {e}"),
+                params,
+            ))
+        }
+    };
+    let opts = LoadOptions {
+        residency: if args.resident {
+            Residency::Resident
+        } else {
+            Residency::Streaming
+        },
+        ..LoadOptions::default()
+    };
+    let model = Model::open(&args.checkpoint, &opts)
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
+    let model_root = engy_core::identity::model_root(&args.checkpoint)
+        .with_context(|| format!("model_root of {}", args.checkpoint.display()))?;
+    audit(&model, &model_root, &value, &params).context("recomputing hidden states")
+}
+
+/// The text report: the verdict line first (so `| head -1` is the verdict), then the score
+/// and one line per decode batch.
+fn report_text(r: &AuditReport) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    // Writing to a String cannot fail.
+    let _ = match &r.verdict {
+        Verdict::Unproven { reason } => writeln!(s, "verdict: unproven ({reason})"),
+        v => writeln!(s, "verdict: {}", v.label()),
+    };
+    let Some(score) = r.score else {
+        return s;
+    };
+    let _ = writeln!(
+        s,
+        "score: {score:.4} (mean exponent mismatches / topk {}), {}/{} batches within \
+         toploc_v {}, pass ratio required {}",
+        r.params.toploc_k,
+        r.passing_batches,
+        r.batches.len(),
+        r.params.toploc_v,
+        r.params.toploc_p
+    );
+    let _ = writeln!(
+        s,
+        "prompt tokens {}, proven output rows {}, proof bytes {}",
+        r.prompt_tokens, r.n_tokens, r.proof_bytes
+    );
+    for (i, b) in r.batches.iter().enumerate() {
+        let mantissa = match (b.mant_err_mean, b.mant_err_median) {
+            (Some(mean), Some(median)) => {
+                format!("mantissa error mean {mean:.2} median {median:.0}")
+            }
+            _ => "mantissa error n/a (no exponent matched)".to_string(),
+        };
+        let _ = writeln!(
+            s,
+            "  batch {i}: {} rows, {} exponent mismatches, {mantissa} -> {}",
+            b.rows,
+            b.exp_mismatches,
+            if b.pass { "pass" } else { "FAIL" }
+        );
+    }
+    s
+}

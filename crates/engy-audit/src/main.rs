@@ -1,0 +1,50 @@
+//! engy-audit: the auditor, a binary of its own so the light validator's image carries no
+//! model runtime (`engy-validator` links neither engy-model nor candle).
+//!
+//! * `audit` ([`audit`]): one miner commitment against the pinned checkpoint; exit 0 pass,
+//!   1 cheat, 2 unproven, 3 the audit could not run.
+//! * `spec` ([`spec`]): build, verify, open and inspect Merkle weight commitments
+//!   (specs/SCHEME.md); the same code and exit codes as `engy-validator spec`.
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod audit;
+// One source for both binaries: the light validator keeps `spec` (it needs only engy-core),
+// the auditor carries it beside `audit` so one binary checks a checkpoint end to end.
+#[path = "../../engy-validator/src/spec.rs"]
+mod spec;
+
+/// engy SN53 auditor.
+///
+/// Recomputes a miner commitment's hidden states from the pinned checkpoint and checks its
+/// TOPLOC proofs; builds and verifies the checkpoint's Merkle weight commitment.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Audit a miner commitment against a checkpoint (teacher-forced recompute + TOPLOC
+    /// verify). Exit 0 pass, 1 cheat, 2 unproven, 3 the audit could not run.
+    Audit(audit::AuditArgs),
+    /// Build, verify, open and inspect Merkle weight commitments (specs/SCHEME.md).
+    /// Exit 0 done / matches, 1 bad input, 2 roots differ or the proof is rejected.
+    Spec(spec::SpecArgs),
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Audit(args) => audit::main(&args),
+        Command::Spec(args) => match spec::main(args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("engy-audit spec: error: {e:#}");
+                ExitCode::from(1)
+            }
+        },
+    }
+}

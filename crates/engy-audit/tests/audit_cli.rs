@@ -1,0 +1,255 @@
+//! `engy-audit` as a process: `audit` verdicts map to exit codes 0 / 1 / 2 / 3 and `--json`
+//! prints the report; a closed standard output ends it quietly; toploc's "no exponent
+//! matched" sentinel is reported as n/a, never as a mean; `spec` builds and verifies.
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use engy_core::toploc::{self, Dtype, Params};
+use engy_model::audit::commit_greedy;
+use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
+
+fn run(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .arg("audit")
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn audit_exit_codes_follow_the_verdict() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    gen_model(&dir, 3, &GenConfig::default()).unwrap();
+    let honest = Checkpoint::open(&dir, Precision::Bf16).unwrap();
+    let cheat = Checkpoint::open(&dir, Precision::Int4 { group_size: 32 }).unwrap();
+    let prompt = honest
+        .tokenizer
+        .encode(
+            "<|im_start|>user\nExplain the audit?<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let write = |name: &str, v: &serde_json::Value| {
+        let p = t.path().join(name);
+        std::fs::write(&p, serde_json::to_vec(v).unwrap()).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let ck = dir.to_string_lossy().into_owned();
+    let good = commit_greedy(
+        &honest.model,
+        &honest.model_root,
+        &prompt,
+        70,
+        &[],
+        &Params::ENGY,
+    )
+    .unwrap();
+    let bad = commit_greedy(
+        &cheat.model,
+        &cheat.model_root,
+        &prompt,
+        70,
+        &[],
+        &Params::ENGY,
+    )
+    .unwrap();
+    let mut broken = good.clone();
+    broken["toploc"]["n_tokens"] = 3.into();
+
+    let (code, out) = run(&[
+        "--checkpoint",
+        &ck,
+        "--commitment",
+        &write("good.json", &good),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("verdict: pass"), "{out}");
+
+    let bad_path = write("bad.json", &bad);
+    let (code, out) = run(&["--checkpoint", &ck, "--commitment", &bad_path, "--json"]);
+    assert_eq!(code, 1, "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(report["verdict"], "cheat");
+    assert!(report["score"].as_f64().unwrap() > 0.2);
+
+    let broken_path = write("broken.json", &broken);
+    let (code, out) = run(&["--checkpoint", &ck, "--commitment", &broken_path]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("unproven"), "{out}");
+
+    let not_json = t.path().join("x.json");
+    std::fs::write(&not_json, b"{not json").unwrap();
+    let (code, _) = run(&[
+        "--checkpoint",
+        &ck,
+        "--commitment",
+        &not_json.to_string_lossy(),
+    ]);
+    assert_eq!(code, 2);
+
+    let missing = t.path().join("nope").to_string_lossy().into_owned();
+    let good_path = write("g2.json", &good);
+    let (code, _) = run(&["--checkpoint", &missing, "--commitment", &good_path]);
+    assert_eq!(code, 3);
+}
+
+/// A seed-3 devnet checkpoint, its honest greedy commitment for a short chat prompt, and the
+/// model it came from.
+fn honest_commitment(dir: &Path) -> (Checkpoint, Vec<u32>, serde_json::Value) {
+    gen_model(dir, 3, &GenConfig::default()).unwrap();
+    let honest = Checkpoint::open(dir, Precision::Bf16).unwrap();
+    let prompt = honest
+        .tokenizer
+        .encode(
+            "<|im_start|>user\nWhy audit?<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let good = commit_greedy(
+        &honest.model,
+        &honest.model_root,
+        &prompt,
+        40,
+        &[],
+        &Params::ENGY,
+    )
+    .unwrap();
+    (honest, prompt, good)
+}
+
+#[test]
+fn a_closed_stdout_ends_the_audit_quietly_with_the_verdict() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    let (_, _, good) = honest_commitment(&dir);
+    let path = t.path().join("good.json");
+    std::fs::write(&path, serde_json::to_vec(&good).unwrap()).unwrap();
+    for json in [false, true] {
+        // The reader is gone before the auditor writes a byte (what `| head -1` leaves once it
+        // has its line): every write to standard output fails with EPIPE.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_engy-audit"));
+        cmd.arg("audit")
+            .arg("--checkpoint")
+            .arg(&dir)
+            .arg("--commitment")
+            .arg(&path)
+            .stdout(writer)
+            .stderr(Stdio::piped());
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "json={json}: {stderr}");
+        assert!(stderr.is_empty(), "json={json}: {stderr}");
+        assert_eq!(out.status.code(), Some(0), "json={json}: {stderr}");
+    }
+}
+
+#[test]
+fn no_exponent_match_is_reported_as_na_not_as_the_2_pow_64_sentinel() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    let (honest, prompt, mut commitment) = honest_commitment(&dir);
+    // Proofs of the honest rows scaled by 2^10: the same top-k positions, every bf16 exponent
+    // off by 10, so no exponent matches in any batch (toploc's 2^64 sentinel).
+    let steps = honest.model.generate(&prompt, 40, &[]).unwrap();
+    let rows: Vec<Vec<u16>> = steps
+        .iter()
+        .filter_map(|s| s.hidden.last())
+        .map(|r| {
+            let scaled: Vec<f32> = r.iter().map(|v| v * 1024.0).collect();
+            toploc::f32_to_bf16_bits_slice(&scaled)
+        })
+        .collect();
+    let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+    let proofs = toploc::build_proofs_base64(&elements, Dtype::Bf16, &Params::ENGY).unwrap();
+    commitment["toploc"]["proofs"] = serde_json::json!(proofs);
+    let path = t.path().join("shifted.json");
+    std::fs::write(&path, serde_json::to_vec(&commitment).unwrap()).unwrap();
+    let ck = dir.to_string_lossy().into_owned();
+    let path = path.to_string_lossy().into_owned();
+
+    let (code, out) = run(&["--checkpoint", &ck, "--commitment", &path]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.starts_with("verdict: cheat"), "{out}");
+    assert!(
+        !out.contains("18446744073709551616") && !out.contains("e19"),
+        "the sentinel printed as a mean: {out}"
+    );
+    let batch_lines: Vec<&str> = out.lines().filter(|l| l.contains("batch ")).collect();
+    assert!(!batch_lines.is_empty(), "{out}");
+    for l in batch_lines {
+        assert!(
+            l.contains("mantissa error n/a (no exponent matched)"),
+            "{l}"
+        );
+    }
+
+    let (code, out) = run(&["--checkpoint", &ck, "--commitment", &path, "--json"]);
+    assert_eq!(code, 1, "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let batches = report["batches"].as_array().unwrap();
+    assert!(!batches.is_empty());
+    for b in batches {
+        assert_eq!(b["exp_mismatches"], 128, "{b}");
+        assert!(b["mant_err_mean"].is_null(), "{b}");
+        assert!(b["mant_err_median"].is_null(), "{b}");
+    }
+}
+
+#[test]
+fn spec_builds_and_verifies_a_checkpoint() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    gen_model(&dir, 5, &GenConfig::default()).unwrap();
+    let out_dir = t.path().join("spec");
+    let spec = |args: &[&std::ffi::OsStr]| {
+        Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+            .arg("spec")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = spec(&[
+        "build".as_ref(),
+        "--quiet".as_ref(),
+        "--checkpoint".as_ref(),
+        dir.as_os_str(),
+        "--out".as_ref(),
+        out_dir.as_os_str(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let o = spec(&[
+        "verify".as_ref(),
+        "--quiet".as_ref(),
+        "--checkpoint".as_ref(),
+        dir.as_os_str(),
+        "--spec".as_ref(),
+        out_dir.as_os_str(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    // Another checkpoint does not match the spec: exit 2.
+    let other = t.path().join("other");
+    gen_model(&other, 6, &GenConfig::default()).unwrap();
+    let o = spec(&[
+        "verify".as_ref(),
+        "--quiet".as_ref(),
+        "--checkpoint".as_ref(),
+        other.as_os_str(),
+        "--spec".as_ref(),
+        out_dir.as_os_str(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+}
