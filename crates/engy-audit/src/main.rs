@@ -10,10 +10,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod audit;
-// One source for both binaries: the light validator keeps `spec` (it needs only engy-core),
-// the auditor carries it beside `audit` so one binary checks a checkpoint end to end.
-#[path = "../../engy-validator/src/spec.rs"]
-mod spec;
+// `spec` is the engy-spec crate, the same command as `engy-validator spec`.
+use engy_spec as spec;
 
 /// engy SN53 auditor.
 ///

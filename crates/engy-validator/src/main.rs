@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use engy_validator::{check, config, daemon, liveness};
 
-mod spec;
+use engy_spec as spec;
 
 /// engy SN53 light validator.
 ///

@@ -1,5 +1,6 @@
-//! `engy-validator spec`: build, verify, open and inspect `engy-commit/v1` Merkle weight
-//! commitments over safetensors checkpoints (specs/SCHEME.md; PROTOCOL.md §4).
+//! The `spec` command of `engy-validator` and `engy-audit` (one crate, so both binaries share
+//! one source): build, verify, open and inspect `engy-commit/v1` Merkle weight commitments over
+//! safetensors checkpoints (specs/SCHEME.md; docs/PROTOCOL.md §4).
 //!
 //! Exit codes (every subcommand): 0 = done / matches / proof valid; 1 = bad input or I/O
 //! error (message on stderr); 2 = recomputed roots differ from the spec, or the opening
