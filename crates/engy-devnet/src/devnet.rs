@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use engy_model::audit::{audit, AuditParams, Verdict};
-use engy_model::{gen_model, Checkpoint, Compute, GenConfig, Precision};
+use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Precision};
 use serde_json::{json, Value};
 
 use crate::devnet_backend::CandleBackend;
@@ -33,6 +33,8 @@ use crate::sglang::{SglangConfig, SglangDouble};
 pub struct DevnetOptions {
     /// Seed of the generated model ([`engy_model::gen_model`]).
     pub seed: u64,
+    /// Architecture of the generated model ([`GenArch`]).
+    pub arch: GenArch,
     /// Where the checkpoint is generated (a temporary directory when `None`).
     pub model_dir: Option<PathBuf>,
     /// The `engy-miner` binary.
@@ -429,13 +431,18 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
     let report = {
         let gen_dir = dir.clone();
         let seed = opts.seed;
-        tokio::task::spawn_blocking(move || gen_model(&gen_dir, seed, &GenConfig::default()))
+        let cfg = GenConfig {
+            arch: opts.arch,
+            ..GenConfig::default()
+        };
+        tokio::task::spawn_blocking(move || gen_model(&gen_dir, seed, &cfg))
             .await
             .context("gen-model task")?
             .with_context(|| format!("generating the devnet model in {}", dir.display()))?
     };
     progress.done(&format!(
-        "generated the devnet model (seed {}, {} parameters, vocab {}) in {} ({:.1} s)",
+        "generated the devnet model ({:?}, seed {}, {} parameters, vocab {}) in {} ({:.1} s)",
+        opts.arch,
         opts.seed,
         report.parameters,
         report.vocab_size,

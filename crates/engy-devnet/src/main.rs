@@ -5,7 +5,9 @@
 //!   requests through the gateway and audit every commitment. Prints a table; exit 0 when every
 //!   honest proof passes and every cheat is caught, 1 otherwise, 2 when the devnet could not
 //!   run (a component failed to start, a request got no response).
-//! * `engy-devnet gen-model --out DIR`: write the devnet checkpoint.
+//!   `--arch qwen3_5_moe` runs it on a generated Qwen3.5/3.6-MoE checkpoint (Gated DeltaNet +
+//!   gated attention) instead of the default Qwen3-MoE one.
+//! * `engy-devnet gen-model --out DIR [--arch A]`: write the devnet checkpoint.
 //! * `engy-devnet serve --checkpoint DIR [--quantize int4] --port P`: the reference serve
 //!   (sglang's native API, sglang-native-api.md) until SIGTERM / Ctrl-C.
 use std::path::PathBuf;
@@ -19,7 +21,7 @@ use engy_devnet::devnet::{locate_miner, render_table, run, DevnetOptions};
 use engy_devnet::devnet_backend::CandleBackend;
 use engy_devnet::sglang::{SglangConfig, SglangDouble};
 use engy_model::audit::AuditParams;
-use engy_model::{gen_model, Compute, GenConfig, Precision};
+use engy_model::{gen_model, Compute, GenArch, GenConfig, Precision};
 
 /// engy devnet: the whole pipeline on 127.0.0.1 with a tiny generated model.
 #[derive(Parser, Debug)]
@@ -41,6 +43,9 @@ enum Cmd {
         /// Model seed.
         #[arg(long, default_value_t = 53)]
         seed: u64,
+        /// Architecture of the generated checkpoint.
+        #[arg(long, value_enum, default_value_t = ArchArg::Qwen3Moe)]
+        arch: ArchArg,
     },
     /// Serve a checkpoint with sglang's native HTTP API (the miner's serve double).
     Serve {
@@ -84,6 +89,27 @@ impl From<ComputeArg> for Compute {
     }
 }
 
+/// Architecture of the generated devnet checkpoint ([`GenArch`]).
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ArchArg {
+    /// Qwen3-MoE (`qwen3_moe`), the default devnet model.
+    #[value(name = "qwen3_moe")]
+    Qwen3Moe,
+    /// Qwen3.5/3.6-MoE text model (`qwen3_5_moe`): Gated DeltaNet and gated attention layers,
+    /// routed experts plus a gated shared expert (activations in f32 in every serve).
+    #[value(name = "qwen3_5_moe")]
+    Qwen3_5Moe,
+}
+
+impl From<ArchArg> for GenArch {
+    fn from(a: ArchArg) -> Self {
+        match a {
+            ArchArg::Qwen3Moe => GenArch::Qwen3Moe,
+            ArchArg::Qwen3_5Moe => GenArch::Qwen3_5Moe,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Quantize {
     /// Symmetric 4-bit groups, dequantised to bf16.
@@ -95,6 +121,9 @@ struct RunArgs {
     /// Model seed.
     #[arg(long, default_value_t = 53)]
     seed: u64,
+    /// Architecture of the generated checkpoint.
+    #[arg(long, value_enum, default_value_t = ArchArg::Qwen3Moe)]
+    arch: ArchArg,
     /// Generate the model here and keep it (default: a temporary directory).
     #[arg(long)]
     model_dir: Option<PathBuf>,
@@ -139,8 +168,12 @@ fn main() -> ExitCode {
     let result = rt.block_on(async move {
         match cli.cmd {
             Cmd::Run(a) => run_cmd(a).await,
-            Cmd::GenModel { out, seed } => {
-                let r = gen_model(&out, seed, &GenConfig::default())
+            Cmd::GenModel { out, seed, arch } => {
+                let cfg = GenConfig {
+                    arch: arch.into(),
+                    ..GenConfig::default()
+                };
+                let r = gen_model(&out, seed, &cfg)
                     .with_context(|| format!("generating into {}", out.display()))?;
                 println!(
                     "wrote {} ({} parameters, vocab {}): {}",
@@ -174,6 +207,7 @@ async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(a.gen_chunk > 0, "--gen-chunk must be at least 1");
     let opts = DevnetOptions {
         seed: a.seed,
+        arch: a.arch.into(),
         model_dir: a.model_dir,
         miner_bin: locate_miner(a.miner_bin)?,
         gen_chunk: a.gen_chunk,

@@ -72,6 +72,22 @@ pub struct MoeGen {
     pub decoder_sparse_step: usize,
 }
 
+/// Which architecture [`gen_model`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GenArch {
+    /// Qwen3(-MoE) (`qwen3_moe`, or `qwen3` without [`GenConfig::moe`]): the devnet model.
+    #[default]
+    Qwen3Moe,
+    /// Qwen3.5/3.6-MoE text model (`qwen3_5_moe_text`, the Qwen3.6-35B-A3B architecture):
+    /// every `full_attention_interval` = 4th layer is gated attention, the others Gated
+    /// DeltaNet with `linear_num_key_heads` = `num_key_value_heads`, `linear_num_value_heads` =
+    /// `num_attention_heads`, key/value head width `head_dim` and conv kernel 4; every layer
+    /// is MoE ([`GenConfig::moe`] required, `decoder_sparse_step` ignored) with a shared expert
+    /// of width `moe_intermediate_size` behind a sigmoid gate; partial RoPE factor 0.25;
+    /// zero-centred norms.
+    Qwen3_5Moe,
+}
+
 /// What [`gen_model`] builds. [`GenConfig::default`] is the devnet model: hidden 128, 4 layers,
 /// 4 query / 2 KV heads of 32, dense MLP 256, MoE (4 experts, top-2, width 128) on layers 1 and 3,
 /// a BPE vocabulary of about 1k tokens, 2 shards: about 1.3 M parameters, 2.6 MB.
@@ -117,6 +133,8 @@ pub struct GenConfig {
     pub massive_gain: f32,
     /// Number of safetensors shards (≥ 1).
     pub shards: usize,
+    /// The architecture written.
+    pub arch: GenArch,
 }
 
 impl Default for GenConfig {
@@ -146,6 +164,7 @@ impl Default for GenConfig {
             massive_dims: 8,
             massive_gain: 4.0,
             shards: 2,
+            arch: GenArch::Qwen3Moe,
         }
     }
 }
@@ -160,7 +179,7 @@ pub struct GenReport {
     /// Total parameters.
     pub parameters: usize,
     /// The written `config.json`.
-    pub config: Qwen3Config,
+    pub config: serde_json::Value,
 }
 
 /// Trains the byte-level BPE tokenizer on the corpus (special tokens get ids 0, 1, 2:
@@ -428,6 +447,18 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
         mlp_only_layers: vec![],
     };
     config.validate().map_err(ModelError::Config)?;
+    let qwen3_5 = cfg.arch == GenArch::Qwen3_5Moe;
+    if qwen3_5 && cfg.moe.is_none() {
+        return Err(ModelError::Config(
+            "qwen3_5_moe: every layer is MoE, GenConfig::moe is required".into(),
+        ));
+    }
+    let config_json = if qwen3_5 {
+        qwen3_5_config(&config)
+    } else {
+        serde_json::to_value(&config)
+            .map_err(|e| ModelError::Config(format!("config.json: {e}")))?
+    };
 
     let d = cfg.hidden_size;
     let (h, kv, hd) = (
@@ -486,6 +517,12 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
     all.push("model.embed_tokens.weight".into(), vec![vocab, d], embed);
     for i in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{i}");
+        if qwen3_5 {
+            for (n, s, v) in qwen3_5_layer(&config, &p, i, &lin, &res, seed) {
+                all.push(n, s, v);
+            }
+            continue;
+        }
         let norm = |n: &str, len: usize, spread: f32| {
             let name = format!("{p}.{n}");
             let data = around_one(seed, &name, len, spread);
@@ -524,11 +561,13 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
             }
         }
     }
-    all.push(
-        "model.norm.weight".into(),
-        vec![d],
-        around_one(seed, "model.norm.weight", d, 0.05),
-    );
+    // Qwen3.5's norms are zero-centred (`x̂ · (1 + w)`): the same effective gains.
+    let centre = if qwen3_5 { 1.0 } else { 0.0 };
+    let final_norm = around_one(seed, "model.norm.weight", d, 0.05)
+        .into_iter()
+        .map(|x| x - centre)
+        .collect();
+    all.push("model.norm.weight".into(), vec![d], final_norm);
     all.push("lm_head.weight".into(), vec![vocab, d], lm);
 
     // Shard by layer: shard s holds the layers with i * shards / L == s; embeddings go with the
@@ -598,7 +637,7 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
     )?;
     files.push("model.safetensors.index.json".into());
 
-    write_file(&out_dir.join("config.json"), &json_bytes(&config)?)?;
+    write_file(&out_dir.join("config.json"), &json_bytes(&config_json)?)?;
     files.push("config.json".into());
 
     let tok_json = tok
@@ -658,6 +697,136 @@ pub fn gen_model(out_dir: &Path, seed: u64, cfg: &GenConfig) -> Result<GenReport
         files,
         vocab_size: vocab,
         parameters,
-        config,
+        config: config_json,
     })
+}
+
+/// `config.json` of the Qwen3.5-MoE text model with `base`'s sizes (see [`GenArch::Qwen3_5Moe`]).
+fn qwen3_5_config(base: &Qwen3Config) -> serde_json::Value {
+    let n = base.num_hidden_layers;
+    let types: Vec<&str> = (0..n)
+        .map(|i| {
+            if (i + 1).is_multiple_of(QWEN3_5_FULL_ATTENTION_INTERVAL) {
+                "full_attention"
+            } else {
+                "linear_attention"
+            }
+        })
+        .collect();
+    serde_json::json!({
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "bos_token_id": base.bos_token_id,
+        "eos_token_id": base.eos_token_id,
+        "hidden_act": "silu",
+        "hidden_size": base.hidden_size,
+        "vocab_size": base.vocab_size,
+        "num_hidden_layers": n,
+        "layer_types": types,
+        "full_attention_interval": QWEN3_5_FULL_ATTENTION_INTERVAL,
+        "num_attention_heads": base.num_attention_heads,
+        "num_key_value_heads": base.num_key_value_heads,
+        "head_dim": base.head_dim,
+        "partial_rotary_factor": QWEN3_5_PARTIAL_ROTARY,
+        "linear_num_key_heads": base.num_key_value_heads,
+        "linear_num_value_heads": base.num_attention_heads,
+        "linear_key_head_dim": base.head_dim,
+        "linear_value_head_dim": base.head_dim,
+        "linear_conv_kernel_dim": QWEN3_5_CONV_KERNEL,
+        "num_experts": base.num_experts,
+        "num_experts_per_tok": base.num_experts_per_tok,
+        "moe_intermediate_size": base.moe_intermediate_size,
+        "shared_expert_intermediate_size": base.moe_intermediate_size,
+        "max_position_embeddings": base.max_position_embeddings,
+        "rms_norm_eps": base.rms_norm_eps,
+        "rope_theta": base.rope_theta,
+        "tie_word_embeddings": false,
+        "dtype": "bfloat16",
+        "transformers_version": "5.0.0",
+        "use_cache": true,
+    })
+}
+
+const QWEN3_5_FULL_ATTENTION_INTERVAL: usize = 4;
+const QWEN3_5_PARTIAL_ROTARY: f64 = 0.25;
+const QWEN3_5_CONV_KERNEL: usize = 4;
+
+type Named = (String, Vec<usize>, Vec<f32>);
+
+/// The tensors of Qwen3.5-MoE decoder layer `i` (prefix `p`): `lin` makes a reading projection,
+/// `res` a residual-writing one (massive channels, as for Qwen3).
+fn qwen3_5_layer(
+    c: &Qwen3Config,
+    p: &str,
+    i: usize,
+    lin: &dyn Fn(&str, usize, usize, f32) -> Named,
+    res: &dyn Fn(&str, usize) -> Named,
+    seed: u64,
+) -> Vec<Named> {
+    let d = c.hidden_size;
+    let (h, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    // Zero-centred norms: stored `w` is the gain minus one.
+    let norm = |n: &str, len: usize, spread: f32, centre: f32| {
+        let name = format!("{p}.{n}");
+        let data = around_one(seed, &name, len, spread)
+            .into_iter()
+            .map(|x| x - centre)
+            .collect();
+        (name, vec![len], data)
+    };
+    let mut t = vec![
+        norm("input_layernorm.weight", d, 0.1, 1.0),
+        norm("post_attention_layernorm.weight", d, 0.1, 1.0),
+    ];
+    if (i + 1).is_multiple_of(QWEN3_5_FULL_ATTENTION_INTERVAL) {
+        t.extend([
+            lin(&format!("{p}.self_attn.q_proj.weight"), 2 * h * hd, d, 1.0),
+            lin(&format!("{p}.self_attn.k_proj.weight"), kv * hd, d, 1.0),
+            lin(&format!("{p}.self_attn.v_proj.weight"), kv * hd, d, 1.0),
+            res(&format!("{p}.self_attn.o_proj.weight"), h * hd),
+            norm("self_attn.q_norm.weight", hd, 0.1, 1.0),
+            norm("self_attn.k_norm.weight", hd, 0.1, 1.0),
+        ]);
+    } else {
+        let a = format!("{p}.linear_attn");
+        // key heads = KV heads, value heads = query heads, all of width head_dim.
+        let (nk, nv) = (kv, h);
+        let cd = (2 * nk + nv) * hd;
+        let k = QWEN3_5_CONV_KERNEL;
+        let conv = format!("{a}.conv1d.weight");
+        let conv_w = gaussian(seed, &conv, cd * k, 1.0 / (k as f32).sqrt(), 0.0, 1.0);
+        // transformers' initialisation: A ~ U(0, 16) (A_log = ln A), dt_bias = 1.
+        let a_log = format!("{a}.A_log");
+        let mut rng = SplitMix64::for_label(seed, &a_log);
+        let a_log_v = (0..nv)
+            .map(|_| (1.0 + 15.0 * rng.uniform() as f32).ln())
+            .collect();
+        t.extend([
+            lin(&format!("{a}.in_proj_qkv.weight"), cd, d, 1.0),
+            lin(&format!("{a}.in_proj_z.weight"), nv * hd, d, 1.0),
+            lin(&format!("{a}.in_proj_a.weight"), nv, d, 1.0),
+            lin(&format!("{a}.in_proj_b.weight"), nv, d, 1.0),
+            (conv, vec![cd, 1, k], conv_w),
+            (a_log, vec![nv], a_log_v),
+            (format!("{a}.dt_bias"), vec![nv], vec![1.0; nv]),
+            norm("linear_attn.norm.weight", hd, 0.1, 0.0),
+            res(&format!("{a}.out_proj.weight"), nv * hd),
+        ]);
+    }
+    let (e, inter) = (c.num_experts, c.moe_intermediate_size);
+    let m = format!("{p}.mlp");
+    t.push(lin(&format!("{m}.gate.weight"), e, d, 1.0));
+    let swiglu = |q: &str| {
+        [
+            lin(&format!("{q}.gate_proj.weight"), inter, d, 1.0),
+            lin(&format!("{q}.up_proj.weight"), inter, d, 1.0),
+            res(&format!("{q}.down_proj.weight"), inter),
+        ]
+    };
+    for x in 0..e {
+        t.extend(swiglu(&format!("{m}.experts.{x}")));
+    }
+    t.extend(swiglu(&format!("{m}.shared_expert")));
+    t.push(lin(&format!("{m}.shared_expert_gate.weight"), 1, d, 1.0));
+    t
 }

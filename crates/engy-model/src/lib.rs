@@ -17,11 +17,12 @@ pub mod corpus;
 mod gen;
 mod model;
 mod rng;
+pub mod synth;
 
 pub use arch::{Architecture, LoadOptions, Residency, TextConfig};
 pub use config::Qwen3Config;
 pub use gen::{
-    gen_model, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
+    gen_model, GenArch, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
 };
 pub use model::{quantize_int4, round_to_bf16, Compute, Decoder, KvCache, Model, Precision, Step};
 

@@ -212,3 +212,46 @@ fn base64_zeros(n: usize) -> String {
         _ => full,
     }
 }
+
+/// The generated Qwen3.5-MoE devnet checkpoint (`engy-devnet run --arch qwen3_5_moe`): an honest
+/// greedy commitment passes the audit, the int4 serve's is caught.
+#[test]
+fn qwen3_5_moe_devnet_model_honest_passes_and_int4_is_caught() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = engy_model::GenConfig {
+        arch: engy_model::GenArch::Qwen3_5Moe,
+        ..engy_model::GenConfig::default()
+    };
+    engy_model::gen_model(t.path(), 53, &cfg).unwrap();
+    let honest = engy_model::Checkpoint::open(t.path(), engy_model::Precision::Bf16).unwrap();
+    assert_eq!(honest.model.config().model_type, "qwen3_5_moe_text");
+    let cheat =
+        engy_model::Checkpoint::open(t.path(), engy_model::Precision::Int4 { group_size: 32 })
+            .unwrap();
+    let prompt = honest
+        .tokenizer
+        .encode(
+            "<|im_start|>user\nHow is a proof checked?<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let params = engy_core::toploc::Params::ENGY;
+    for (ck, want) in [
+        (&honest, engy_model::audit::Verdict::Pass),
+        (&cheat, engy_model::audit::Verdict::Cheat),
+    ] {
+        let c =
+            engy_model::audit::commit_greedy(&ck.model, &ck.model_root, &prompt, 40, &[], &params)
+                .unwrap();
+        let r = engy_model::audit::audit(
+            &honest.model,
+            &honest.model_root,
+            &c,
+            &engy_model::audit::AuditParams::default(),
+        )
+        .unwrap();
+        assert_eq!(r.verdict, want, "{r:?}");
+    }
+}

@@ -1,0 +1,517 @@
+//! Synthetic checkpoints with the *shapes* of a released model, for measuring the auditor
+//! (throughput in `benches/teacher_forced.rs`, peak memory in `examples/synth_checkpoint.rs`).
+//! The values are random (no tokenizer, no meaningful text): they exercise the same tensor
+//! layout, dtypes and code paths as the release, nothing more.
+//!
+//! [`Qwen36Shapes::RELEASE`] are Qwen3.6-35B-A3B's text-model shapes as its model card states
+//! them (hidden 2048, vocabulary 248320, 40 layers laid out `10 × (3 × Gated DeltaNet → MoE,
+//! 1 × Gated Attention → MoE)`; DeltaNet 32 value heads and 16 query/key heads of dimension
+//! 128; attention 16 query heads and 2 KV heads of dimension 256 with a 64-dimensional rotary
+//! part; 256 experts, 8 routed plus 1 shared, intermediate 512), with transformers'
+//! `Qwen3_5MoeTextConfig` defaults for what the card does not list (conv kernel 4,
+//! rms_norm_eps 1e-6, rope_theta 1e7). The block-FP8 layout follows the public
+//! `Qwen/Qwen3.6-35B-A3B-FP8` format: `[128, 128]` tiles, BF16 `weight_scale_inv`, FP8 for the
+//! attention / DeltaNet projections (`in_proj_qkv`, `in_proj_z`, `out_proj`), the shared
+//! expert and every routed expert; BF16 for embeddings, LM head, norms, router, shared-expert
+//! gate and the DeltaNet's small tensors (`A_log`, `conv1d`, `dt_bias`, `in_proj_a`,
+//! `in_proj_b`). Tensors use the conditional-generation layout (`model.language_model.…`).
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use half::bf16;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+
+use crate::ModelError;
+
+/// The text-model shapes of a Qwen3.5/3.6-MoE checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen36Shapes {
+    /// `hidden_size`.
+    pub hidden: usize,
+    /// `vocab_size` (embedding and LM head rows).
+    pub vocab: usize,
+    /// Decoder layers written (the release has 40).
+    pub layers: usize,
+    /// Every `full_attention_interval`-th layer is gated attention, the rest Gated DeltaNet.
+    pub full_attention_interval: usize,
+    /// `linear_num_key_heads`.
+    pub lin_k_heads: usize,
+    /// `linear_num_value_heads`.
+    pub lin_v_heads: usize,
+    /// `linear_key_head_dim` = `linear_value_head_dim`.
+    pub lin_head_dim: usize,
+    /// `linear_conv_kernel_dim`.
+    pub conv_kernel: usize,
+    /// `num_attention_heads`.
+    pub heads: usize,
+    /// `num_key_value_heads`.
+    pub kv_heads: usize,
+    /// `head_dim`.
+    pub head_dim: usize,
+    /// `partial_rotary_factor`.
+    pub partial_rotary_factor: f64,
+    /// `num_experts`.
+    pub experts: usize,
+    /// `num_experts_per_tok`.
+    pub top_k: usize,
+    /// `moe_intermediate_size`.
+    pub moe_inter: usize,
+    /// `shared_expert_intermediate_size`.
+    pub shared_inter: usize,
+}
+
+impl Qwen36Shapes {
+    /// Qwen3.6-35B-A3B (sources in the module docs).
+    pub const RELEASE: Self = Self {
+        hidden: 2048,
+        vocab: 248_320,
+        layers: 40,
+        full_attention_interval: 4,
+        lin_k_heads: 16,
+        lin_v_heads: 32,
+        lin_head_dim: 128,
+        conv_kernel: 4,
+        heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+        partial_rotary_factor: 0.25,
+        experts: 256,
+        top_k: 8,
+        moe_inter: 512,
+        shared_inter: 512,
+    };
+
+    /// Whether layer `i` is gated full attention (else Gated DeltaNet).
+    pub fn is_attention(&self, i: usize) -> bool {
+        (i + 1).is_multiple_of(self.full_attention_interval.max(1))
+    }
+
+    /// `config.json` (conditional-generation form: text settings under `text_config`, block
+    /// FP8 `quantization_config` when `fp8`).
+    pub fn config_json(&self, fp8: bool) -> serde_json::Value {
+        let types: Vec<&str> = (0..self.layers)
+            .map(|i| {
+                if self.is_attention(i) {
+                    "full_attention"
+                } else {
+                    "linear_attention"
+                }
+            })
+            .collect();
+        let mut text = serde_json::json!({
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": self.hidden,
+            "vocab_size": self.vocab,
+            "num_hidden_layers": self.layers,
+            "layer_types": types,
+            "full_attention_interval": self.full_attention_interval,
+            "linear_num_key_heads": self.lin_k_heads,
+            "linear_num_value_heads": self.lin_v_heads,
+            "linear_key_head_dim": self.lin_head_dim,
+            "linear_value_head_dim": self.lin_head_dim,
+            "linear_conv_kernel_dim": self.conv_kernel,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "rope_theta": 10_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "num_experts": self.experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.moe_inter,
+            "shared_expert_intermediate_size": self.shared_inter,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "max_position_embeddings": 262_144,
+            "dtype": "bfloat16",
+        });
+        let mut cfg = serde_json::json!({
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": false,
+        });
+        if fp8 {
+            let q = serde_json::json!({
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+            });
+            cfg["quantization_config"] = q.clone();
+            text["quantization_config"] = q;
+        }
+        cfg["text_config"] = text;
+        cfg
+    }
+
+    /// Parameters of the text model as written (embedding and LM head included).
+    pub fn parameters(&self) -> usize {
+        let d = self.hidden;
+        let per_expert = 3 * d * self.moe_inter;
+        let moe = self.experts * d + self.experts * per_expert + 3 * d * self.shared_inter + d;
+        let cd = self.conv_dim();
+        let delta = cd * d
+            + 2 * self.lin_v_heads * self.lin_head_dim * d
+            + 2 * self.lin_v_heads * d
+            + cd * self.conv_kernel
+            + 2 * self.lin_v_heads
+            + self.lin_head_dim;
+        let attn = 2 * self.heads * self.head_dim * d
+            + 2 * self.kv_heads * self.head_dim * d
+            + self.heads * self.head_dim * d
+            + 2 * self.head_dim;
+        let layers: usize = (0..self.layers)
+            .map(|i| 2 * d + moe + if self.is_attention(i) { attn } else { delta })
+            .sum();
+        2 * self.vocab * d + d + layers
+    }
+
+    fn conv_dim(&self) -> usize {
+        (2 * self.lin_k_heads + self.lin_v_heads) * self.lin_head_dim
+    }
+}
+
+/// What [`write_qwen3_5_moe`] wrote.
+#[derive(Debug, Clone)]
+pub struct SynthReport {
+    /// Parameters written ([`Qwen36Shapes::parameters`]).
+    pub parameters: usize,
+    /// Bytes of tensor data over all shards.
+    pub bytes: usize,
+    /// Shard files, in order.
+    pub files: Vec<PathBuf>,
+}
+
+/// splitmix64: a cheap deterministic stream (synthetic values only).
+struct Stream(u64);
+
+impl Stream {
+    fn new(seed: u64, name: &str) -> Self {
+        let h = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        Self(h)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[-1, 1)`.
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// One tensor to write: name (text-only layout, `model.` → `model.language_model.` on write),
+/// dtype, shape, bytes.
+type Raw = (String, Dtype, Vec<usize>, Vec<u8>);
+
+fn bf16_tensor(seed: u64, name: &str, shape: Vec<usize>, centre: f32, spread: f32) -> Raw {
+    let n: usize = shape.iter().product();
+    let mut s = Stream::new(seed, name);
+    let bytes = (0..n)
+        .flat_map(|_| bf16::from_f32(centre + spread * s.unit()).to_le_bytes())
+        .collect();
+    (name.to_string(), Dtype::BF16, shape, bytes)
+}
+
+/// A linear weight `[out, inp]` of std ≈ `1/sqrt(inp)`: block FP8 (E4M3 codes of magnitude
+/// 0.25..2, BF16 `weight_scale_inv` per 128×128 tile) when `fp8`, else BF16.
+fn linear(seed: u64, name: &str, out: usize, inp: usize, fp8: bool) -> Vec<Raw> {
+    let std = 1.0 / (inp as f32).sqrt();
+    if !fp8 {
+        return vec![bf16_tensor(seed, name, vec![out, inp], 0.0, std * 1.7)];
+    }
+    let mut s = Stream::new(seed, name);
+    // sign | exponent 5..=8 (2^-2..2^1) | mantissa: never the NaN code.
+    let codes: Vec<u8> = (0..out * inp)
+        .map(|_| {
+            let r = s.next();
+            ((r & 0x80) as u8) | ((5 + (r >> 8) % 4) as u8) << 3 | ((r >> 16) & 7) as u8
+        })
+        .collect();
+    let grid = vec![out.div_ceil(128), inp.div_ceil(128)];
+    let scale: Vec<u8> = (0..grid[0] * grid[1])
+        .flat_map(|_| bf16::from_f32(std * (0.9 + 0.2 * (s.unit() + 1.0) / 2.0)).to_le_bytes())
+        .collect();
+    vec![
+        (name.to_string(), Dtype::F8_E4M3, vec![out, inp], codes),
+        (format!("{name}_scale_inv"), Dtype::BF16, grid, scale),
+    ]
+}
+
+/// Writes a synthetic Qwen3.5/3.6-MoE checkpoint of `shapes` to `dir`: `config.json` and one
+/// safetensors shard per layer (plus one for the embedding, one for the final norm and LM
+/// head), block FP8 when `fp8`. Deterministic in `seed`. Memory: one layer's bytes at a time.
+///
+/// # Errors
+/// [`ModelError::Io`] when `dir` cannot be written, [`ModelError::Safetensors`] if a shard
+/// cannot be serialised.
+pub fn write_qwen3_5_moe(
+    dir: &Path,
+    shapes: &Qwen36Shapes,
+    fp8: bool,
+    seed: u64,
+) -> Result<SynthReport, ModelError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ModelError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let cfg = serde_json::to_vec_pretty(&shapes.config_json(fp8))
+        .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
+    std::fs::write(dir.join("config.json"), cfg).map_err(io(&dir.join("config.json")))?;
+    let (d, n_shards) = (shapes.hidden, shapes.layers + 2);
+    let mut report = SynthReport {
+        parameters: shapes.parameters(),
+        bytes: 0,
+        files: Vec::new(),
+    };
+    for shard in 0..n_shards {
+        let mut t: Vec<Raw> = Vec::new();
+        if shard == 0 {
+            t.push(bf16_tensor(
+                seed,
+                "model.embed_tokens.weight",
+                vec![shapes.vocab, d],
+                0.0,
+                0.03,
+            ));
+        } else if shard == n_shards - 1 {
+            t.push(bf16_tensor(seed, "model.norm.weight", vec![d], 0.0, 0.1));
+            t.push(bf16_tensor(
+                seed,
+                "lm_head.weight",
+                vec![shapes.vocab, d],
+                0.0,
+                0.03,
+            ));
+        } else {
+            layer_tensors(&mut t, shapes, shard - 1, fp8, seed);
+        }
+        let file = dir.join(format!(
+            "model-{:05}-of-{:05}.safetensors",
+            shard + 1,
+            n_shards
+        ));
+        let bad = |msg: String| ModelError::Safetensors {
+            file: file.clone(),
+            msg,
+        };
+        let mut views = Vec::with_capacity(t.len());
+        for (name, dtype, shape, bytes) in &t {
+            report.bytes += bytes.len();
+            let full = match name.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => name.clone(),
+            };
+            let v = TensorView::new(*dtype, shape.clone(), bytes)
+                .map_err(|e| bad(format!("{name}: {e}")))?;
+            views.push((full, v));
+        }
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        safetensors::tensor::serialize_to_file(views, Some(meta), &file)
+            .map_err(|e| bad(e.to_string()))?;
+        report.files.push(file);
+    }
+    Ok(report)
+}
+
+fn layer_tensors(t: &mut Vec<Raw>, s: &Qwen36Shapes, i: usize, fp8: bool, seed: u64) {
+    let d = s.hidden;
+    let p = format!("model.layers.{i}");
+    t.push(bf16_tensor(
+        seed,
+        &format!("{p}.input_layernorm.weight"),
+        vec![d],
+        0.0,
+        0.1,
+    ));
+    t.push(bf16_tensor(
+        seed,
+        &format!("{p}.post_attention_layernorm.weight"),
+        vec![d],
+        0.0,
+        0.1,
+    ));
+    if s.is_attention(i) {
+        let a = format!("{p}.self_attn");
+        let (h, kv, hd) = (s.heads, s.kv_heads, s.head_dim);
+        t.extend(linear(
+            seed,
+            &format!("{a}.q_proj.weight"),
+            2 * h * hd,
+            d,
+            fp8,
+        ));
+        t.extend(linear(seed, &format!("{a}.k_proj.weight"), kv * hd, d, fp8));
+        t.extend(linear(seed, &format!("{a}.v_proj.weight"), kv * hd, d, fp8));
+        t.extend(linear(seed, &format!("{a}.o_proj.weight"), d, h * hd, fp8));
+        for n in ["q_norm", "k_norm"] {
+            t.push(bf16_tensor(
+                seed,
+                &format!("{a}.{n}.weight"),
+                vec![hd],
+                0.0,
+                0.1,
+            ));
+        }
+    } else {
+        let a = format!("{p}.linear_attn");
+        let (nv, dh) = (s.lin_v_heads, s.lin_head_dim);
+        let cd = s.conv_dim();
+        t.extend(linear(seed, &format!("{a}.in_proj_qkv.weight"), cd, d, fp8));
+        t.extend(linear(
+            seed,
+            &format!("{a}.in_proj_z.weight"),
+            nv * dh,
+            d,
+            fp8,
+        ));
+        t.extend(linear(seed, &format!("{a}.in_proj_a.weight"), nv, d, false));
+        t.extend(linear(seed, &format!("{a}.in_proj_b.weight"), nv, d, false));
+        t.push(bf16_tensor(
+            seed,
+            &format!("{a}.conv1d.weight"),
+            vec![cd, 1, s.conv_kernel],
+            0.0,
+            0.5,
+        ));
+        t.push(bf16_tensor(seed, &format!("{a}.A_log"), vec![nv], 0.0, 1.0));
+        t.push(bf16_tensor(
+            seed,
+            &format!("{a}.dt_bias"),
+            vec![nv],
+            0.0,
+            1.0,
+        ));
+        t.push(bf16_tensor(
+            seed,
+            &format!("{a}.norm.weight"),
+            vec![dh],
+            1.0,
+            0.1,
+        ));
+        t.extend(linear(
+            seed,
+            &format!("{a}.out_proj.weight"),
+            d,
+            nv * dh,
+            fp8,
+        ));
+    }
+    let m = format!("{p}.mlp");
+    t.extend(linear(
+        seed,
+        &format!("{m}.gate.weight"),
+        s.experts,
+        d,
+        false,
+    ));
+    for e in 0..s.experts {
+        let x = format!("{m}.experts.{e}");
+        t.extend(linear(
+            seed,
+            &format!("{x}.gate_proj.weight"),
+            s.moe_inter,
+            d,
+            fp8,
+        ));
+        t.extend(linear(
+            seed,
+            &format!("{x}.up_proj.weight"),
+            s.moe_inter,
+            d,
+            fp8,
+        ));
+        t.extend(linear(
+            seed,
+            &format!("{x}.down_proj.weight"),
+            d,
+            s.moe_inter,
+            fp8,
+        ));
+    }
+    if s.shared_inter > 0 {
+        let x = format!("{m}.shared_expert");
+        t.extend(linear(
+            seed,
+            &format!("{x}.gate_proj.weight"),
+            s.shared_inter,
+            d,
+            fp8,
+        ));
+        t.extend(linear(
+            seed,
+            &format!("{x}.up_proj.weight"),
+            s.shared_inter,
+            d,
+            fp8,
+        ));
+        t.extend(linear(
+            seed,
+            &format!("{x}.down_proj.weight"),
+            d,
+            s.shared_inter,
+            fp8,
+        ));
+        t.extend(linear(
+            seed,
+            &format!("{m}.shared_expert_gate.weight"),
+            1,
+            d,
+            false,
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LoadOptions, Model, Residency};
+
+    /// A scaled-down shape set: same structure, small numbers.
+    fn small() -> Qwen36Shapes {
+        Qwen36Shapes {
+            hidden: 256,
+            vocab: 300,
+            layers: 4,
+            lin_k_heads: 2,
+            lin_v_heads: 4,
+            lin_head_dim: 32,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            experts: 8,
+            top_k: 2,
+            moe_inter: 64,
+            shared_inter: 64,
+            ..Qwen36Shapes::RELEASE
+        }
+    }
+
+    #[test]
+    fn the_synthetic_fp8_checkpoint_loads_and_runs_as_qwen3_5_moe() {
+        let t = tempfile::tempdir().unwrap();
+        let s = small();
+        let r = write_qwen3_5_moe(t.path(), &s, true, 7).unwrap();
+        let opts = LoadOptions {
+            residency: Residency::Streaming,
+            ..LoadOptions::default()
+        };
+        let m = Model::open(t.path(), &opts).unwrap();
+        assert_eq!(m.config().num_hidden_layers, 4);
+        let h = m.hidden_states(&[1, 2, 3, 4, 5]).unwrap();
+        assert_eq!(h.len(), 5);
+        assert!(h.iter().flatten().all(|v| v.is_finite()));
+        // Every parameter the shapes count is in the files (FP8: 1 byte, BF16: 2 bytes, plus
+        // the tile scales), so the count is not a formula drifting from the writer.
+        let names: usize = r.files.len();
+        assert_eq!(names, s.layers + 2);
+        assert!(r.bytes > r.parameters && r.bytes < 2 * r.parameters);
+    }
+}
