@@ -10,8 +10,9 @@
 //! Memory: nothing is decoded at open. Each getter decodes (and dequantises) one tensor from the
 //! map and returns it; with [`Residency::Resident`] the result is kept for the next call (small
 //! models, the devnet serve), with [`Residency::Streaming`] it is dropped after use, so a
-//! forward pass holds one layer's f32 weights at a time (a large FP8 checkpoint audits in
-//! about its mmapped size plus one layer).
+//! forward pass holds one layer's f32 weights at a time, and each decoded tensor's file pages
+//! are handed back to the kernel, so a large FP8 checkpoint audits in about one layer of f32
+//! plus one layer of mapped pages, whatever its size (docs/AUDITOR.md "Memory").
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -235,6 +236,39 @@ impl Weights {
         Ok((e, data, &sh.path))
     }
 
+    /// [`Residency::Streaming`]: once `name` is decoded, hands its file pages back to the
+    /// kernel (`madvise(MADV_DONTNEED)`), so the process's resident set holds about one layer
+    /// instead of every page of the checkpoint it has read (measured in docs/AUDITOR.md
+    /// "Memory"). The pages stay in the page cache; a later read faults them in again.
+    /// Advice is best effort: a failure only leaves the pages mapped.
+    #[cfg(unix)]
+    #[allow(unsafe_code)]
+    fn release_pages(&self, name: &str) {
+        let Some(e) = self.entry(name) else { return };
+        let Some(sh) = self.shards.get(e.shard) else {
+            return;
+        };
+        let len = e.end.saturating_sub(e.start);
+        if len == 0 || sh.data_start + e.end > sh.map.len() {
+            return;
+        }
+        // SAFETY: `map` is a shared, read-only file mapping (`Mmap::map`), never written.
+        // MADV_DONTNEED on such a mapping only unmaps the pages; the next access reads the same
+        // bytes back from the page cache or the file, so no borrow of the map ever sees other
+        // contents. (The hazard memmap2 marks this unsafe for, lost writes of a private
+        // copy-on-write mapping, cannot arise here.)
+        let _ = unsafe {
+            sh.map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                sh.data_start + e.start,
+                len,
+            )
+        };
+    }
+
+    #[cfg(not(unix))]
+    fn release_pages(&self, _name: &str) {}
+
     fn floats_of(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
         let (e, data, path) = self.bytes(name)?;
         let v = quant::floats(e.dtype, data).ok_or_else(|| ModelError::Safetensors {
@@ -330,6 +364,9 @@ impl Weights {
             }
         }
         let (shape, mut v) = self.decode(name)?;
+        if self.residency == Residency::Streaming {
+            self.release_pages(name);
+        }
         check_shape(name, &shape, want)?;
         if let (true, Precision::Int4 { group_size }) = (cheat, self.precision) {
             quantize_int4(&mut v, shape.last().copied().unwrap_or(1), group_size);
