@@ -64,17 +64,7 @@ impl OwnChain {
 
     /// A JSON-RPC call over HTTP; panics on an RPC error. Returns `result`.
     async fn rpc(&self, method: &str, params: serde_json::Value) -> serde_json::Value {
-        let r: serde_json::Value = reqwest::Client::new()
-            .post(format!("http://127.0.0.1:{}", self.port))
-            .json(&serde_json::json!({"id":1,"jsonrpc":"2.0","method":method,"params":params}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert!(r.get("error").is_none(), "{method}: {r}");
-        r.get("result").cloned().unwrap_or_default()
+        common::chain::rpc(&self.url(), method, params).await
     }
 
     /// `start-subtensor.sh PORT --restart`: a node from genesis, seeded (head #202).
