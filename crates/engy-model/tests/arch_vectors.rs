@@ -200,10 +200,11 @@ fn audit_reference_rows(
         .map(|pos| toploc::f32_to_bf16_bits_slice(&reference[pos * hidden..(pos + 1) * hidden]))
         .collect();
     let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
-    let params = Params {
-        topk: 128.min(hidden),
-        ..Params::ENGY
+    let ap = AuditParams {
+        toploc_k: 128.min(hidden),
+        ..AuditParams::default()
     };
+    let params = ap.proof_params(Params::ENGY.decode_batching_size);
     let proofs = toploc::build_proofs_base64(&elements, TDtype::Bf16, &params)
         .map_err(|e| format!("building proofs: {e}"))?;
     let mut output: Vec<u32> = ids[p..].to_vec();
@@ -221,10 +222,6 @@ fn audit_reference_rows(
             "prompt_ids": &ids[..p],
         }
     });
-    let ap = AuditParams {
-        toploc_k: params.topk,
-        ..AuditParams::default()
-    };
     let r = audit(model, model_root, &c, &ap).map_err(|e| format!("audit: {e}"))?;
     if r.verdict != Verdict::Pass || r.score != Some(0.0) {
         return Err(format!("audit of the reference rows: {r:?}"));
