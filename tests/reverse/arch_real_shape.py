@@ -334,13 +334,20 @@ class TopkMargins:
     def _record(self, x, k, dim=-1):
         if not isinstance(k, int) or dim not in (-1, x.dim() - 1) or k >= x.shape[-1]:
             return
+        # The DSA indexer's scores are [B, T, T]; a 3-D [T, groups, E] is the glm router's
+        # in-group top-2, which only ranks groups (n_group 1 here): not a choice.
+        if x.dim() == 3 and x.shape[-1] != x.shape[-2]:
+            return
         v = x.detach().float().reshape(-1, x.shape[-1])
+        # Masked entries are -inf or the additive mask's finfo.min.
+        masked = ~torch.isfinite(v) | (v <= torch.finfo(torch.float32).min / 2)
+        v = v.masked_fill(masked, float("-inf"))
         top = self._orig_fn(v, k + 1, dim=-1).values
         kth, nxt = top[:, k - 1], top[:, k]
         ok = torch.isfinite(nxt)
         if not ok.any():
             return
-        scale = v.masked_fill(~torch.isfinite(v), 0).abs().amax(-1).clamp_min(1e-30)
+        scale = v.masked_fill(masked, 0).abs().amax(-1).clamp_min(1e-30)
         rel = ((kth - nxt) / scale)[ok]
         kind = "dsa" if x.dim() == 3 else "moe"
         s = self.stats.setdefault(kind, {"rows": 0, "min_rel_margin": float("inf"),
