@@ -1,0 +1,128 @@
+//! Runs engy's teacher-forced pass on a checkpoint and writes the hidden states, for
+//! cross-language checks against transformers (`tests/reverse/arch_real_shape.py`).
+//!
+//! ```text
+//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT
+//! ```
+//!
+//! * `CHECKPOINT`: a folder with `config.json` and safetensors shards, loaded exactly as the
+//!   auditor loads it ([`engy_model::arch::load`], streaming residency, f32 compute).
+//! * `IDS`: a safetensors file with I64 tensors `input_ids_0`, `input_ids_1`, … (shape `[T]`),
+//!   the schema of `tests/vectors/arch/*/reference.safetensors`; other tensors are ignored.
+//! * `OUT`: written as safetensors, F32: `hidden_<k>` `[T, hidden]` (the final norm's output)
+//!   and `layer_<l>_<k>` `[T, hidden]` (the residual stream after decoder layer `l`), the
+//!   reference's names. Each sequence runs alone from position 0 with an empty cache.
+//!
+//! Exit status: 0 written, 1 a load / forward / write error, 2 a usage error. Per-sequence
+//! wall time goes to stderr.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use engy_model::{arch, LoadOptions, Residency};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+fn main() -> ExitCode {
+    let args: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    let [checkpoint, ids, out] = args.as_slice() else {
+        eprintln!("usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors");
+        return ExitCode::from(2);
+    };
+    match run(checkpoint, ids, out) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("arch_hidden_states: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The `input_ids_<k>` sequences of `path`, in `k` order from 0 until the first gap.
+fn read_ids(path: &Path) -> Result<Vec<Vec<u32>>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut seqs = Vec::new();
+    while let Ok(t) = st.tensor(&format!("input_ids_{}", seqs.len())) {
+        let name = format!("input_ids_{}", seqs.len());
+        if t.dtype() != Dtype::I64 || t.shape().len() != 1 {
+            return Err(format!(
+                "{name}: expected I64 [T], found {:?} {:?}",
+                t.dtype(),
+                t.shape()
+            ));
+        }
+        let ids = t
+            .data()
+            .chunks_exact(8)
+            .map(|c| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(c);
+                u32::try_from(i64::from_le_bytes(b)).map_err(|_| format!("{name}: id out of range"))
+            })
+            .collect::<Result<Vec<u32>, String>>()?;
+        seqs.push(ids);
+    }
+    if seqs.is_empty() {
+        return Err(format!("{}: no input_ids_0", path.display()));
+    }
+    Ok(seqs)
+}
+
+fn le_bytes(t: &Tensor) -> Result<(Vec<usize>, Vec<u8>), String> {
+    let shape = t.dims().to_vec();
+    let v = t
+        .flatten_all()
+        .and_then(|f| f.to_vec1::<f32>())
+        .map_err(|e| e.to_string())?;
+    Ok((shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+}
+
+fn run(checkpoint: &Path, ids: &Path, out: &Path) -> Result<(), String> {
+    let seqs = read_ids(ids)?;
+    let opts = LoadOptions {
+        residency: Residency::Streaming,
+        ..LoadOptions::default()
+    };
+    let t0 = Instant::now();
+    let model =
+        arch::load(checkpoint, &opts).map_err(|e| format!("{}: {e}", checkpoint.display()))?;
+    eprintln!(
+        "arch_hidden_states: loaded {} ({:?}, {} layers) in {:.1}s",
+        checkpoint.display(),
+        model.config().kind,
+        model.config().num_hidden_layers,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for (k, ids) in seqs.iter().enumerate() {
+        let t = Instant::now();
+        let mut cache = model.new_cache();
+        let mut layers = Vec::new();
+        let hidden = model
+            .forward(ids, &mut cache, Some(&mut layers))
+            .map_err(|e| format!("sequence {k} (T={}): {e}", ids.len()))?;
+        eprintln!(
+            "arch_hidden_states: sequence {k} (T={}) in {:.1}s",
+            ids.len(),
+            t.elapsed().as_secs_f64()
+        );
+        tensors.insert(format!("hidden_{k}"), le_bytes(&hidden)?);
+        for (l, r) in layers.iter().enumerate() {
+            tensors.insert(format!("layer_{l}_{k}"), le_bytes(r)?);
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, (shape, bytes))| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| format!("{name}: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    safetensors::serialize_to_file(views, None, out)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    Ok(())
+}
