@@ -6,14 +6,14 @@ the same bf16 value: this script measures it. For each case folder it runs the s
 through transformers in float64 (the quantised weights dequantised exactly as the README says)
 and reports, per sequence, the bf16 agreement and max abs error of
   * the reference (transformers fp32) against float64,
-  * engy's f32 hidden states (crates/engy-model/examples/hidden_states.rs) against float64,
+  * engy's f32 hidden states (crates/engy-model/examples/arch_hidden_states.rs) against float64,
   * engy against the reference (what crates/engy-model/tests/arch_vectors.rs asserts).
 
   ENGY_TF5_PYTHON=/path/venv/bin/python   # torch + transformers>=5.24 + safetensors
   $ENGY_TF5_PYTHON tests/reverse/arch_bf16_floor.py [--hidden-states BIN] CASE_DIR...
 
-BIN defaults to target/release/examples/hidden_states (build it with
-`cargo build --release -p engy-model --example hidden_states`). Prints a table; exit 0, or 2
+BIN defaults to target/release/examples/arch_hidden_states (build it with
+`cargo build --release -p engy-model --example arch_hidden_states`). Prints a table; exit 0, or 2
 on a usage or setup error. A measurement, not a pass/fail check: docs/AUDITOR.md quotes it.
 """
 import argparse, json, os, shutil, subprocess, sys, tempfile
@@ -69,7 +69,7 @@ def agree(a, b):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden-states", default="target/release/examples/hidden_states")
+    ap.add_argument("--hidden-states", default="target/release/examples/arch_hidden_states")
     ap.add_argument("cases", nargs="+")
     a = ap.parse_args()
     if not os.access(a.hidden_states, os.X_OK):
