@@ -21,6 +21,7 @@ use crate::{Compute, ModelError, Precision};
 pub mod config;
 pub mod glm_moe_dsa;
 pub mod ops;
+pub mod qlinear;
 pub mod quant;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;

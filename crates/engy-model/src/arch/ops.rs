@@ -75,7 +75,7 @@ pub fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// A SwiGLU MLP `down(silu(gate x) * up x)` whose three projections are fetched from `w` under
-/// `module` (`<module>.{gate,up,down}_proj.weight`, width `inter`).
+/// `module` (`<module>.{gate,up,down}_proj.weight`, width `inter`), each product by [`Weights::linear`].
 ///
 /// # Errors
 /// Weight errors and candle errors.
@@ -86,11 +86,10 @@ pub fn swiglu(
     hidden: usize,
     inter: usize,
 ) -> Result<Tensor, ModelError> {
-    let g = w.projection_t(&format!("{module}.gate_proj"), inter, hidden)?;
-    let u = w.projection_t(&format!("{module}.up_proj"), inter, hidden)?;
-    let d = w.projection_t(&format!("{module}.down_proj"), hidden, inter)?;
-    let h = (silu(&linear_t(x, &g)?)? * linear_t(x, &u)?)?;
-    Ok(linear_t(&h, &d)?)
+    let g = w.linear(&format!("{module}.gate_proj"), x, inter, hidden)?;
+    let u = w.linear(&format!("{module}.up_proj"), x, inter, hidden)?;
+    let h = (silu(&g)? * u)?;
+    w.linear(&format!("{module}.down_proj"), &h, hidden, inter)
 }
 
 /// The additive causal mask `[t, off + t]` for `t` new positions after `off` cached ones (0

@@ -89,22 +89,44 @@ pub fn dequant_fp8_block(
     if bn == 0 || bk == 0 || q.len() != n.checked_mul(k)? {
         return None;
     }
-    let (gr, gc) = (n.div_ceil(bn), k.div_ceil(bk));
-    if scale.len() != gr * gc {
+    let gc = k.div_ceil(bk);
+    if scale.len() != n.div_ceil(bn) * gc {
         return None;
     }
     let t = e4m3_table();
-    let mut out = Vec::with_capacity(n * k);
-    for i in 0..n {
-        let srow = &scale[(i / bn) * gc..(i / bn + 1) * gc];
-        let qrow = &q[i * k..(i + 1) * k];
-        out.extend(
-            qrow.iter()
-                .enumerate()
-                .map(|(j, &b)| t[usize::from(b)] * srow[j / bk]),
-        );
+    let mut out = vec![0f32; n * k];
+    if k == 0 {
+        return Some(out);
+    }
+    for (i, (qrow, orow)) in q.chunks_exact(k).zip(out.chunks_exact_mut(k)).enumerate() {
+        fp8_block_row(&t, qrow, &scale[(i / bn) * gc..(i / bn + 1) * gc], bk, orow);
     }
     Some(out)
+}
+
+/// One row of [`dequant_fp8_block`]: `out[j] = table[q[j]] * scale_row[j / bk]`, `table` from
+/// [`e4m3_table`], `scale_row` the row's `ceil(k / bk)` tile scales. The three slices must
+/// agree (`q.len() == out.len()`, `scale_row.len() == ceil(len / bk)`); extra scales are
+/// ignored, missing ones leave the tail of `out` untouched.
+pub fn fp8_block_row(table: &[f32; 256], q: &[u8], scale_row: &[f32], bk: usize, out: &mut [f32]) {
+    for ((qt, ot), &s) in q
+        .chunks(bk.max(1))
+        .zip(out.chunks_mut(bk.max(1)))
+        .zip(scale_row)
+    {
+        for (o, &b) in ot.iter_mut().zip(qt) {
+            *o = table[usize::from(b)] * s;
+        }
+    }
+}
+
+/// The 16 E2M1 values ([`e2m1_to_f32`]), indexed by code.
+pub fn e2m1_table() -> [f32; 16] {
+    let mut lut = [0f32; 16];
+    for (c, v) in lut.iter_mut().enumerate() {
+        *v = e2m1_to_f32(c as u8);
+    }
+    lut
 }
 
 /// NVFP4 dequantisation: `packed` `[n, k/2]` bytes (element `2j` in the low nibble),
@@ -126,25 +148,56 @@ pub fn dequant_nvfp4(
     {
         return None;
     }
-    let t = e4m3_table();
-    let mut lut = [0f32; 16];
-    for (c, v) in lut.iter_mut().enumerate() {
-        *v = e2m1_to_f32(c as u8);
-    }
+    let (t, lut) = (e4m3_table(), e2m1_table());
     let gk = k / group;
-    let mut out = Vec::with_capacity(n * k);
-    for i in 0..n {
+    let mut out = vec![0f32; n * k];
+    if k == 0 {
+        return Some(out);
+    }
+    for (i, orow) in out.chunks_exact_mut(k).enumerate() {
         let prow = &packed[i * k / 2..(i + 1) * k / 2];
         let srow = &scale[i * gk..(i + 1) * gk];
-        for (jj, &b) in prow.iter().enumerate() {
-            for (half, code) in [(0, b & 0x0f), (1, b >> 4)] {
-                let j = 2 * jj + half;
-                let s = t[usize::from(srow[j / group])];
-                out.push((lut[usize::from(code)] * s) * scale_2);
-            }
-        }
+        nvfp4_row(&t, &lut, prow, srow, scale_2, group, orow);
     }
     Some(out)
+}
+
+/// One row of [`dequant_nvfp4`]: element `j` of `out` is
+/// `(lut[code j] * table[scale_row[j / group]]) * scale_2`, code `2m` the low nibble of
+/// `packed[m]` and `2m + 1` its high nibble (`table` from [`e4m3_table`], `lut` from
+/// [`e2m1_table`]); `out.len() == 2 * packed.len()`.
+pub fn nvfp4_row(
+    table: &[f32; 256],
+    lut: &[f32; 16],
+    packed: &[u8],
+    scale_row: &[u8],
+    scale_2: f32,
+    group: usize,
+    out: &mut [f32],
+) {
+    if group == 0 || !group.is_multiple_of(2) {
+        // A group boundary inside a byte: element by element.
+        let group = group.max(1);
+        for (j, o) in out.iter_mut().enumerate().take(2 * packed.len()) {
+            let b = packed[j / 2];
+            let code = if j % 2 == 0 { b & 0x0f } else { b >> 4 };
+            if let Some(&sb) = scale_row.get(j / group) {
+                *o = (lut[usize::from(code)] * table[usize::from(sb)]) * scale_2;
+            }
+        }
+        return;
+    }
+    for ((pg, og), &sb) in packed
+        .chunks(group / 2)
+        .zip(out.chunks_mut(group))
+        .zip(scale_row)
+    {
+        let s = table[usize::from(sb)];
+        for (o, &b) in og.chunks_exact_mut(2).zip(pg) {
+            o[0] = (lut[usize::from(b & 0x0f)] * s) * scale_2;
+            o[1] = (lut[usize::from(b >> 4)] * s) * scale_2;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -276,9 +276,11 @@ impl Qwen3_5Moe {
         let (nk, nv, dk, dv, kk) = (self.nk, self.nv, self.dk, self.dv, self.conv_k);
         let cd = self.conv_dim();
         let w = &*self.w;
-        let qkv =
-            linear_t(h, &w.projection_t(&format!("{a}.in_proj_qkv"), cd, d)?)?.to_vec2::<f32>()?;
-        let z = linear_t(h, &w.projection_t(&format!("{a}.in_proj_z"), nv * dv, d)?)?
+        let qkv = w
+            .linear(&format!("{a}.in_proj_qkv"), h, cd, d)?
+            .to_vec2::<f32>()?;
+        let z = w
+            .linear(&format!("{a}.in_proj_z"), h, nv * dv, d)?
             .to_vec2::<f32>()?;
         let bb = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_b"), nv, d)?)?.to_vec2::<f32>()?;
         let aa = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_a"), nv, d)?)?.to_vec2::<f32>()?;
@@ -378,10 +380,7 @@ impl Qwen3_5Moe {
             }
         }
         let core = Tensor::from_vec(out, (t, nv * dv), &Device::Cpu)?;
-        let y = linear_t(
-            &core,
-            &w.projection_t(&format!("{a}.out_proj"), d, nv * dv)?,
-        )?;
+        let y = w.linear(&format!("{a}.out_proj"), &core, d, nv * dv)?;
         let cache = LayerCache(vec![
             Tensor::from_vec(conv_state, (hist, cd), &Device::Cpu)?,
             Tensor::from_vec(state, (nv, dk, dv), &Device::Cpu)?,
@@ -402,15 +401,18 @@ impl Qwen3_5Moe {
         let (nh, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let w = &*self.w;
         let eps = self.cfg.rms_norm_eps;
-        let qg = linear_t(h, &w.projection_t(&format!("{a}.q_proj"), nh * hd * 2, d)?)?
+        let qg = w
+            .linear(&format!("{a}.q_proj"), h, nh * hd * 2, d)?
             .reshape((t, nh, 2 * hd))?;
         let q = qg.narrow(2, 0, hd)?;
         let gate = qg.narrow(2, hd, hd)?.contiguous()?.reshape((t, nh * hd))?;
         let q = ops::rms_norm_1p(&q, &w.tensor(&format!("{a}.q_norm.weight"))?, eps)?;
-        let k = linear_t(h, &w.projection_t(&format!("{a}.k_proj"), kv * hd, d)?)?
+        let k = w
+            .linear(&format!("{a}.k_proj"), h, kv * hd, d)?
             .reshape((t, kv, hd))?;
         let k = ops::rms_norm_1p(&k, &w.tensor(&format!("{a}.k_norm.weight"))?, eps)?;
-        let v = linear_t(h, &w.projection_t(&format!("{a}.v_proj"), kv * hd, d)?)?
+        let v = w
+            .linear(&format!("{a}.v_proj"), h, kv * hd, d)?
             .reshape((t, kv, hd))?;
         let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, self.rot_dim, off, t)?;
         let q = ops::rope_half(&q.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
@@ -423,7 +425,7 @@ impl Qwen3_5Moe {
         let mask = ops::causal_mask(t, off)?;
         let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref())?;
         let y = (y * ops::sigmoid(&gate)?)?;
-        let y = linear_t(&y, &w.projection_t(&format!("{a}.o_proj"), d, nh * hd)?)?;
+        let y = w.linear(&format!("{a}.o_proj"), &y, d, nh * hd)?;
         Ok((y, LayerCache(vec![k, v])))
     }
 

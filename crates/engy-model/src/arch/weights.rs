@@ -23,8 +23,14 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use super::config::QuantConfig;
+use super::qlinear::QuantMatrix;
 use super::quant;
 use crate::{quantize_int4, ModelError, Precision};
+
+/// The most rows of `x` [`Weights::linear`] multiplies with the fused kernel
+/// ([`QuantMatrix::linear`]); above it, dequantising `W` once and using candle's matmul is
+/// faster (measured in docs/PERFORMANCE.md).
+pub const FUSED_MAX_ROWS: usize = 4;
 
 /// Whether decoded weights are kept between calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -278,11 +284,11 @@ impl Weights {
         Ok((e.shape.clone(), v))
     }
 
-    /// Decodes `name` to f32, dequantising a quantised weight from its siblings:
-    /// `<m>.weight` F8_E4M3 with `<m>.weight_scale_inv` (block FP8), or `<m>.weight` U8 with
-    /// `<m>.weight_scale` and `<m>.weight_scale_2` (NVFP4; returned with its logical shape
-    /// `[N, K]`). See [`super::quant`] for the formulas.
-    fn decode(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+    /// The quantised 2-D weight `name` as stored, checked against its siblings: `<m>.weight`
+    /// F8_E4M3 with `<m>.weight_scale_inv` (block FP8), or `<m>.weight` U8 with
+    /// `<m>.weight_scale` and `<m>.weight_scale_2` (NVFP4; logical shape `[N, K]`). `None` for
+    /// a tensor stored plainly. See [`super::quant`] for the formulas.
+    fn quantised(&self, name: &str) -> Result<Option<QuantMatrix<'_>>, ModelError> {
         let (e, data, path) = self.bytes(name)?;
         let bad = |msg: String| ModelError::Safetensors {
             file: path.to_path_buf(),
@@ -304,9 +310,9 @@ impl Weights {
                     "weight_scale_inv has shape {sshape:?}, expected {want:?} for tiles {bn}x{bk}"
                 )));
             }
-            let w = quant::dequant_fp8_block(data, n, k, &scale, self.fp8_block)
-                .ok_or_else(|| bad("block FP8 sizes do not match".into()))?;
-            return Ok((vec![n, k], w));
+            return QuantMatrix::fp8_block(data, n, k, scale, self.fp8_block)
+                .map(Some)
+                .ok_or_else(|| bad("block FP8 sizes do not match".into()));
         }
         let nv_scale = format!("{name}_scale");
         let nv_scale_2 = format!("{name}_scale_2");
@@ -332,13 +338,46 @@ impl Weights {
             let [s2] = s2[..] else {
                 return Err(bad("weight_scale_2 is not a scalar".into()));
             };
-            let w = quant::dequant_nvfp4(data, n, k, sdata, s2, g)
-                .ok_or_else(|| bad("NVFP4 sizes do not match".into()))?;
-            return Ok((vec![n, k], w));
+            return QuantMatrix::nvfp4(data, n, k, sdata, s2, g)
+                .map(Some)
+                .ok_or_else(|| bad("NVFP4 sizes do not match".into()));
         }
-        let v = quant::floats(e.dtype, data)
-            .ok_or_else(|| bad(format!("unsupported dtype {:?}", e.dtype)))?;
+        Ok(None)
+    }
+
+    /// Decodes `name` to f32, dequantising a quantised weight ([`Weights::quantised`]).
+    fn decode(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        if let Some(m) = self.quantised(name)? {
+            return Ok((m.shape().to_vec(), m.dequantise()));
+        }
+        let (e, data, path) = self.bytes(name)?;
+        let v = quant::floats(e.dtype, data).ok_or_else(|| ModelError::Safetensors {
+            file: path.to_path_buf(),
+            msg: format!("tensor {name}: unsupported dtype {:?}", e.dtype),
+        })?;
         Ok((e.shape.clone(), v))
+    }
+
+    /// The 2-D weight `name` as stored (quantised or plain BF16 / F16 / F32), for
+    /// [`QuantMatrix::linear`].
+    fn stored(&self, name: &str) -> Result<QuantMatrix<'_>, ModelError> {
+        if let Some(m) = self.quantised(name)? {
+            return Ok(m);
+        }
+        let (e, data, path) = self.bytes(name)?;
+        let bad = |msg: String| ModelError::Safetensors {
+            file: path.to_path_buf(),
+            msg: format!("tensor {name}: {msg}"),
+        };
+        let [n, k] = e.shape[..] else {
+            return Err(bad(format!("weight of shape {:?} is not 2-D", e.shape)));
+        };
+        QuantMatrix::float(e.dtype, data, n, k).ok_or_else(|| {
+            bad(format!(
+                "unsupported dtype {:?} or size for a [{n}, {k}] weight",
+                e.dtype
+            ))
+        })
     }
 
     fn get(&self, name: &str, want: Option<&[usize]>, cheat: bool) -> Result<Tensor, ModelError> {
@@ -429,6 +468,67 @@ impl Weights {
         self.get_as(&format!("{module}.weight"), Some(&[out, inp]), true, true)
     }
 
+    /// `x · Wᵀ` for the projection `<module>.weight` `[out, in]`: `x` `[.., in]` →
+    /// `[.., out]`, f32. The same product as `ops::linear_t(x, &self.projection_t(..)?)`, int4
+    /// cheat included, computed without keeping an f32 copy of `W` under
+    /// [`Residency::Streaming`]:
+    /// * up to [`FUSED_MAX_ROWS`] rows of `x` (a routed expert's few tokens, a decode step):
+    ///   [`QuantMatrix::linear`] straight from the stored bytes;
+    /// * more rows: `W` dequantised once and multiplied in place (no transposed copy).
+    ///
+    /// Under [`Residency::Resident`] the kept transposed weight is reused. Results agree with
+    /// the plain path up to the order of f32 summation.
+    ///
+    /// # Errors
+    /// As [`Weights::projection`]; [`ModelError::Shape`] when the last dimension of `x` is not
+    /// `inp`.
+    pub fn linear(
+        &self,
+        module: &str,
+        x: &Tensor,
+        out: usize,
+        inp: usize,
+    ) -> Result<Tensor, ModelError> {
+        let cheat = matches!(self.precision, Precision::Int4 { .. });
+        if self.residency == Residency::Resident || cheat {
+            let wt = self.projection_t(module, out, inp)?;
+            return Ok(x.matmul(&wt)?);
+        }
+        let name = format!("{module}.weight");
+        let mut dims = x.dims().to_vec();
+        if dims.last() != Some(&inp) {
+            return Err(ModelError::Shape {
+                name: format!("input of {name}"),
+                got: dims,
+                want: vec![0, inp],
+            });
+        }
+        let m = self.stored(&name)?;
+        check_shape(&name, &m.shape(), Some(&[out, inp]))?;
+        let n = dims[..dims.len() - 1].iter().product::<usize>();
+        if let Some(d) = dims.last_mut() {
+            *d = out;
+        }
+        let y = if n <= FUSED_MAX_ROWS {
+            let xs = x
+                .to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let y = m.linear(&xs, n).ok_or_else(|| ModelError::Shape {
+                name: format!("input of {name}"),
+                got: x.dims().to_vec(),
+                want: vec![n, inp],
+            })?;
+            Tensor::from_vec(y, dims, &Device::Cpu)?
+        } else {
+            let w = Tensor::from_vec(m.dequantise(), (out, inp), &Device::Cpu)?;
+            let x2 = x.reshape((n, inp))?;
+            x2.matmul(&w.t()?)?.reshape(dims)?
+        };
+        self.release_pages(&name);
+        Ok(y)
+    }
+
     /// [`Weights::matrix`] transposed (`[in, out]`, contiguous).
     ///
     /// # Errors
@@ -492,5 +592,96 @@ fn check_shape(name: &str, got: &[usize], want: Option<&[usize]>) -> Result<(), 
             want: w.to_vec(),
         }),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use safetensors::tensor::TensorView;
+
+    use super::*;
+
+    /// One block-FP8 projection `p.weight` `[out, in]` (partial 128×128 tiles) and one bf16
+    /// projection `b.weight`, written as a real safetensors shard.
+    fn checkpoint(dir: &Path, out: usize, inp: usize) {
+        let q: Vec<u8> = (0..out * inp)
+            .map(|i| {
+                let b = ((i * 2_654_435_761) >> 11) as u8;
+                if b & 0x7f == 0x7f {
+                    0x3f
+                } else {
+                    b
+                }
+            })
+            .collect();
+        let grid = out.div_ceil(128) * inp.div_ceil(128);
+        let scale: Vec<u8> = (0..grid)
+            .flat_map(|i| (0.25 + i as f32 * 0.125).to_le_bytes())
+            .collect();
+        let b16: Vec<u8> = (0..out * inp)
+            .flat_map(|i| half::bf16::from_f32((i % 23) as f32 / 11.0 - 1.0).to_le_bytes())
+            .collect();
+        let t = [
+            ("p.weight", Dtype::F8_E4M3, vec![out, inp], &q),
+            (
+                "p.weight_scale_inv",
+                Dtype::F32,
+                vec![out.div_ceil(128), inp.div_ceil(128)],
+                &scale,
+            ),
+            ("b.weight", Dtype::BF16, vec![out, inp], &b16),
+        ];
+        let views: Vec<(String, TensorView<'_>)> = t
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::tensor::serialize_to_file(views, None, &dir.join("w.safetensors")).unwrap();
+    }
+
+    /// [`Weights::linear`] under streaming (the fused kernel up to [`FUSED_MAX_ROWS`] rows, the
+    /// dequantise-once path above) against the resident transposed weight and candle's matmul.
+    #[test]
+    fn streaming_linear_matches_the_resident_product() {
+        let dir = tempfile::tempdir().unwrap();
+        let (out, inp) = (130, 257);
+        checkpoint(dir.path(), out, inp);
+        let open = |r| Weights::open(dir.path(), None, Precision::Bf16, r).unwrap();
+        let (stream, resident) = (open(Residency::Streaming), open(Residency::Resident));
+        for module in ["p", "b"] {
+            let wt = resident.projection_t(module, out, inp).unwrap();
+            let wabs = wt.abs().unwrap();
+            for n in [1usize, 3, FUSED_MAX_ROWS, 17] {
+                let x: Vec<f32> = (0..n * inp).map(|i| ((i % 7) as f32 - 3.0) / 3.0).collect();
+                let x = Tensor::from_vec(x, (n, inp), &Device::Cpu).unwrap();
+                let got = stream.linear(module, &x, out, inp).unwrap();
+                assert_eq!(got.dims(), &[n, out]);
+                let want = x.matmul(&wt).unwrap();
+                let mag = x.abs().unwrap().matmul(&wabs).unwrap();
+                let (got, want, mag) = (
+                    got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    mag.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                for (j, ((g, e), m)) in got.iter().zip(&want).zip(&mag).enumerate() {
+                    assert!(
+                        (g - e).abs() <= 1e-5 * m,
+                        "{module} n={n} [{j}]: streaming {g}, resident {e}"
+                    );
+                }
+                assert_eq!(
+                    resident.linear(module, &x, out, inp).unwrap().dims(),
+                    &[n, out]
+                );
+            }
+        }
+        let x = Tensor::zeros((2, inp + 1), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(matches!(
+            stream.linear("p", &x, out, inp + 1),
+            Err(ModelError::Shape { .. })
+        ));
+        assert!(matches!(
+            stream.linear("p", &x, out, inp),
+            Err(ModelError::Shape { .. })
+        ));
     }
 }
