@@ -38,7 +38,7 @@ enum Format<'a> {
         scale_2: f32,
         group: usize,
     },
-    /// Little-endian BF16, F16 or F32 values `[rows, cols]`.
+    /// Little-endian BF16, F16 or F32 values, or unscaled E4M3 bytes, `[rows, cols]`.
     Float { dtype: Dtype, data: &'a [u8] },
 }
 
@@ -112,10 +112,12 @@ impl<'a> QuantMatrix<'a> {
         })
     }
 
-    /// Plain BF16, F16 or F32 little-endian values `[rows, cols]`. `None` for another dtype or
-    /// a byte length that does not match.
+    /// Plain BF16, F16 or F32 little-endian values, or E4M3 bytes without a scale, `[rows,
+    /// cols]` (as [`super::quant::floats`] reads them). `None` for another dtype or a byte
+    /// length that does not match.
     pub fn float(dtype: Dtype, data: &'a [u8], rows: usize, cols: usize) -> Option<Self> {
         let width = match dtype {
+            Dtype::F8_E4M3 => 1,
             Dtype::BF16 | Dtype::F16 => 2,
             Dtype::F32 => 4,
             _ => return None,
@@ -189,9 +191,18 @@ impl<'a> QuantMatrix<'a> {
                 );
             }
             Format::Float { dtype, data } => {
-                let w = if *dtype == Dtype::F32 { 4 } else { 2 };
+                let w = match dtype {
+                    Dtype::F8_E4M3 => 1,
+                    Dtype::F32 => 4,
+                    _ => 2,
+                };
                 let row = &data[i * k * w..(i + 1) * k * w];
                 match dtype {
+                    Dtype::F8_E4M3 => {
+                        for (o, &b) in out.iter_mut().zip(row) {
+                            *o = t.e4m3[usize::from(b)];
+                        }
+                    }
                     Dtype::BF16 => {
                         for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
                             *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
@@ -396,7 +407,13 @@ mod tests {
             .flat_map(|&v| f16::from_f32(v).to_le_bytes())
             .collect();
         let f32s: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-        for (dtype, data) in [(Dtype::BF16, &b16), (Dtype::F16, &h16), (Dtype::F32, &f32s)] {
+        let e4m3: Vec<u8> = (0..rows * cols).map(|_| rng.e4m3()).collect();
+        for (dtype, data) in [
+            (Dtype::F8_E4M3, &e4m3),
+            (Dtype::BF16, &b16),
+            (Dtype::F16, &h16),
+            (Dtype::F32, &f32s),
+        ] {
             let m = QuantMatrix::float(dtype, data, rows, cols).unwrap();
             check(&m, &mut rng, &format!("{dtype:?}"));
         }
