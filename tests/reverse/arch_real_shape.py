@@ -8,7 +8,7 @@ DeltaNet key heads != value heads (16 vs 32), head_dim 256 with a 64-wide partia
 This check builds, with transformers' own model classes and a fixed seed, checkpoints with the
 real per-layer shapes of Qwen3.6-35B-A3B and GLM-5.2 but few layers, 16 routed experts (top-k
 and per-expert widths real) and a small vocabulary, saves them with `save_pretrained` (bf16,
-and a block-FP8 variant in the layout of the vectors README), runs transformers' fp32 eager
+a block-FP8 variant and, for glm, an NVFP4 one, in the layouts of the vectors README), runs transformers' fp32 eager
 forward, runs engy's side (`cargo run --release -p engy-model --example arch_hidden_states`,
 which loads the folder with `engy_model::arch::load` as the auditor does) and compares every
 decoder layer's residual and the final hidden states.
@@ -25,7 +25,8 @@ script re-executes itself with it. Without it, it prints a skip line and exits 0
     ENGY_TF5_PYTHON=/work/venvs/tf5/bin/python python3 tests/reverse/arch_real_shape.py
     ... --arch glm_moe_dsa --formats bf16 --glm-tokens 2304 --keep
 
-Options: --arch {qwen3_5_moe,glm_moe_dsa,all} (all), --formats bf16,fp8 (both),
+Options: --arch {qwen3_5_moe,glm_moe_dsa,all} (all), --formats bf16,fp8,nvfp4 (all three;
+nvfp4, in NVIDIA ModelOpt's layout, for glm_moe_dsa only, as the public GLM-5.x NVFP4 builds),
 --work DIR (${ENGY_CACHE_DIR:-~/.cache/engy}/arch-real-shape), --engy-bin PATH (a built
 arch_hidden_states; default: cargo run), --qwen-tokens N,... (64,300), --glm-tokens N,...
 (2304: longer than the real index_topk 2048, so the last 256 queries really drop keys),
@@ -272,8 +273,47 @@ def release_extras(arch):
             "mtp.fc.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16)}
 
 
-def write_fp8(arch, src, out, deq_out):
-    """`out`: the FP8 checkpoint; `deq_out`: its dequantised weights as F32 (the reference's)."""
+# --------------------------------------------------------------------------------------------
+# NVFP4 in NVIDIA ModelOpt's layout (vectors README; glm only, as the public GLM-5.x NVFP4
+# checkpoints): the routed experts and the dense MLP. <m>.weight U8 [N, K/2] (element 2j in the
+# low nibble), <m>.weight_scale F8_E4M3 [N, K/16], <m>.weight_scale_2 F32 [], <m>.input_scale
+# F32 [] (unused by the reference). weight_scale_2 = amax(W)/(6*448), weight_scale =
+# e4m3(amax(group)/(6*weight_scale_2)), code = nearest E2M1 of W/(weight_scale*weight_scale_2).
+# --------------------------------------------------------------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_EDGES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+NVFP4_IGNORE = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*",
+                "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts*"]
+
+
+def nvfp4_quantizable(name, t):
+    if t.dim() != 2 or not name.endswith(".weight") or ".mlp." not in name:
+        return False
+    return name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")) and \
+        "shared_experts" not in name
+
+
+def nvfp4(w):
+    w = w.float()
+    n, k = w.shape
+    s2 = w.abs().amax() / (6 * 448)
+    s2 = s2 if s2 > 0 else torch.tensor(1.0)
+    groups = w.view(n, k // 16, 16)
+    gs = (groups.abs().amax(-1) / (6 * s2)).to(torch.float8_e4m3fn)
+    gs = torch.where(gs.float() > 0, gs.float(), torch.ones_like(gs.float())).to(torch.float8_e4m3fn)
+    x = groups / (gs.float()[..., None] * s2)
+    mag = torch.bucketize(x.abs().clamp(max=6.0), E2M1_EDGES)
+    code = (mag | ((w.view(n, k // 16, 16) < 0).to(torch.int64) << 3)).view(n, k)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    val = E2M1[mag] * torch.where(code.view(n, k // 16, 16) >= 8, -1.0, 1.0)
+    deq = ((val * gs.float()[..., None]) * s2).view(n, k).contiguous()
+    return {".weight": packed, ".weight_scale": gs.contiguous(),
+            ".weight_scale_2": s2.reshape(()).float(), ".input_scale": torch.tensor(1.0)}, deq
+
+
+def write_fp8(arch, src, out, deq_out, fmt="fp8"):
+    """`out`: the FP8 (or NVFP4) checkpoint; `deq_out`: its dequantised weights as F32 (the
+    reference's)."""
     os.makedirs(out, exist_ok=True)
     os.makedirs(deq_out, exist_ok=True)
     with open(os.path.join(src, "config.json")) as f:
@@ -287,7 +327,17 @@ def write_fp8(arch, src, out, deq_out):
         q_out, d_out = ({} if i else release_extras(arch)), {}
         for name, t in tensors.items():
             out_name = release_name(arch, name)
-            if quantizable(arch, name, t):
+            if fmt == "nvfp4":
+                if nvfp4_quantizable(name, t):
+                    parts, d = nvfp4(t)
+                    stem = out_name[: -len(".weight")]
+                    for suffix, v in parts.items():
+                        q_out[stem + suffix] = v
+                    d_out[name] = d
+                else:
+                    q_out[out_name] = t
+                    d_out[name] = t.float() if t.dtype == torch.bfloat16 else t
+            elif quantizable(arch, name, t):
                 q, s, d = fp8_tiles(t, scale_dtype)
                 q_out[out_name] = q
                 q_out[out_name.replace(".weight", ".weight_scale_inv")] = s
@@ -312,6 +362,21 @@ def write_fp8(arch, src, out, deq_out):
             json.dump(src_index, f)
     with open(os.path.join(deq_out, "config.json"), "w") as f:
         json.dump(dict(cfg, dtype="float32"), f, indent=2, sort_keys=True)
+    if fmt == "nvfp4":
+        group = {"dynamic": False, "group_size": 16, "num_bits": 4, "type": "float"}
+        cfg["quantization_config"] = {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": NVFP4_IGNORE,
+            "config_groups": {"group_0": {"input_activations": group, "weights": group,
+                                          "targets": ["Linear"]}},
+            "producer": {"name": "modelopt", "version": "emulated-by-arch_real_shape.py"}}
+        with open(os.path.join(out, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": cfg["quantization_config"]["producer"],
+                       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                        "group_size": 16, "exclude_modules": NVFP4_IGNORE}},
+                      f, indent=2)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+        return
     cfg = release_config(arch, cfg)
     cfg["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -515,11 +580,11 @@ def run_case(arch, fmt, args, work, base_dirs):
     if fmt == "bf16":
         folder, ref_folder = bf16_dir, bf16_dir
     else:
-        folder = os.path.join(work, f"{arch}_real_fp8")
-        ref_folder = os.path.join(work, f"{arch}_real_fp8_dequantised")
+        folder = os.path.join(work, f"{arch}_real_{fmt}")
+        ref_folder = os.path.join(work, f"{arch}_real_{fmt}_dequantised")
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(ref_folder, ignore_errors=True)
-        write_fp8(arch, bf16_dir, folder, ref_folder)
+        write_fp8(arch, bf16_dir, folder, ref_folder, fmt)
     t_build = time.time() - t0
     with open(os.path.join(ref_folder, "config.json")) as f:
         nlayers = json.load(f)["num_hidden_layers"]
@@ -549,7 +614,7 @@ def run_case(arch, fmt, args, work, base_dirs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="all", choices=["all", "qwen3_5_moe", "glm_moe_dsa"])
-    p.add_argument("--formats", default="bf16,fp8")
+    p.add_argument("--formats", default="bf16,fp8,nvfp4")
     p.add_argument("--work", default=os.path.join(
         os.environ.get("ENGY_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engy"),
@@ -569,8 +634,8 @@ def main():
     except ValueError:
         p.error("--qwen-tokens / --glm-tokens take comma-separated whole numbers")
     formats = [f for f in args.formats.split(",") if f]
-    if any(f not in ("bf16", "fp8") for f in formats):
-        p.error("--formats takes bf16 and/or fp8")
+    if any(f not in ("bf16", "fp8", "nvfp4") for f in formats):
+        p.error("--formats takes bf16, fp8 and/or nvfp4 (nvfp4: glm_moe_dsa only)")
     if not transformers.__version__.startswith("5."):
         print(f"arch_real_shape: transformers {transformers.__version__} found, 5.x needed",
               file=sys.stderr)
@@ -585,6 +650,8 @@ def main():
     failures, base_dirs = [], {}
     for arch in archs:
         for fmt in formats:
+            if fmt == "nvfp4" and arch != "glm_moe_dsa":
+                continue
             try:
                 failures += run_case(arch, fmt, args, args.work, base_dirs)
             except RuntimeError as e:
