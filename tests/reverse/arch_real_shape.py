@@ -8,8 +8,8 @@ DeltaNet key heads != value heads (16 vs 32), head_dim 256 with a 64-wide partia
 This check builds, with transformers' own model classes and a fixed seed, checkpoints with the
 real per-layer shapes of Qwen3.6-35B-A3B and GLM-5.2 but few layers, 16 routed experts (top-k
 and per-expert widths real) and a small vocabulary, saves them with `save_pretrained` (bf16,
-and a block-FP8 variant in the layout of the vectors README), runs transformers' fp32 eager
-forward, runs engy's side (`cargo run --release -p engy-model --example arch_hidden_states`,
+a block-FP8 variant and, for glm, an NVFP4 one, in the layouts of the vectors README), runs
+transformers' fp32 eager forward, runs engy's side (`cargo run --release -p engy-model --example arch_hidden_states`,
 which loads the folder with `engy_model::arch::load` as the auditor does) and compares every
 decoder layer's residual and the final hidden states.
 
@@ -18,18 +18,23 @@ floor is transformers' own fp32 eager-vs-sdpa difference on the same input, and 
 final rows agree on >= 99.5% of values. The discrete choices (MoE top-k, DSA top-k) are
 reported with their smallest margins, so a failure can be told from a near-tie.
 
-Opt-in: it needs torch and transformers 5 (the venv /work/venvs/tf5 or any with
-torch>=2.4, transformers==5.24.*, safetensors, numpy). Set ENGY_TF5_PYTHON to that python; the
-script re-executes itself with it. Without it, it prints a skip line and exits 0.
+Opt-in: it needs a venv with torch, transformers==5.24.*, safetensors and numpy. Set
+ENGY_TF5_PYTHON to that venv's python; the script re-executes itself with it. Without it, it
+prints a skip line and exits 0. Cost on 2 cores: qwen about 4 minutes for both formats; glm
+about 12 minutes, 11 GB of RAM and 8 GB of disk (the work dir) per format.
 
     ENGY_TF5_PYTHON=/work/venvs/tf5/bin/python python3 tests/reverse/arch_real_shape.py
     ... --arch glm_moe_dsa --formats bf16 --glm-tokens 2304 --keep
 
-Options: --arch {qwen3_5_moe,glm_moe_dsa,all} (all), --formats bf16,fp8 (both),
+Options: --arch {qwen3_5_moe,glm_moe_dsa,all} (all), --formats bf16,fp8,nvfp4 (all three;
+nvfp4, in NVIDIA ModelOpt's layout, for glm_moe_dsa only, as the public GLM-5.x NVFP4 builds),
 --work DIR (${ENGY_CACHE_DIR:-~/.cache/engy}/arch-real-shape), --engy-bin PATH (a built
 arch_hidden_states; default: cargo run), --qwen-tokens N,... (64,300), --glm-tokens N,...
 (2304: longer than the real index_topk 2048, so the last 256 queries really drop keys),
---glm-index-topk N (2048, the release's), --keep (keep the checkpoints), --seed S (15).
+--glm-index-topk N (2048, the release's), --decode N (4: engy computes each sequence's last N
+positions by single-id decode steps on the cache of a prefill of the rest, so the incremental
+path, with a DSA key cache longer than index_topk, meets the same reference rows),
+--keep (keep the checkpoints), --seed S (15).
 
 Exit status: 0 every case passed (or skipped), 1 a case failed, 2 a usage or setup error.
 """
@@ -269,8 +274,47 @@ def release_extras(arch):
             "mtp.fc.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16)}
 
 
-def write_fp8(arch, src, out, deq_out):
-    """`out`: the FP8 checkpoint; `deq_out`: its dequantised weights as F32 (the reference's)."""
+# --------------------------------------------------------------------------------------------
+# NVFP4 in NVIDIA ModelOpt's layout (vectors README; glm only, as the public GLM-5.x NVFP4
+# checkpoints): the routed experts and the dense MLP. <m>.weight U8 [N, K/2] (element 2j in the
+# low nibble), <m>.weight_scale F8_E4M3 [N, K/16], <m>.weight_scale_2 F32 [], <m>.input_scale
+# F32 [] (unused by the reference). weight_scale_2 = amax(W)/(6*448), weight_scale =
+# e4m3(amax(group)/(6*weight_scale_2)), code = nearest E2M1 of W/(weight_scale*weight_scale_2).
+# --------------------------------------------------------------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_EDGES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+NVFP4_IGNORE = ["lm_head", "model.embed_tokens", "model.layers.*.self_attn*",
+                "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts*"]
+
+
+def nvfp4_quantizable(name, t):
+    if t.dim() != 2 or not name.endswith(".weight") or ".mlp." not in name:
+        return False
+    return name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")) and \
+        "shared_experts" not in name
+
+
+def nvfp4(w):
+    w = w.float()
+    n, k = w.shape
+    s2 = w.abs().amax() / (6 * 448)
+    s2 = s2 if s2 > 0 else torch.tensor(1.0)
+    groups = w.view(n, k // 16, 16)
+    gs = (groups.abs().amax(-1) / (6 * s2)).to(torch.float8_e4m3fn)
+    gs = torch.where(gs.float() > 0, gs.float(), torch.ones_like(gs.float())).to(torch.float8_e4m3fn)
+    x = groups / (gs.float()[..., None] * s2)
+    mag = torch.bucketize(x.abs().clamp(max=6.0), E2M1_EDGES)
+    code = (mag | ((w.view(n, k // 16, 16) < 0).to(torch.int64) << 3)).view(n, k)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    val = E2M1[mag] * torch.where(code.view(n, k // 16, 16) >= 8, -1.0, 1.0)
+    deq = ((val * gs.float()[..., None]) * s2).view(n, k).contiguous()
+    return {".weight": packed, ".weight_scale": gs.contiguous(),
+            ".weight_scale_2": s2.reshape(()).float(), ".input_scale": torch.tensor(1.0)}, deq
+
+
+def write_fp8(arch, src, out, deq_out, fmt="fp8"):
+    """`out`: the FP8 (or NVFP4) checkpoint; `deq_out`: its dequantised weights as F32 (the
+    reference's)."""
     os.makedirs(out, exist_ok=True)
     os.makedirs(deq_out, exist_ok=True)
     with open(os.path.join(src, "config.json")) as f:
@@ -284,7 +328,17 @@ def write_fp8(arch, src, out, deq_out):
         q_out, d_out = ({} if i else release_extras(arch)), {}
         for name, t in tensors.items():
             out_name = release_name(arch, name)
-            if quantizable(arch, name, t):
+            if fmt == "nvfp4":
+                if nvfp4_quantizable(name, t):
+                    parts, d = nvfp4(t)
+                    stem = out_name[: -len(".weight")]
+                    for suffix, v in parts.items():
+                        q_out[stem + suffix] = v
+                    d_out[name] = d
+                else:
+                    q_out[out_name] = t
+                    d_out[name] = t.float() if t.dtype == torch.bfloat16 else t
+            elif quantizable(arch, name, t):
                 q, s, d = fp8_tiles(t, scale_dtype)
                 q_out[out_name] = q
                 q_out[out_name.replace(".weight", ".weight_scale_inv")] = s
@@ -309,6 +363,21 @@ def write_fp8(arch, src, out, deq_out):
             json.dump(src_index, f)
     with open(os.path.join(deq_out, "config.json"), "w") as f:
         json.dump(dict(cfg, dtype="float32"), f, indent=2, sort_keys=True)
+    if fmt == "nvfp4":
+        group = {"dynamic": False, "group_size": 16, "num_bits": 4, "type": "float"}
+        cfg["quantization_config"] = {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": NVFP4_IGNORE,
+            "config_groups": {"group_0": {"input_activations": group, "weights": group,
+                                          "targets": ["Linear"]}},
+            "producer": {"name": "modelopt", "version": "emulated-by-arch_real_shape.py"}}
+        with open(os.path.join(out, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": cfg["quantization_config"]["producer"],
+                       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                        "group_size": 16, "exclude_modules": NVFP4_IGNORE}},
+                      f, indent=2)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+        return
     cfg = release_config(arch, cfg)
     cfg["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -438,6 +507,7 @@ def engy(folder, ids_file, out_file, args):
     else:
         cmd = ["cargo", "run", "--quiet", "--release", "--locked", "-p", "engy-model",
                "--example", "arch_hidden_states", "--", folder, ids_file, out_file]
+    cmd += ["--decode", str(args.decode)]
     t = time.time()
     r = subprocess.run(cmd, cwd=ROOT)
     if r.returncode != 0:
@@ -450,7 +520,7 @@ def bf16_bits(x):
     return x.to(torch.bfloat16).view(torch.int16)
 
 
-def compare(name, ref, got, floors, nseq, nlayers):
+def compare(name, ref, got, floors, nseq, nlayers, decode):
     failures, rows = [], []
     for k in range(nseq):
         for l in range(nlayers):
@@ -478,8 +548,11 @@ def compare(name, ref, got, floors, nseq, nlayers):
         amax = float(w.abs().max())
         tol = max(20 * floors["hidden"], 2e-5 * amax)
         agree = float((bf16_bits(w) == bf16_bits(g)).float().mean())
+        n = min(decode, w.shape[0] - 1)
+        derr = float((w[-n:] - g[-n:]).abs().max()) if n > 0 else 0.0
         rows.append(f"{name} seq {k} (T={w.shape[0]}): final max abs {err:.3e}, rel "
-                    f"{err / amax:.3e} (tol {tol:.3e}), bf16 equal {100 * agree:.3f}%")
+                    f"{err / amax:.3e} (tol {tol:.3e}), bf16 equal {100 * agree:.3f}%; "
+                    f"the last {n} rows by decode steps: max abs {derr:.3e}")
         if not err <= tol:
             failures.append(f"{name} seq {k}: final max abs {err:.3e} > {tol:.3e}")
         if agree < 0.995:
@@ -508,11 +581,11 @@ def run_case(arch, fmt, args, work, base_dirs):
     if fmt == "bf16":
         folder, ref_folder = bf16_dir, bf16_dir
     else:
-        folder = os.path.join(work, f"{arch}_real_fp8")
-        ref_folder = os.path.join(work, f"{arch}_real_fp8_dequantised")
+        folder = os.path.join(work, f"{arch}_real_{fmt}")
+        ref_folder = os.path.join(work, f"{arch}_real_{fmt}_dequantised")
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(ref_folder, ignore_errors=True)
-        write_fp8(arch, bf16_dir, folder, ref_folder)
+        write_fp8(arch, bf16_dir, folder, ref_folder, fmt)
     t_build = time.time() - t0
     with open(os.path.join(ref_folder, "config.json")) as f:
         nlayers = json.load(f)["num_hidden_layers"]
@@ -527,7 +600,7 @@ def run_case(arch, fmt, args, work, base_dirs):
     out_file = os.path.join(work, f"{name}.engy.safetensors")
     t_engy = engy(folder, ids_file, out_file, args)
     got = load_file(out_file)
-    rows, failures = compare(name, ref, got, floors, len(seqs), nlayers)
+    rows, failures = compare(name, ref, got, floors, len(seqs), nlayers, args.decode)
     for r in rows:
         print("  " + r)
     print(f"  checkpoint {dir_bytes(folder) / 1e9:.2f} GB; eager-vs-sdpa floor: hidden "
@@ -542,7 +615,7 @@ def run_case(arch, fmt, args, work, base_dirs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="all", choices=["all", "qwen3_5_moe", "glm_moe_dsa"])
-    p.add_argument("--formats", default="bf16,fp8")
+    p.add_argument("--formats", default="bf16,fp8,nvfp4")
     p.add_argument("--work", default=os.path.join(
         os.environ.get("ENGY_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engy"),
@@ -551,6 +624,7 @@ def main():
     p.add_argument("--qwen-tokens", default="64,300")
     p.add_argument("--glm-tokens", default="2304")
     p.add_argument("--glm-index-topk", type=int, default=2048)
+    p.add_argument("--decode", type=int, default=4)
     p.add_argument("--seed", type=int, default=15)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
@@ -561,8 +635,8 @@ def main():
     except ValueError:
         p.error("--qwen-tokens / --glm-tokens take comma-separated whole numbers")
     formats = [f for f in args.formats.split(",") if f]
-    if any(f not in ("bf16", "fp8") for f in formats):
-        p.error("--formats takes bf16 and/or fp8")
+    if any(f not in ("bf16", "fp8", "nvfp4") for f in formats):
+        p.error("--formats takes bf16, fp8 and/or nvfp4 (nvfp4: glm_moe_dsa only)")
     if not transformers.__version__.startswith("5."):
         print(f"arch_real_shape: transformers {transformers.__version__} found, 5.x needed",
               file=sys.stderr)
@@ -577,6 +651,8 @@ def main():
     failures, base_dirs = [], {}
     for arch in archs:
         for fmt in formats:
+            if fmt == "nvfp4" and arch != "glm_moe_dsa":
+                continue
             try:
                 failures += run_case(arch, fmt, args, args.work, base_dirs)
             except RuntimeError as e:

@@ -2,7 +2,7 @@
 //! cross-language checks against transformers (`tests/reverse/arch_real_shape.py`).
 //!
 //! ```text
-//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT
+//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT [--decode N]
 //! ```
 //!
 //! * `CHECKPOINT`: a folder with `config.json` and safetensors shards, loaded exactly as the
@@ -12,6 +12,9 @@
 //! * `OUT`: written as safetensors, F32: `hidden_<k>` `[T, hidden]` (the final norm's output)
 //!   and `layer_<l>_<k>` `[T, hidden]` (the residual stream after decoder layer `l`), the
 //!   reference's names. Each sequence runs alone from position 0 with an empty cache.
+//! * `--decode N`: the last `N` positions of each sequence are computed by `N` single-id steps
+//!   on the cache of a prefill of the rest (the incremental path a serve decodes with); the
+//!   rows are written in the same tensors, so they must match the same reference rows.
 //!
 //! Exit status: 0 written, 1 a load / forward / write error, 2 a usage error. Per-sequence
 //! wall time goes to stderr.
@@ -26,12 +29,28 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 fn main() -> ExitCode {
-    let args: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    let usage = "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N]";
+    let mut args: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    let mut decode = 0;
+    if let Some(i) = args.iter().position(|a| a.as_os_str() == "--decode") {
+        match args
+            .get(i + 1)
+            .and_then(|n| n.to_str())
+            .map(str::parse::<usize>)
+        {
+            Some(Ok(n)) => decode = n,
+            _ => {
+                eprintln!("--decode needs a whole number\n{usage}");
+                return ExitCode::from(2);
+            }
+        }
+        args.drain(i..i + 2);
+    }
     let [checkpoint, ids, out] = args.as_slice() else {
-        eprintln!("usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors");
+        eprintln!("{usage}");
         return ExitCode::from(2);
     };
-    match run(checkpoint, ids, out) {
+    match run(checkpoint, ids, out, decode) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("arch_hidden_states: {e}");
@@ -80,7 +99,7 @@ fn le_bytes(t: &Tensor) -> Result<(Vec<usize>, Vec<u8>), String> {
     Ok((shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
 }
 
-fn run(checkpoint: &Path, ids: &Path, out: &Path) -> Result<(), String> {
+fn run(checkpoint: &Path, ids: &Path, out: &Path, decode: usize) -> Result<(), String> {
     let seqs = read_ids(ids)?;
     let opts = LoadOptions {
         residency: Residency::Streaming,
@@ -99,19 +118,37 @@ fn run(checkpoint: &Path, ids: &Path, out: &Path) -> Result<(), String> {
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for (k, ids) in seqs.iter().enumerate() {
         let t = Instant::now();
+        let split = ids.len().saturating_sub(decode).max(1);
         let mut cache = model.new_cache();
-        let mut layers = Vec::new();
-        let hidden = model
-            .forward(ids, &mut cache, Some(&mut layers))
-            .map_err(|e| format!("sequence {k} (T={}): {e}", ids.len()))?;
+        // Row blocks: the prefill's, then one per decode step.
+        let mut hidden = Vec::new();
+        let mut layers: Vec<Vec<Tensor>> = Vec::new();
+        for (i, chunk) in std::iter::once(&ids[..split])
+            .chain(ids[split..].chunks(1))
+            .enumerate()
+        {
+            let mut step_layers = Vec::new();
+            let h = model
+                .forward(chunk, &mut cache, Some(&mut step_layers))
+                .map_err(|e| format!("sequence {k} (T={}), call {i}: {e}", ids.len()))?;
+            hidden.push(h);
+            for (l, r) in step_layers.into_iter().enumerate() {
+                if layers.len() <= l {
+                    layers.push(Vec::new());
+                }
+                layers[l].push(r);
+            }
+        }
         eprintln!(
-            "arch_hidden_states: sequence {k} (T={}) in {:.1}s",
+            "arch_hidden_states: sequence {k} (T={}, prefill {split} + {} decode steps) in {:.1}s",
             ids.len(),
+            ids.len() - split,
             t.elapsed().as_secs_f64()
         );
-        tensors.insert(format!("hidden_{k}"), le_bytes(&hidden)?);
+        let cat = |rows: &[Tensor]| Tensor::cat(rows, 0).map_err(|e| e.to_string());
+        tensors.insert(format!("hidden_{k}"), le_bytes(&cat(&hidden)?)?);
         for (l, r) in layers.iter().enumerate() {
-            tensors.insert(format!("layer_{l}_{k}"), le_bytes(r)?);
+            tensors.insert(format!("layer_{l}_{k}"), le_bytes(&cat(r)?)?);
         }
     }
     let views = tensors
