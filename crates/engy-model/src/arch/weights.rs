@@ -368,7 +368,7 @@ impl Weights {
         Ok((e.shape.clone(), v))
     }
 
-    /// The 2-D weight `name` as stored (quantised or plain BF16 / F16 / F32), for
+    /// The 2-D weight `name` as stored (quantised, or plain BF16 / F16 / F32 / unscaled E4M3), for
     /// [`QuantMatrix::linear`].
     fn stored(&self, name: &str) -> Result<QuantMatrix<'_>, ModelError> {
         if let Some(m) = self.quantised(name)? {
