@@ -10,6 +10,9 @@
 #   ENGY_CHAIN_PORT      port for the local chain (default 19944)
 #   ENGY_SUBTENSOR_URL   use an already running chain instead of starting one
 #   ENGY_NO_CHAIN=1      do not start a chain (chain tests then print a visible skip)
+#   ENGY_TF5_PYTHON      a python with torch + transformers 5.24: also run the real-shape
+#                        check of engy-model against transformers (tests/reverse/arch_real_shape.py,
+#                        docs/AUDITOR.md "Real layer shapes"); skipped with a visible line otherwise
 # Extra arguments are passed to `cargo test` (before its `--`).
 set -euo pipefail
 
@@ -47,3 +50,6 @@ fi
 # is caught): it drives the real engy-miner binary, which this workspace build produces before
 # any test runs (`cargo test -p engy-devnet` alone would not, hence the #[ignore]).
 cargo test --workspace --locked "$@" -- --include-ignored
+
+# Opt-in (needs torch): prints "SKIPPED" and succeeds when ENGY_TF5_PYTHON is unset.
+python3 tests/reverse/arch_real_shape.py

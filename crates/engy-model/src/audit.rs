@@ -51,6 +51,19 @@ impl Default for AuditParams {
     }
 }
 
+impl AuditParams {
+    /// The TOPLOC parameters a commitment audited with `self` is proven with: top-k
+    /// `toploc_k`, the commitment's `decode_batching_size`, prefill skipped (PROTOCOL.md §4;
+    /// the same as [`Params::ENGY`] at the defaults).
+    pub fn proof_params(&self, decode_batching_size: usize) -> Params {
+        Params {
+            topk: self.toploc_k,
+            decode_batching_size,
+            skip_prefill: true,
+        }
+    }
+}
+
 /// The audit outcome.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "verdict", rename_all = "lowercase")]
@@ -280,11 +293,7 @@ fn check_shape(
         output,
         proofs,
         proof_bytes,
-        params: Params {
-            topk: p.toploc_k,
-            decode_batching_size: dbs,
-            skip_prefill: true,
-        },
+        params: p.proof_params(dbs),
     })
 }
 

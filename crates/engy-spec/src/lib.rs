@@ -5,9 +5,10 @@
 //! Exit codes (every subcommand): 0 = done / matches / proof valid; 1 = bad input or I/O
 //! error (message on stderr); 2 = recomputed roots differ from the spec, or the opening
 //! proof is rejected (reason on stderr).
+use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -139,6 +140,33 @@ struct InspectArgs {
     json: bool,
 }
 
+/// Set once the reader of standard output has gone (`spec inspect … | head -1`).
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// Writes one line of a command's result to standard output. A closed pipe is not an error:
+/// the rest of the output is dropped and the command ends with its own exit code (as
+/// `engy-audit audit` does). Any other write error is returned.
+fn out_line(args: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    match out.write_fmt(args).and_then(|()| out.write_all(b"\n")) {
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => {
+            STDOUT_CLOSED.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        r => r.context("writing to standard output"),
+    }
+}
+
+/// `println!` through [`out_line`], `?` on its error.
+macro_rules! outln {
+    ($($t:tt)*) => {
+        out_line(format_args!($($t)*))?
+    };
+}
+
 /// Runs `engy-validator spec`.
 pub fn main(args: SpecArgs) -> anyhow::Result<ExitCode> {
     match args.command {
@@ -237,7 +265,7 @@ fn build(a: BuildArgs) -> anyhow::Result<ExitCode> {
         path.display(),
         readme.display()
     );
-    println!("{}", spec.model_root);
+    outln!("{}", spec.model_root);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -292,7 +320,7 @@ fn verify(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     let got = SpecFile::from_commitment(&c, 0.0);
     let diff = want.diff(&got);
     if diff.is_empty() {
-        println!(
+        outln!(
             "ok: {} matches model_root {}",
             a.ckpt.checkpoint.display(),
             got.model_root
@@ -364,7 +392,7 @@ fn open(a: OpenArgs) -> anyhow::Result<ExitCode> {
                 p.display()
             );
         }
-        None => println!("{json}"),
+        None => outln!("{json}"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -388,7 +416,7 @@ fn check_opening(a: CheckOpeningArgs) -> anyhow::Result<ExitCode> {
     let unit = UnitId::try_from(proof.unit).map_err(anyhow::Error::from)?;
     match proof.verify(&trusted) {
         Ok(()) => {
-            println!(
+            outln!(
                 "ok: {unit} ({} tensors, unit_root {}) is committed under model_root {}",
                 proof.tensors.len(),
                 proof.unit_root,
@@ -408,19 +436,19 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let v = spec::read_json(&path).with_context(|| format!("reading {}", path.display()))?;
     let s = spec::inspect(&v);
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        outln!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(ExitCode::SUCCESS);
     }
     let opt = |x: &Option<String>| x.clone().unwrap_or_else(|| "-".into());
     let num = |x: Option<u64>| x.map_or_else(|| "-".into(), |n| n.to_string());
-    println!("file:        {}", path.display());
-    println!(
+    outln!("file:        {}", path.display());
+    outln!(
         "scheme:      {}",
         s.scheme
             .clone()
             .unwrap_or_else(|| "(none: made by another tool)".into())
     );
-    println!(
+    outln!(
         "model:       arch {}, n_layers {}, n_experts {}, quant {}",
         opt(&s.arch),
         num(s.n_layers),
@@ -428,18 +456,18 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
         opt(&s.quant)
     );
     for (k, v) in &s.roots {
-        println!("{:<13}{v}", format!("{k}:"));
+        outln!("{:<13}{v}", format!("{k}:"));
     }
     let keys = match (s.moe_layer_keys.first(), s.moe_layer_keys.last()) {
         (Some(a), Some(b)) => format!("{} MoE entries, keys {a}..{b}", s.moe_layer_keys.len()),
         _ => "no MoE entries".into(),
     };
-    println!("layer_roots: {} ({keys})", s.n_layer_roots);
+    outln!("layer_roots: {} ({keys})", s.n_layer_roots);
     if let Some((lo, hi)) = s.experts_per_layer {
-        println!("experts:     {lo}..{hi} per MoE layer");
+        outln!("experts:     {lo}..{hi} per MoE layer");
     }
-    println!("entry keys:  {}", s.moe_entry_fields.join(", "));
-    println!(
+    outln!("entry keys:  {}", s.moe_entry_fields.join(", "));
+    outln!(
         "consistency: layer_roots {} the entries' layer_root",
         if s.layer_roots_match_entries {
             "match"
@@ -448,23 +476,23 @@ fn inspect(a: InspectArgs) -> anyhow::Result<ExitCode> {
         }
     );
     if let Some((n, bytes)) = s.router_bias {
-        println!("router bias: {n} layers, {bytes} bytes each");
+        outln!("router bias: {n} layers, {bytes} bytes each");
     }
     if let Some(p) = s.partial {
-        println!("partial:     {p}");
+        outln!("partial:     {p}");
     }
     match &s.internal_problems {
-        None => println!(
+        None => outln!(
             "recompute:   not possible: the leaf/node hashing of this file's scheme is not public; compare structure only"
         ),
-        Some(p) if p.is_empty() => println!(
+        Some(p) if p.is_empty() => outln!(
             "recompute:   {} file, internally consistent; `spec verify --checkpoint DIR` recomputes it",
             commit::SCHEME
         ),
         Some(p) => {
-            println!("recompute:   {} file with {} internal problem(s):", commit::SCHEME, p.len());
+            outln!("recompute:   {} file with {} internal problem(s):", commit::SCHEME, p.len());
             for x in p {
-                println!("  {x}");
+                outln!("  {x}");
             }
             return Ok(ExitCode::from(MISMATCH));
         }

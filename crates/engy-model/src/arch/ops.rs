@@ -211,6 +211,31 @@ pub fn topk_indices(row: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// The softmax top-k router of Qwen3-MoE and Qwen3.5-MoE (transformers' `*TopKRouter`):
+/// `p = softmax(logits)` in f32 per row, the `k` largest ([`topk_indices`]), their weights `p[e]`
+/// divided by the sum of the `k` chosen (largest first) when `renormalise`. `logits` `[T, experts]`
+/// → per token, `(expert, weight)` largest first.
+///
+/// # Errors
+/// Candle errors only.
+pub fn softmax_top_k(
+    logits: &Tensor,
+    k: usize,
+    renormalise: bool,
+) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
+    let probs = candle_nn::ops::softmax_last_dim(logits)?.to_vec2::<f32>()?;
+    Ok(probs
+        .iter()
+        .map(|row| {
+            let top = topk_indices(row, k);
+            let sum: f32 = top.iter().map(|&e| row[e]).sum();
+            top.iter()
+                .map(|&e| (e, if renormalise { row[e] / sum } else { row[e] }))
+                .collect()
+        })
+        .collect())
+}
+
 /// Routed-expert dispatch: for each expert hit by `choice` (`[T]` lists of `(expert, weight)`),
 /// runs `expert(e, rows)` on the rows of `x` `[T, H]` routed to it and accumulates
 /// `weight * output` per token (expert order ascending, as transformers' loop). Experts no

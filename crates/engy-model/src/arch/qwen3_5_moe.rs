@@ -434,15 +434,8 @@ impl Qwen3_5Moe {
         let m = format!("{p}.mlp");
         let w = &*self.w;
         let router = w.matrix_t(&format!("{m}.gate"), self.experts, d)?;
-        let probs = candle_nn::ops::softmax_last_dim(&linear_t(h, &router)?)?.to_vec2::<f32>()?;
-        let choice: Vec<Vec<(usize, f32)>> = probs
-            .iter()
-            .map(|row| {
-                let top = ops::topk_indices(row, self.top_k);
-                let sum: f32 = top.iter().map(|&e| row[e]).sum();
-                top.iter().map(|&e| (e, row[e] / sum)).collect()
-            })
-            .collect();
+        // Qwen3.5-MoE always renormalises the chosen weights (no `norm_topk_prob` switch).
+        let choice = ops::softmax_top_k(&linear_t(h, &router)?, self.top_k, true)?;
         let mut out = ops::moe_dispatch(h, &choice, |e, rows| {
             ops::swiglu(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter)
         })?;

@@ -198,24 +198,11 @@ impl Qwen3Moe {
         }
         let d = self.cfg.hidden_size;
         let router = self.w.matrix_t(&format!("{p}.gate"), self.experts, d)?;
-        let probs = candle_nn::ops::softmax_last_dim(&linear_t(x, &router)?)?.to_vec2::<f32>()?;
-        let choice: Vec<Vec<(usize, f32)>> = probs
-            .iter()
-            .map(|row| {
-                let top = ops::topk_indices(row, self.top_k);
-                let sum: f32 = top.iter().map(|&e| row[e]).sum();
-                top.iter()
-                    .map(|&e| {
-                        let wgt = if self.norm_topk_prob {
-                            row[e] / sum
-                        } else {
-                            row[e]
-                        };
-                        (e, self.compute.round_f32(wgt))
-                    })
-                    .collect()
-            })
-            .collect();
+        let mut choice =
+            ops::softmax_top_k(&linear_t(x, &router)?, self.top_k, self.norm_topk_prob)?;
+        for (_, wgt) in choice.iter_mut().flatten() {
+            *wgt = self.compute.round_f32(*wgt);
+        }
         let out = ops::moe_dispatch(x, &choice, |e, rows| {
             self.mlp(&format!("{p}.experts.{e}"), rows, self.moe_inter)
         })?;

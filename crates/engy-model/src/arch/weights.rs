@@ -162,12 +162,22 @@ impl Weights {
         } else {
             "model.".to_string()
         };
+        let fp8_block = quant.map_or([128, 128], |q| q.weight_block_size);
+        split_fused_experts(&mut index, fp8_block[0]).map_err(|(shard, msg)| {
+            ModelError::Safetensors {
+                file: shards
+                    .get(shard)
+                    .map(|s| s.path.clone())
+                    .unwrap_or_default(),
+                msg,
+            }
+        })?;
         Ok(Self {
             dir: dir.to_path_buf(),
             shards,
             index,
             text_prefix,
-            fp8_block: quant.map_or([128, 128], |q| q.weight_block_size),
+            fp8_block,
             nvfp4_group: quant.map_or(16, |q| q.group_size),
             precision,
             residency,
@@ -582,6 +592,166 @@ impl Weights {
         }
         Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
     }
+}
+
+/// The per-expert pieces of a fused routed-expert tensor: `(stored suffix, [(per-expert
+/// suffix, first row, rows)])` for the rows of each expert's `[rows, …]` slice.
+fn fused_pieces(suffix: &str, rows: usize) -> Option<Vec<(String, usize, usize)>> {
+    let (base, tail) = match suffix.find("_proj") {
+        Some(i) => suffix.split_at(i + "_proj".len()),
+        None => return None,
+    };
+    // `gate_up_proj` [E, 2I, H]: gate = rows 0..I, up = rows I..2I of each expert (transformers 5
+    // `gate, up = linear(x, gate_up_proj[e]).chunk(2, dim=-1)`); `down_proj` [E, H, I] whole.
+    // What follows `_proj`: nothing or `.weight` (the weight), `[.weight]_scale_inv`,
+    // `[.weight]_scale`, `[.weight]_scale_2`, or `[.|_]input_scale`.
+    let t = tail.strip_prefix('.').unwrap_or(tail);
+    let t = t.strip_prefix("weight").unwrap_or(t);
+    let leaf = if t.contains("input_scale") {
+        ".input_scale".to_string()
+    } else {
+        format!(".weight{t}")
+    };
+    match base {
+        "gate_up_proj" if rows.is_multiple_of(2) => Some(vec![
+            (format!("gate_proj{}", leaf), 0, rows / 2),
+            (format!("up_proj{}", leaf), rows / 2, rows / 2),
+        ]),
+        "down_proj" => Some(vec![(format!("down_proj{}", leaf), 0, rows)]),
+        _ => None,
+    }
+}
+
+/// Fused routed experts (transformers 5 and some releases: `…mlp.experts.gate_up_proj`
+/// `[E, 2I, H]`, `…mlp.experts.down_proj` `[E, H, I]`, block-FP8 scales `…_scale_inv` and NVFP4
+/// scales `…_scale` split the same way; specs/SCHEME.md "Fused experts") become per-expert
+/// entries `…mlp.experts.{e}.{gate,up,down}_proj.weight[_scale_inv|_scale]` over the same bytes,
+/// so the architectures read one layout. A per-tensor NVFP4 `_scale_2` (shape `[]`) is shared by
+/// every expert; one of shape `[E]` is split.
+///
+/// # Errors
+/// `(shard, message)` when a fused tensor's bytes do not split into `E` equal experts, when a
+/// block-FP8 tile would straddle the gate/up boundary (`I` not a multiple of the tile rows
+/// `bn`: transformers dequantises the fused matrix, engy reads gate and up apart), or when a
+/// per-expert name already exists.
+fn split_fused_experts(
+    index: &mut HashMap<String, Entry>,
+    bn: usize,
+) -> Result<(), (usize, String)> {
+    let fused: Vec<(String, String, String)> = index
+        .keys()
+        .filter_map(|k| {
+            let (head, suffix) = k.split_once(".mlp.experts.")?;
+            let first = suffix.split('.').next()?;
+            (first.parse::<usize>().is_err() && suffix.contains("_proj"))
+                .then(|| (k.clone(), head.to_string(), suffix.to_string()))
+        })
+        .collect();
+    // Per layer: the expert count and the fused gate_up rows (2I), from the weights themselves.
+    let mut layer: HashMap<String, (usize, usize)> = HashMap::new();
+    for (name, head, suffix) in &fused {
+        let Some(e) = index.get(name) else { continue };
+        let is_weight = !suffix.contains("_scale") && !suffix.contains("input_");
+        if let (true, [n, rows, ..]) = (is_weight, &e.shape[..]) {
+            let slot = layer.entry(head.clone()).or_insert((*n, 0));
+            if suffix.starts_with("gate_up_proj") {
+                slot.1 = *rows;
+            }
+        }
+    }
+    for (name, head, suffix) in fused {
+        let Some(e) = index.remove(&name) else {
+            continue;
+        };
+        let bad = |msg: String| (e.shard, format!("fused expert tensor {name}: {msg}"));
+        let Some(&(experts, gate_up_rows)) = layer.get(&head) else {
+            return Err(bad(
+                "no fused gate_up_proj or down_proj weight beside it".into()
+            ));
+        };
+        if e.shape.is_empty() || e.shape == [1] {
+            // A per-tensor scalar (NVFP4 `_scale_2`, `input_scale`): shared by every expert.
+            let Some(pieces) = fused_pieces(&suffix, 2) else {
+                return Err(bad("not a gate_up_proj or down_proj tensor".into()));
+            };
+            for x in 0..experts {
+                for (leaf, _, _) in &pieces {
+                    insert_new(index, format!("{head}.mlp.experts.{x}.{leaf}"), e.clone())
+                        .map_err(&bad)?;
+                }
+            }
+            continue;
+        }
+        let (n, inner) = match e.shape.split_first() {
+            Some((&n, rest)) => (n, rest.to_vec()),
+            None => return Err(bad("no expert dimension".into())),
+        };
+        if n != experts {
+            return Err(bad(format!(
+                "dim 0 is {n}, the layer's fused weights have {experts} experts"
+            )));
+        }
+        let len = e.end - e.start;
+        if !len.is_multiple_of(experts) {
+            return Err(bad(format!(
+                "{len} bytes do not split into {experts} experts"
+            )));
+        }
+        let per = len / experts;
+        // An expert's `_scale_2` of shape [E] is one scalar per expert.
+        let rows = inner.first().copied().unwrap_or(2);
+        if suffix.starts_with("gate_up_proj") && suffix.ends_with("_scale_inv") {
+            let i = gate_up_rows / 2;
+            if !i.is_multiple_of(bn.max(1)) || rows * bn.max(1) != gate_up_rows {
+                return Err(bad(format!(
+                    "the gate/up split at row {i} falls inside a {bn}-row FP8 tile; such a \
+                     checkpoint is not supported (store the experts per expert)"
+                )));
+            }
+        }
+        let Some(pieces) = fused_pieces(&suffix, rows) else {
+            return Err(bad(
+                "not a gate_up_proj or down_proj tensor, or an odd row count".into(),
+            ));
+        };
+        let scalar_each = inner.is_empty();
+        let row_bytes = if scalar_each { per } else { per / rows.max(1) };
+        if !scalar_each && !per.is_multiple_of(rows.max(1)) {
+            return Err(bad(format!(
+                "{per} bytes per expert do not split into {rows} rows"
+            )));
+        }
+        for x in 0..experts {
+            for (leaf, row0, nrows) in &pieces {
+                let (start, end, shape) = if scalar_each {
+                    let s = e.start + x * per;
+                    (s, s + per, vec![])
+                } else {
+                    let s = e.start + x * per + row0 * row_bytes;
+                    let mut shape = inner.clone();
+                    shape[0] = *nrows;
+                    (s, s + nrows * row_bytes, shape)
+                };
+                let piece = Entry {
+                    shard: e.shard,
+                    dtype: e.dtype,
+                    shape,
+                    start,
+                    end,
+                };
+                insert_new(index, format!("{head}.mlp.experts.{x}.{leaf}"), piece).map_err(&bad)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn insert_new(index: &mut HashMap<String, Entry>, name: String, e: Entry) -> Result<(), String> {
+    if index.contains_key(&name) {
+        return Err(format!("{name} is stored both fused and per expert"));
+    }
+    index.insert(name, e);
+    Ok(())
 }
 
 fn check_shape(name: &str, got: &[usize], want: Option<&[usize]>) -> Result<(), ModelError> {
