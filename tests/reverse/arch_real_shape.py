@@ -23,7 +23,7 @@ ENGY_TF5_PYTHON to that venv's python; the script re-executes itself with it. Wi
 prints a skip line and exits 0. Cost on 2 cores: qwen about 4 minutes for both formats; glm
 about 12 minutes, 11 GB of RAM and 8 GB of disk (the work dir) per format.
 
-    ENGY_TF5_PYTHON=/work/venvs/tf5/bin/python python3 tests/reverse/arch_real_shape.py
+    ENGY_TF5_PYTHON=/path/to/venv/bin/python python3 tests/reverse/arch_real_shape.py
     ... --arch glm_moe_dsa --formats bf16 --glm-tokens 2304 --keep
 
 Options: --arch {qwen3_5_moe,glm_moe_dsa,all} (all), --formats bf16,fp8,nvfp4 (all three;
@@ -56,7 +56,7 @@ def gate():
     want = os.environ.get("ENGY_TF5_PYTHON", "")
     if not want:
         print("arch_real_shape: SKIPPED (set ENGY_TF5_PYTHON to a python with torch and "
-              "transformers 5.24, e.g. /work/venvs/tf5/bin/python)")
+              "transformers 5.24: python3 -m venv V && V/bin/pip install torch transformers==5.24.0 safetensors numpy)")
         sys.exit(0)
     if not os.path.exists(want):
         print(f"arch_real_shape: ENGY_TF5_PYTHON={want} does not exist", file=sys.stderr)
