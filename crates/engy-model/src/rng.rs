@@ -43,6 +43,11 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
+    /// Uniform in `[-1, 1)` as f32 (24 random bits), for synthetic weights and test inputs.
+    pub(crate) fn signed_unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
     /// Uniform integer in `0..n` (`n > 0`; returns 0 when `n == 0`).
     pub(crate) fn below(&mut self, n: usize) -> usize {
         if n == 0 {

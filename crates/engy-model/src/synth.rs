@@ -22,6 +22,7 @@ use half::bf16;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
+use crate::rng::SplitMix64;
 use crate::ModelError;
 
 /// The text-model shapes of a Qwen3.5/3.6-MoE checkpoint.
@@ -183,38 +184,15 @@ pub struct SynthReport {
     pub files: Vec<PathBuf>,
 }
 
-/// splitmix64: a cheap deterministic stream (synthetic values only).
-struct Stream(u64);
-
-impl Stream {
-    fn new(seed: u64, name: &str) -> Self {
-        let h = name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        });
-        Self(h)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[-1, 1)`.
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 /// One tensor to write: name (text-only layout, `model.` → `model.language_model.` on write),
 /// dtype, shape, bytes.
 type Raw = (String, Dtype, Vec<usize>, Vec<u8>);
 
 fn bf16_tensor(seed: u64, name: &str, shape: Vec<usize>, centre: f32, spread: f32) -> Raw {
     let n: usize = shape.iter().product();
-    let mut s = Stream::new(seed, name);
+    let mut s = SplitMix64::for_label(seed, name);
     let bytes = (0..n)
-        .flat_map(|_| bf16::from_f32(centre + spread * s.unit()).to_le_bytes())
+        .flat_map(|_| bf16::from_f32(centre + spread * s.signed_unit()).to_le_bytes())
         .collect();
     (name.to_string(), Dtype::BF16, shape, bytes)
 }
@@ -226,17 +204,19 @@ fn linear(seed: u64, name: &str, out: usize, inp: usize, fp8: bool) -> Vec<Raw> 
     if !fp8 {
         return vec![bf16_tensor(seed, name, vec![out, inp], 0.0, std * 1.7)];
     }
-    let mut s = Stream::new(seed, name);
+    let mut s = SplitMix64::for_label(seed, name);
     // sign | exponent 5..=8 (2^-2..2^1) | mantissa: never the NaN code.
     let codes: Vec<u8> = (0..out * inp)
         .map(|_| {
-            let r = s.next();
+            let r = s.next_u64();
             ((r & 0x80) as u8) | ((5 + (r >> 8) % 4) as u8) << 3 | ((r >> 16) & 7) as u8
         })
         .collect();
     let grid = vec![out.div_ceil(128), inp.div_ceil(128)];
     let scale: Vec<u8> = (0..grid[0] * grid[1])
-        .flat_map(|_| bf16::from_f32(std * (0.9 + 0.2 * (s.unit() + 1.0) / 2.0)).to_le_bytes())
+        .flat_map(|_| {
+            bf16::from_f32(std * (0.9 + 0.2 * (s.signed_unit() + 1.0) / 2.0)).to_le_bytes()
+        })
         .collect();
     vec![
         (name.to_string(), Dtype::F8_E4M3, vec![out, inp], codes),

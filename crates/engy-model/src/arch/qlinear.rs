@@ -294,25 +294,19 @@ mod tests {
 
     use super::*;
 
-    /// A deterministic stream of bytes (SplitMix64).
-    struct Rng(u64);
+    use crate::rng::SplitMix64;
 
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-        fn byte(&mut self) -> u8 {
-            (self.next() >> 56) as u8
-        }
-        /// Uniform in [-1, 1).
-        fn unit(&mut self) -> f32 {
-            ((self.next() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-        }
+    /// Test inputs from the crate's SplitMix64 stream.
+    trait Draw {
+        fn byte(&mut self) -> u8;
         /// An E4M3 code that is not NaN.
+        fn e4m3(&mut self) -> u8;
+    }
+
+    impl Draw for SplitMix64 {
+        fn byte(&mut self) -> u8 {
+            (self.next_u64() >> 56) as u8
+        }
         fn e4m3(&mut self) -> u8 {
             loop {
                 let b = self.byte();
@@ -338,12 +332,12 @@ mod tests {
 
     /// Checks the fused product against the plain one for each `n`: every output within f32
     /// summation noise of `Σ |x_j · w_j|` (a wrong tile, nibble or row moves it by O(that)).
-    fn check(m: &QuantMatrix<'_>, rng: &mut Rng, what: &str) {
+    fn check(m: &QuantMatrix<'_>, rng: &mut SplitMix64, what: &str) {
         let [rows, cols] = m.shape();
         let w = m.dequantise();
         assert_eq!(w.len(), rows * cols);
         for n in [1usize, 3, 17] {
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.signed_unit()).collect();
             let got = m.linear(&x, n).unwrap();
             let want = plain(m, &x, n);
             assert_eq!(got.len(), n * rows, "{what} n={n}");
@@ -365,13 +359,13 @@ mod tests {
 
     #[test]
     fn fused_fp8_matches_the_plain_path_on_partial_tiles() {
-        let mut rng = Rng(1);
+        let mut rng = SplitMix64::for_label(1, "qlinear");
         // 130 × 200 in 128×128 tiles: grid 2×2, the last tile row and column partial; 7 × 13 in
         // 3×5 tiles: partial in both directions at a small scale.
         for (rows, cols, block) in [(130usize, 200usize, [128, 128]), (7, 13, [3, 5])] {
             let q: Vec<u8> = (0..rows * cols).map(|_| rng.e4m3()).collect();
             let grid = rows.div_ceil(block[0]) * cols.div_ceil(block[1]);
-            let scale: Vec<f32> = (0..grid).map(|_| 0.5 + rng.unit().abs()).collect();
+            let scale: Vec<f32> = (0..grid).map(|_| 0.5 + rng.signed_unit().abs()).collect();
             let m = QuantMatrix::fp8_block(&q, rows, cols, scale, block).unwrap();
             check(&m, &mut rng, &format!("fp8 {rows}x{cols} tiles {block:?}"));
         }
@@ -381,7 +375,7 @@ mod tests {
 
     #[test]
     fn fused_nvfp4_matches_the_plain_path() {
-        let mut rng = Rng(2);
+        let mut rng = SplitMix64::for_label(2, "qlinear");
         for (rows, cols) in [(5, 48), (1, 16)] {
             let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.byte()).collect();
             let scale: Vec<u8> = (0..rows * cols / 16)
@@ -395,9 +389,9 @@ mod tests {
 
     #[test]
     fn fused_float_weights_match_the_plain_path() {
-        let mut rng = Rng(3);
+        let mut rng = SplitMix64::for_label(3, "qlinear");
         let (rows, cols) = (9, 37);
-        let vals: Vec<f32> = (0..rows * cols).map(|_| rng.unit()).collect();
+        let vals: Vec<f32> = (0..rows * cols).map(|_| rng.signed_unit()).collect();
         let b16: Vec<u8> = vals
             .iter()
             .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
