@@ -228,15 +228,7 @@ fn qwen3_5_moe_devnet_model_honest_passes_and_int4_is_caught() {
     let cheat =
         engy_model::Checkpoint::open(t.path(), engy_model::Precision::Int4 { group_size: 32 })
             .unwrap();
-    let prompt = honest
-        .tokenizer
-        .encode(
-            "<|im_start|>user\nHow is a proof checked?<|im_end|>\n<|im_start|>assistant\n",
-            false,
-        )
-        .unwrap()
-        .get_ids()
-        .to_vec();
+    let prompt = prompt(&honest, "How is a proof checked?");
     let params = engy_core::toploc::Params::ENGY;
     for (ck, want) in [
         (&honest, engy_model::audit::Verdict::Pass),
