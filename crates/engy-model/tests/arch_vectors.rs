@@ -20,7 +20,7 @@
 //!
 //! Nothing here is specific to the shipped set: cases, sequence counts and shapes are read
 //! from the folder. A case whose architecture is not implemented FAILS.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Tensor;
 use engy_core::toploc::{self, Dtype as TDtype, Params};
@@ -29,23 +29,8 @@ use engy_model::{LoadOptions, Model, ModelError, Residency};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-fn vectors_dir() -> PathBuf {
-    match std::env::var_os("ENGY_ARCH_VECTORS_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/arch"),
-    }
-}
-
-fn cases() -> Vec<PathBuf> {
-    let dir = vectors_dir();
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("case.json").is_file())
-        .collect();
-    v.sort();
-    v
-}
+mod common;
+use common::{cases, vectors_dir};
 
 struct Reference {
     bytes: Vec<u8>,

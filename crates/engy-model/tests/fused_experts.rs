@@ -9,19 +9,14 @@
 //! block FP8 whose tile rows straddle the gate/up boundary (`I` not a multiple of the tile rows),
 //! must be refused with an error that says so.
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use engy_model::{LoadOptions, Model, Residency};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-fn vectors_dir() -> PathBuf {
-    match std::env::var_os("ENGY_ARCH_VECTORS_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/arch"),
-    }
-}
+mod common;
 
 struct Tensor {
     dtype: Dtype,
@@ -166,12 +161,7 @@ fn straddles_fp8_tile(dir: &Path) -> bool {
 
 #[test]
 fn fused_experts_load_bit_identical_to_per_expert() {
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(vectors_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("case.json").is_file())
-        .collect();
-    cases.sort();
+    let cases = common::cases();
     assert!(!cases.is_empty());
     let opts = LoadOptions {
         residency: Residency::Streaming,
