@@ -1,9 +1,14 @@
 //! The f32 building blocks the architectures share, each with transformers' semantics.
 //!
 //! Shapes: a sequence is `[T, H]` (one batch row); attention heads are `[heads, T, d]`.
+//!
+//! The `*_in` variants take the activation dtype ([`Compute`]) and round where transformers'
+//! module rounds when the model runs in bf16 (every op's output in the model dtype, f32
+//! accumulation inside each op; docs/AUDITOR.md "bf16 recompute"). With [`Compute::F32`] they
+//! are exactly the plain f32 functions.
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::ModelError;
+use crate::{Compute, ModelError};
 
 use super::Weights;
 
@@ -35,6 +40,25 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
         .broadcast_mul(w)
 }
 
+/// RMSNorm of transformers' Llama-style modules (`LlamaRMSNorm`, `Qwen3MoeRMSNorm`,
+/// `DeepseekV3RMSNorm`, `GlmMoeDsaRMSNorm`) in the activation dtype `c`: the row is normalised
+/// in f32, rounded to `c`, then multiplied by the weight in `c`
+/// (`self.weight * hidden_states.to(input_dtype)`), so bf16 rounds twice.
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn rms_norm_in(x: &Tensor, w: &Tensor, eps: f64, c: Compute) -> candle_core::Result<Tensor> {
+    match c {
+        Compute::F32 => rms_norm(x, w, eps),
+        Compute::Bf16 => {
+            let x = x.contiguous()?;
+            let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+            let n = c.round(x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?)?;
+            c.round(n.broadcast_mul(w)?)
+        }
+    }
+}
+
 /// Zero-centred RMSNorm (Qwen3.5 / Qwen3-Next `Qwen3_5MoeRMSNorm`):
 /// `x * rsqrt(mean(x²) + eps) * (1 + w)`.
 ///
@@ -56,6 +80,29 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::
     xc.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?
         .broadcast_mul(w)?
         .broadcast_add(b)
+}
+
+/// A SwiGLU MLP as [`swiglu`] in the activation dtype `c`: each projection's output, the
+/// activation and the product are rounded to `c` (transformers' `down_proj(act_fn(gate_proj(x))
+/// * up_proj(x))` in a bf16 model).
+///
+/// # Errors
+/// Weight errors and candle errors.
+pub fn swiglu_in(
+    w: &Weights,
+    module: &str,
+    x: &Tensor,
+    hidden: usize,
+    inter: usize,
+    c: Compute,
+) -> Result<Tensor, ModelError> {
+    if c == Compute::F32 {
+        return swiglu(w, module, x, hidden, inter);
+    }
+    let g = c.round(w.linear_in(&format!("{module}.gate_proj"), x, inter, hidden, c)?)?;
+    let u = c.round(w.linear_in(&format!("{module}.up_proj"), x, inter, hidden, c)?)?;
+    let h = c.round((c.round(silu(&g)?)? * u)?)?;
+    Ok(c.round(w.linear_in(&format!("{module}.down_proj"), &h, hidden, inter, c)?)?)
 }
 
 /// `x * sigmoid(x)`.
