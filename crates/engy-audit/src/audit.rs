@@ -190,8 +190,12 @@ fn report_text(r: &AuditReport) -> String {
             .recomputes
             .iter()
             .map(|o| {
+                let ties = match o.dsa_ties {
+                    engy_model::arch::TieOrder::HigherFirst => " (DSA ties higher-first)",
+                    engy_model::arch::TieOrder::LowerFirst => "",
+                };
                 format!(
-                    "{} {} (max {} mismatches in a batch)",
+                    "{}{ties} {} (max {} mismatches in a batch)",
                     o.compute.label(),
                     o.verdict,
                     o.max_exp_mismatches

@@ -30,12 +30,16 @@
 //!    So the auditor recomputes as the serve computes: in bf16 first ([`Compute::Bf16`], the
 //!    architecture's own bf16 rounding points), then, when that does not pass, in f32. The
 //!    commitment passes when one honest recompute explains every batch; the thresholds are
-//!    the model spec's, unchanged.
+//!    the model spec's, unchanged. On an architecture with a DSA indexer, exact ties at the
+//!    `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
+//!    known (`arch::TieOrder`), so when neither recompute passes with ties taken lower index
+//!    first, both are run again with ties taken higher index first.
 use serde::Serialize;
 
 use engy_core::toploc::{self, Dtype, Params, ProofPoly};
 use engy_core::wire::Commitment;
 
+use crate::arch::{self, TieOrder};
 use crate::{Compute, Model, ModelError};
 
 /// Which recomputes the auditor runs ([`audit_with`]).
@@ -61,6 +65,21 @@ impl Recompute {
             Recompute::F32 => &[Compute::F32],
         }
     }
+
+    /// The recomputes run, in order, for an architecture with (`dsa`) or without a DSA
+    /// indexer: each activation dtype of [`Recompute::computes`] with DSA ties lower index
+    /// first, then (DSA only) each again with ties higher index first.
+    pub fn plan(self, dsa: bool) -> Vec<(Compute, TieOrder)> {
+        let orders: &[TieOrder] = if dsa {
+            &[TieOrder::LowerFirst, TieOrder::HigherFirst]
+        } else {
+            &[TieOrder::LowerFirst]
+        };
+        orders
+            .iter()
+            .flat_map(|&t| self.computes().iter().map(move |&c| (c, t)))
+            .collect()
+    }
 }
 
 /// One recompute's outcome, as listed in [`AuditReport::recomputes`].
@@ -68,6 +87,8 @@ impl Recompute {
 pub struct RecomputeOutcome {
     /// The activation dtype of the recompute.
     pub compute: Compute,
+    /// The order among tied DSA index scores it took.
+    pub dsa_ties: TieOrder,
     /// `pass` or `cheat`.
     pub verdict: &'static str,
     /// Its score (mean `exp_mismatches / topk`).
@@ -179,6 +200,8 @@ pub struct AuditReport {
     /// The activation dtype of the recompute whose batches are reported (`None` when
     /// verification did not run): the passing one, else the one with the lowest score.
     pub compute: Option<Compute>,
+    /// The DSA tie order of that recompute (`None` when verification did not run).
+    pub dsa_ties: Option<TieOrder>,
     /// Every recompute run, in order ([`Recompute`]); empty when verification did not run.
     pub recomputes: Vec<RecomputeOutcome>,
 }
@@ -199,6 +222,7 @@ impl AuditReport {
             batches: Vec::new(),
             params,
             compute: None,
+            dsa_ties: None,
             recomputes: Vec::new(),
         }
     }
@@ -223,7 +247,14 @@ pub fn audit(
     commitment: &serde_json::Value,
     params: &AuditParams,
 ) -> Result<AuditReport, ModelError> {
-    audit_computes(model, model_root, commitment, params, &[model.compute()])
+    let o = model.options();
+    audit_computes(
+        model,
+        model_root,
+        commitment,
+        params,
+        &[(o.compute, o.dsa_ties)],
+    )
 }
 
 /// [`audit`] with the recomputes `recompute` names (module docs, step 6): each is `model`'s
@@ -242,7 +273,8 @@ pub fn audit_with(
     params: &AuditParams,
     recompute: Recompute,
 ) -> Result<AuditReport, ModelError> {
-    audit_computes(model, model_root, commitment, params, recompute.computes())
+    let plan = recompute.plan(arch::has_dsa(model.config().kind));
+    audit_computes(model, model_root, commitment, params, &plan)
 }
 
 fn audit_computes(
@@ -250,7 +282,7 @@ fn audit_computes(
     model_root: &str,
     commitment: &serde_json::Value,
     params: &AuditParams,
-    computes: &[Compute],
+    plan: &[(Compute, TieOrder)],
 ) -> Result<AuditReport, ModelError> {
     let p = *params;
     let value = match commitment.get("commitment") {
@@ -274,13 +306,14 @@ fn audit_computes(
         Err(reason) => return Ok(AuditReport::unproven(reason, p)),
     };
     let mut best: Option<AuditReport> = None;
-    let mut outcomes = Vec::with_capacity(computes.len());
-    for &compute in computes {
+    let mut outcomes = Vec::with_capacity(plan.len());
+    for &(compute, dsa_ties) in plan {
         let sibling;
-        let m = if compute == model.compute() {
+        let o = model.options();
+        let m = if (compute, dsa_ties) == (o.compute, o.dsa_ties) {
             model
         } else {
-            sibling = model.with_compute(compute)?;
+            sibling = model.with_numerics(compute, dsa_ties)?;
             &sibling
         };
         let report = verify(m, &checked, p)?;
@@ -289,6 +322,7 @@ fn audit_computes(
         }
         outcomes.push(RecomputeOutcome {
             compute,
+            dsa_ties,
             verdict: report.verdict.label(),
             score: report.score,
             passing_batches: report.passing_batches,
@@ -446,6 +480,7 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         batches: Vec::new(),
         params: p,
         compute: Some(model.compute()),
+        dsa_ties: Some(model.options().dsa_ties),
         recomputes: Vec::new(),
     };
     let results = match toploc::verify_proofs(&elements, Dtype::Bf16, &c.proofs, &c.params) {

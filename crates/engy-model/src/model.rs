@@ -186,6 +186,19 @@ impl Model {
     /// [`ModelError::Config`] for a model made by [`Model::from_arch`] (it has no checkpoint to
     /// reload), and the errors of the architecture's loader.
     pub fn with_compute(&self, compute: Compute) -> Result<Self, ModelError> {
+        self.with_numerics(compute, self.opts.dsa_ties)
+    }
+
+    /// [`Model::with_compute`] that also sets the DSA tie order
+    /// ([`LoadOptions::dsa_ties`]).
+    ///
+    /// # Errors
+    /// As [`Model::with_compute`].
+    pub fn with_numerics(
+        &self,
+        compute: Compute,
+        dsa_ties: arch::TieOrder,
+    ) -> Result<Self, ModelError> {
         let Some((cfg, weights)) = &self.source else {
             return Err(ModelError::Config(
                 "a model wrapped with Model::from_arch cannot be reloaded in another compute dtype"
@@ -194,6 +207,7 @@ impl Model {
         };
         let opts = LoadOptions {
             compute,
+            dsa_ties,
             ..self.opts
         };
         Ok(Self {
@@ -230,6 +244,11 @@ impl Model {
     /// The activation dtype.
     pub fn compute(&self) -> Compute {
         self.opts.compute
+    }
+
+    /// The options it was loaded with.
+    pub fn options(&self) -> LoadOptions {
+        self.opts
     }
 
     /// An empty cache for one sequence.

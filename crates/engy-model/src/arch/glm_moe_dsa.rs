@@ -38,6 +38,9 @@
 //! transformers' `grouped_mm` experts compute it; attention accumulates in f32 and rounds its
 //! output, as SDPA does): an honest bf16 serve's rows, recomputed.
 //!
+//! Keys with exactly equal index scores at the `index_topk` boundary are taken in
+//! `LoadOptions::dsa_ties` order (lower index first by default; see [`super::TieOrder`]).
+//!
 //! Decoding with a [`Cache`] keeps each layer's expanded keys and values and each full layer's
 //! indexer keys; a new query's DSA selection is the top-k over the same causal keys as in the
 //! teacher-forced pass, so both paths select the same keys.
@@ -443,6 +446,7 @@ pub struct GlmMoeDsa {
     inv_freq: Vec<f32>,
     score_budget: usize,
     compute: Compute,
+    dsa_ties: super::TieOrder,
 }
 
 /// Default [`GlmMoeDsa::with_score_budget`]: 2^24 f32 (64 MiB) per score block.
@@ -568,6 +572,7 @@ impl GlmMoeDsa {
             inv_freq,
             score_budget: DEFAULT_SCORE_BUDGET,
             compute: opts.compute,
+            dsa_ties: opts.dsa_ties,
         };
         m.check_tensors()?;
         Ok(m)
@@ -1073,7 +1078,7 @@ impl GlmMoeDsa {
                 if causal <= c.index_topk {
                     (0..causal).collect()
                 } else {
-                    top_k(&row[..causal], c.index_topk)
+                    ops::topk_indices_ordered(&row[..causal], c.index_topk, self.dsa_ties)
                 }
             })
             .collect();

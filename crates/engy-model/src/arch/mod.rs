@@ -30,6 +30,12 @@ pub mod weights;
 pub use config::{ArchKind, QuantConfig, TextConfig};
 pub use weights::{Residency, Weights};
 
+/// Whether the architecture has a DSA indexer (a top-k key selection whose ties
+/// [`TieOrder`] orders).
+pub fn has_dsa(kind: ArchKind) -> bool {
+    kind == ArchKind::GlmMoeDsa
+}
+
 /// How a checkpoint is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LoadOptions {
@@ -42,6 +48,36 @@ pub struct LoadOptions {
     /// Whether dequantised weights are kept ([`Residency::Resident`]) or decoded per use
     /// ([`Residency::Streaming`], for checkpoints larger than memory at f32).
     pub residency: Residency,
+    /// Which of several keys with exactly equal DSA index scores at the `index_topk` boundary
+    /// a query keeps (architectures with a DSA indexer; ignored elsewhere).
+    pub dsa_ties: TieOrder,
+}
+
+/// The order among exactly equal scores when a top-k selection must cut between them.
+///
+/// Serves differ here: torch's CPU `topk` keeps an order of its partial-sort / nth_element,
+/// and sglang's radix top-k kernel for the DSA indexer takes equal values at the threshold in
+/// the order its threads reach them, so no order is the serve's. The auditor therefore treats
+/// a tie at the boundary as a tie: it recomputes with either order before it calls a
+/// commitment a cheat ([`crate::audit::Recompute`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TieOrder {
+    /// Lower index (earlier key) first.
+    #[default]
+    LowerFirst,
+    /// Higher index (later key) first.
+    HigherFirst,
+}
+
+impl TieOrder {
+    /// `lower-first` or `higher-first`.
+    pub fn label(self) -> &'static str {
+        match self {
+            TieOrder::LowerFirst => "lower-first",
+            TieOrder::HigherFirst => "higher-first",
+        }
+    }
 }
 
 /// What one layer keeps between incremental calls. The meaning of the tensors is the

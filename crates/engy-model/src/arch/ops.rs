@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::{Compute, ModelError};
 
-use super::Weights;
+use super::{TieOrder, Weights};
 
 /// `x · Wᵀ`: `x` `[T, in]`, `w` `[out, in]` (nn.Linear without bias) → `[T, out]`.
 ///
@@ -252,8 +252,18 @@ pub fn attention(
 
 /// Indices of the `k` largest values of `row`, largest first (ties: lower index first).
 pub fn topk_indices(row: &[f32], k: usize) -> Vec<usize> {
+    topk_indices_ordered(row, k, TieOrder::LowerFirst)
+}
+
+/// [`topk_indices`] with equal values taken in `ties` order.
+pub fn topk_indices_ordered(row: &[f32], k: usize, ties: TieOrder) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..row.len()).collect();
-    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.sort_by(|&a, &b| {
+        row[b].total_cmp(&row[a]).then(match ties {
+            TieOrder::LowerFirst => a.cmp(&b),
+            TieOrder::HigherFirst => b.cmp(&a),
+        })
+    });
     idx.truncate(k);
     idx
 }
