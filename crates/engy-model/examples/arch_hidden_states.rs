@@ -16,6 +16,8 @@
 //!   on the cache of a prefill of the rest (the incremental path a serve decodes with); the
 //!   rows are written in the same tensors, so they must match the same reference rows.
 //!
+//! * `--bf16`: compute in bf16 (`Compute::Bf16`, the auditor's bf16 recompute) instead of f32.
+//!
 //! Exit status: 0 written, 1 a load / forward / write error, 2 a usage error. Per-sequence
 //! wall time goes to stderr.
 use std::collections::BTreeMap;
@@ -29,9 +31,14 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 fn main() -> ExitCode {
-    let usage = "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N]";
+    let usage = "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N] [--bf16]";
     let mut args: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
     let mut decode = 0;
+    let mut compute = engy_model::Compute::F32;
+    if let Some(i) = args.iter().position(|a| a.as_os_str() == "--bf16") {
+        compute = engy_model::Compute::Bf16;
+        args.remove(i);
+    }
     if let Some(i) = args.iter().position(|a| a.as_os_str() == "--decode") {
         match args
             .get(i + 1)
@@ -50,7 +57,7 @@ fn main() -> ExitCode {
         eprintln!("{usage}");
         return ExitCode::from(2);
     };
-    match run(checkpoint, ids, out, decode) {
+    match run(checkpoint, ids, out, decode, compute) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("arch_hidden_states: {e}");
@@ -99,10 +106,17 @@ fn le_bytes(t: &Tensor) -> Result<(Vec<usize>, Vec<u8>), String> {
     Ok((shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
 }
 
-fn run(checkpoint: &Path, ids: &Path, out: &Path, decode: usize) -> Result<(), String> {
+fn run(
+    checkpoint: &Path,
+    ids: &Path,
+    out: &Path,
+    decode: usize,
+    compute: engy_model::Compute,
+) -> Result<(), String> {
     let seqs = read_ids(ids)?;
     let opts = LoadOptions {
         residency: Residency::Streaming,
+        compute,
         ..LoadOptions::default()
     };
     let t0 = Instant::now();

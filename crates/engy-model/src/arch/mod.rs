@@ -10,7 +10,10 @@
 //!
 //! Every implementation computes in f32 from dequantised weights with transformers' numerics
 //! (the reference is transformers' fp32 eager forward; `tests/arch_vectors.rs` holds each one to
-//! it). Rounding weights or activations to bf16 would flip MoE / DSA top-k choices.
+//! it), or, with [`Compute::Bf16`], rounds to bf16 where transformers' bf16 model rounds, so
+//! that a bf16 serve is recomputed in bf16 (`tests/audit_oracle.rs`; docs/AUDITOR.md "bf16 and
+//! f32 recomputes"). The two differ by more than rounding: on MoE models bf16 noise flips
+//! near-tied expert (and DSA key) choices, so neither recompute explains the other's serves.
 use std::path::Path;
 use std::sync::Arc;
 
