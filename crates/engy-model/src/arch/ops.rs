@@ -660,3 +660,105 @@ where
     })?;
     Ok(c.round(out)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `torch.tensor(v).topk(k).indices` (torch 2.15, CPU) for
+    /// `v[i] = [0.25, 0.5, 0.75, 1.0, 1.5][(7i² + 3i + 1) % 5]`: rows full of exact ties, through
+    /// both of torch's paths (`nth_element` for `k * 64 > n`, `partial_sort` otherwise).
+    #[test]
+    fn torch_topk_breaks_ties_as_torch_does() {
+        let levels = [0.25f32, 0.5, 0.75, 1.0, 1.5];
+        let row = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| levels[(7 * i * i + 3 * i + 1) % 5])
+                .collect()
+        };
+        let torch: [(usize, usize, &[usize]); 4] = [
+            (8, 2, &[3, 5]),
+            (8, 3, &[3, 5, 6]),
+            (128, 2, &[8, 3]),
+            (256, 8, &[173, 88, 203, 138, 38, 153, 208, 63]),
+        ];
+        for (n, k, want) in torch {
+            let r = row(n);
+            assert_eq!(torch_topk_indices(&r, k), want, "n {n} k {k}");
+            // Same set of values as the lower-index-first rule, other members on ties.
+            let ours = topk_indices(&r, k);
+            assert_ne!(
+                ours, want,
+                "n {n} k {k}: the case must have a tie at the boundary"
+            );
+            let vals = |ix: &[usize]| -> Vec<f32> { ix.iter().map(|&i| r[i]).collect() };
+            assert_eq!(vals(&ours), vals(want));
+        }
+        // Distinct values: both rules agree.
+        let r: Vec<f32> = (0..40).map(|i| ((i * 37) % 41) as f32).collect();
+        for k in [1, 3, 8] {
+            assert_eq!(torch_topk_indices(&r, k), topk_indices(&r, k));
+        }
+    }
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), (1, v.len()), &Device::Cpu).unwrap()
+    }
+
+    fn row(x: &Tensor) -> Vec<f32> {
+        x.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// `Qwen3_5MoeRMSNorm` rounds once (f32 `norm(x) * (1 + w)`, then bf16), where the
+    /// Llama-style norm rounds the normalised row first: on this row the two differ.
+    #[test]
+    fn zero_centred_norm_rounds_once_in_bf16() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.37)
+            .collect();
+        let w: Vec<f32> = (0..64)
+            .map(|i| ((i * 7 % 17) as f32 - 8.0) * 0.011)
+            .collect();
+        let (xt, wt) = (t(&x), t(&w));
+        let f32_out = row(&rms_norm_1p(&xt, &wt, 1e-6).unwrap());
+        let bf = row(&rms_norm_1p_in(&xt, &wt, 1e-6, Compute::Bf16).unwrap());
+        let once: Vec<f32> = f32_out
+            .iter()
+            .map(|&v| Compute::Bf16.round_f32(v))
+            .collect();
+        assert_eq!(bf, once);
+        let w1 = (&wt + 1.0).unwrap();
+        let twice = row(&rms_norm_in(&xt, &w1, 1e-6, Compute::Bf16).unwrap());
+        assert_ne!(bf, twice, "the row must tell one rounding from two");
+        assert_eq!(
+            row(&rms_norm_1p_in(&xt, &wt, 1e-6, Compute::F32).unwrap()),
+            f32_out
+        );
+    }
+
+    /// bf16 RoPE rounds `cos`/`sin`, each product and the sum; f32 is [`rope_half`] exactly.
+    #[test]
+    fn rope_half_in_rounds_products_and_sum() {
+        let (cos, sin) = rope_tables(10000.0, 4, 3, 2).unwrap();
+        let xv: Vec<f32> = (0..12).map(|i| (i as f32 - 5.5) * 0.731).collect();
+        let x = Tensor::from_vec(xv.clone(), (1, 2, 6), &Device::Cpu).unwrap();
+        assert_eq!(
+            row(&rope_half_in(&x, &cos, &sin, Compute::F32).unwrap()),
+            row(&rope_half(&x, &cos, &sin).unwrap())
+        );
+        let got = row(&rope_half_in(&x, &cos, &sin, Compute::Bf16).unwrap());
+        let rb = |v: f32| Compute::Bf16.round_f32(v);
+        let (c, s) = (row(&cos), row(&sin));
+        for p in 0..2 {
+            let xr = &xv[p * 6..p * 6 + 6];
+            for i in 0..4 {
+                let (h, j) = (i % 2, if i < 2 { i + 2 } else { i - 2 });
+                let (cv, sv) = (rb(c[p * 2 + h]), rb(s[p * 2 + h]));
+                let rot = if i < 2 { -xr[j] } else { xr[j] };
+                assert_eq!(got[p * 6 + i], rb(rb(xr[i] * cv) + rb(rot * sv)), "{p} {i}");
+            }
+            // Past the rotary part, the features pass through.
+            assert_eq!(&got[p * 6 + 4..p * 6 + 6], &xr[4..]);
+        }
+    }
+}
