@@ -2,11 +2,12 @@
 //! cross-language checks against transformers (`tests/reverse/arch_real_shape.py`).
 //!
 //! ```text
-//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT [--decode N]
+//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT [--decode N] [--bf16]
 //! ```
 //!
 //! * `CHECKPOINT`: a folder with `config.json` and safetensors shards, loaded exactly as the
-//!   auditor loads it ([`engy_model::arch::load`], streaming residency, f32 compute).
+//!   auditor loads it ([`engy_model::arch::load`], streaming residency, f32 compute; with
+//!   `--bf16`, bf16 compute: the architecture's bf16 rounding points).
 //! * `IDS`: a safetensors file with I64 tensors `input_ids_0`, `input_ids_1`, … (shape `[T]`),
 //!   the schema of `tests/vectors/arch/*/reference.safetensors`; other tensors are ignored.
 //! * `OUT`: written as safetensors, F32: `hidden_<k>` `[T, hidden]` (the final norm's output)
@@ -16,8 +17,6 @@
 //!   on the cache of a prefill of the rest (the incremental path a serve decodes with); the
 //!   rows are written in the same tensors, so they must match the same reference rows.
 //!
-//! * `--bf16`: compute in bf16 (`Compute::Bf16`, the auditor's bf16 recompute) instead of f32.
-//!
 //! Exit status: 0 written, 1 a load / forward / write error, 2 a usage error. Per-sequence
 //! wall time goes to stderr.
 use std::collections::BTreeMap;
@@ -26,19 +25,22 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use engy_model::{arch, LoadOptions, Residency};
+use engy_model::{arch, Compute, LoadOptions, Residency};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 fn main() -> ExitCode {
-    let usage = "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N] [--bf16]";
+    let usage =
+        "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N] [--bf16]";
     let mut args: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    let compute = match args.iter().position(|a| a.as_os_str() == "--bf16") {
+        Some(i) => {
+            args.remove(i);
+            Compute::Bf16
+        }
+        None => Compute::F32,
+    };
     let mut decode = 0;
-    let mut compute = engy_model::Compute::F32;
-    if let Some(i) = args.iter().position(|a| a.as_os_str() == "--bf16") {
-        compute = engy_model::Compute::Bf16;
-        args.remove(i);
-    }
     if let Some(i) = args.iter().position(|a| a.as_os_str() == "--decode") {
         match args
             .get(i + 1)
@@ -111,7 +113,7 @@ fn run(
     ids: &Path,
     out: &Path,
     decode: usize,
-    compute: engy_model::Compute,
+    compute: Compute,
 ) -> Result<(), String> {
     let seqs = read_ids(ids)?;
     let opts = LoadOptions {
