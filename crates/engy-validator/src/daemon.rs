@@ -1159,6 +1159,9 @@ impl Daemon {
             .unwrap_or_default();
         let after = self.after_failure(chain, e, hp).await;
         let retry = if backs_off(e) && !self.final_tick {
+            // counted from the failure, not from the tick's start: the inclusion wait can
+            // take longer than the first backoff step
+            let now = crate::liveness::unix_now().max(now);
             let wait = self
                 .backoff
                 .fail(epoch, hp, now, self.settings.poll_s, &e.name());
