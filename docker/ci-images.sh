@@ -133,8 +133,10 @@ build() {
   chmod 1777 "$ctx/image/data"
   strip -o "$ctx/engy-$name" "$bin"
   # --format docker: the OCI image format has no HEALTHCHECK (podman would drop it); BuildKit,
-  # which publishes the images, keeps it in the image config as docker does.
-  podman build --quiet --force-rm --pull=never --format docker --build-context "build=$ctx" \
+  # which publishes the images, keeps it in the image config as docker does. --no-cache:
+  # buildah 1.28 reuses a cached LABEL step whose ARG (the commit) changed, leaving the previous
+  # commit's label (seen here); the build takes seconds without the cache.
+  podman build --quiet --no-cache --force-rm --pull=never --format docker --build-context "build=$ctx" \
     --build-arg "ENGY_VERSION=$VERSION" --build-arg "ENGY_GIT_COMMIT=$COMMIT" \
     -f "docker/Dockerfile.$name" -t "$image" . >/dev/null
 }

@@ -4,6 +4,7 @@
 //!
 //! Both take the same arguments for what the tests do (`run`, `logs`, `inspect`, `exec`,
 //! `volume`, and compose's `-p`/`-f`/`--env-file` with `config`/`up`/`run`/`stop`/`start`/`down`).
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -131,6 +132,68 @@ impl Engine {
             }
             std::thread::sleep(Duration::from_millis(500));
         }
+    }
+}
+
+/// A compose file of the repository run as the docs have operators run it: copied to
+/// `<dir>/docker/`, its env file at `<dir>/<env_name>` (the repository root's place, which the
+/// compose files' `env_file: ../.env.*` names), every command with `-p <project> -f <file>
+/// --env-file <env file>` from `<dir>`, and none of the env file's variables taken from this
+/// process's environment (the file alone configures the run).
+#[derive(Debug, Clone)]
+pub struct ComposeProject {
+    engine: Engine,
+    project: String,
+    dir: PathBuf,
+    file: PathBuf,
+    env_file: PathBuf,
+    names: Vec<String>,
+}
+
+impl ComposeProject {
+    /// Lays out `dir` from the compose file `source` and the `(name, value)` settings of the
+    /// env file `env_name` (e.g. `.env.validator`).
+    ///
+    /// # Errors
+    /// Copying the compose file or writing the env file failed.
+    pub fn new(
+        engine: Engine,
+        project: &str,
+        dir: &Path,
+        source: &Path,
+        env_name: &str,
+        settings: &[(String, String)],
+    ) -> std::io::Result<ComposeProject> {
+        let docker = dir.join("docker");
+        std::fs::create_dir_all(&docker)?;
+        let file = docker.join(source.file_name().unwrap_or(source.as_os_str()));
+        std::fs::copy(source, &file)?;
+        let env_file = dir.join(env_name);
+        let text: String = settings.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+        std::fs::write(&env_file, text)?;
+        Ok(ComposeProject {
+            engine,
+            project: project.to_owned(),
+            dir: dir.to_path_buf(),
+            file,
+            env_file,
+            names: settings.iter().map(|(k, _)| k.clone()).collect(),
+        })
+    }
+
+    /// The compose command line for `args` (`up -d validator`, `stop miner`, …).
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut c = self.engine.compose();
+        c.args(["-p", &self.project, "-f"])
+            .arg(&self.file)
+            .arg("--env-file")
+            .arg(&self.env_file)
+            .args(args)
+            .current_dir(&self.dir);
+        for k in &self.names {
+            c.env_remove(k);
+        }
+        c
     }
 }
 

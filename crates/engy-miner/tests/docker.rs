@@ -5,7 +5,7 @@
 //! and fails when CI=true (`.ci/run` installs podman-compose).
 use std::path::PathBuf;
 
-use engy_devnet::container::{in_ci, output, text, Engine};
+use engy_devnet::container::{in_ci, output, text, ComposeProject, Engine};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -26,28 +26,26 @@ fn the_miner_compose_file_is_valid_and_runs_sglang_with_hidden_states_beside_the
     };
     // The compose file as the docs use it: .env.miner at the repository root, beside docker/.
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("docker")).unwrap();
-    let copy = dir.path().join("docker/compose.miner.yml");
-    std::fs::copy(&compose, &copy).unwrap();
-    let env_file = dir.path().join(".env.miner");
-    std::fs::write(
-        &env_file,
-        "GW=wss://gw.example/gw\nMINER_KEY=mk-compose-test\nMODEL_DIR=/data/models/m\nENGY_WORKER_NAME=rig-compose-test\nTOPLOC_GEN_CHUNK=2048\n",
+    let settings: Vec<(String, String)> = [
+        ("GW", "wss://gw.example/gw"),
+        ("MINER_KEY", "mk-compose-test"),
+        ("MODEL_DIR", "/data/models/m"),
+        ("ENGY_WORKER_NAME", "rig-compose-test"),
+        ("TOPLOC_GEN_CHUNK", "2048"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let project = ComposeProject::new(
+        engine,
+        "engy-compose-config",
+        dir.path(),
+        &compose,
+        ".env.miner",
+        &settings,
     )
     .unwrap();
-    let out = output(
-        engine
-            .compose()
-            .arg("-f")
-            .arg(&copy)
-            .arg("--env-file")
-            .arg(&env_file)
-            .arg("config")
-            .env_remove("GW")
-            .env_remove("MINER_KEY")
-            .env_remove("MODEL_DIR"),
-    )
-    .unwrap();
+    let out = output(&mut project.command(&["config"])).unwrap();
     let text = text(&out);
     assert!(out.status.success(), "{engine:?} compose config\n{text}");
     for needle in [

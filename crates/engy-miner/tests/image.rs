@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{Fixture, KEY, T};
-use engy_devnet::container::{run_logged, text, Engine};
+use engy_devnet::container::{run_logged, text, ComposeProject, Engine};
 use engy_devnet::sglang::SglangConfig;
 
 const PROJECT: &str = "engy-ci-image-miner";
@@ -48,45 +48,32 @@ async fn the_miner_image_checks_dials_with_the_env_file_and_stops_on_sigterm() {
 
     // The operator's files: .env.miner at the repository root beside docker/.
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("docker")).unwrap();
-    let compose = dir.path().join("docker/compose.miner.yml");
-    std::fs::copy(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docker/compose.miner.yml"),
-        &compose,
-    )
-    .unwrap();
-    let env_file = dir.path().join(".env.miner");
+    let (gw, ckpt, serve) = (fx.gw.url(), fx.ckpt(), fx.sglang.url());
     let metrics = format!("127.0.0.1:{}", free_port());
-    std::fs::write(
-        &env_file,
-        format!(
-            "GW={}\nMINER_KEY={KEY}\nMODEL_DIR={}\nSERVE_URL={}\nMAX_INFLIGHT=8\nENGY_METRICS_ADDR={metrics}\nENGY_MINER_IMAGE={image}\nENGY_WORKER_NAME=rig-image-test\nENGY_LOG_FORMAT=text\n",
-            fx.gw.url(),
-            fx.ckpt().display(),
-            fx.sglang.url(),
-        ),
+    let settings: Vec<(String, String)> = [
+        ("GW", gw.as_str()),
+        ("MINER_KEY", KEY),
+        ("MODEL_DIR", ckpt.to_str().unwrap()),
+        ("SERVE_URL", serve.as_str()),
+        ("MAX_INFLIGHT", "8"),
+        ("ENGY_METRICS_ADDR", metrics.as_str()),
+        ("ENGY_MINER_IMAGE", image.as_str()),
+        ("ENGY_WORKER_NAME", "rig-image-test"),
+        ("ENGY_LOG_FORMAT", "text"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let compose = ComposeProject::new(
+        engine,
+        PROJECT,
+        dir.path(),
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docker/compose.miner.yml"),
+        ".env.miner",
+        &settings,
     )
     .unwrap();
-    let compose_cmd = |args: &[&str]| {
-        let mut c = engine.compose();
-        c.args(["-p", PROJECT, "-f"])
-            .arg(&compose)
-            .arg("--env-file")
-            .arg(&env_file)
-            .args(args)
-            .current_dir(dir.path());
-        for k in [
-            "GW",
-            "MINER_KEY",
-            "MODEL_DIR",
-            "SERVE_URL",
-            "ENGY_MINER_IMAGE",
-            "ENGY_WORKER_NAME",
-        ] {
-            c.env_remove(k);
-        }
-        c
-    };
+    let compose_cmd = |args: &[&str]| compose.command(args);
 
     // -- the preflight, in the container, as the image's user, against the doubles
     let report = ok(&mut compose_cmd(&[

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::chain::*;
 use common::*;
-use engy_devnet::container::{run_logged, text, Engine};
+use engy_devnet::container::{run_logged, text, ComposeProject, Engine};
 use engy_devnet::provider::ProviderDouble;
 use engy_validator::chain::Chain;
 
@@ -167,17 +167,13 @@ async fn the_validator_image_checks_lands_and_restarts_without_a_second_submit()
     );
     let scratch = scratch_volume.1.as_str();
 
+    let in_image = |user: Option<u32>, args: &[&str]| {
+        in_container(engine, &image, user, &wallets, scratch, &settings, args)
+    };
+
     // -- the image's default user (65532) owns the wallet: check passes, state writable
     chown_tree(&wallets, 65532);
-    let out = in_container(
-        engine,
-        &image,
-        None,
-        &wallets,
-        scratch,
-        &settings,
-        &["check"],
-    );
+    let out = in_image(None, &["check"]);
     let report = text(&out);
     assert!(out.status.success(), "{report}");
     assert!(
@@ -190,41 +186,17 @@ async fn the_validator_image_checks_lands_and_restarts_without_a_second_submit()
     );
     assert!(!report.contains("FAIL"), "{report}");
     // health before any tick: unhealthy, with the reason
-    let out = in_container(
-        engine,
-        &image,
-        None,
-        &wallets,
-        scratch,
-        &settings,
-        &["health"],
-    );
+    let out = in_image(None, &["health"]);
     assert!(!out.status.success(), "{}", text(&out));
 
     // -- another uid owns the wallet: as 65532 the hotkey cannot be read; as that uid check
     //    passes and writes the same state folder
     chown_tree(&wallets, OWNER);
-    let out = in_container(
-        engine,
-        &image,
-        None,
-        &wallets,
-        scratch,
-        &settings,
-        &["check"],
-    );
+    let out = in_image(None, &["check"]);
     let report = text(&out);
     assert!(!out.status.success(), "{report}");
     assert!(report.contains("FAIL  wallet vali/default"), "{report}");
-    let out = in_container(
-        engine,
-        &image,
-        Some(OWNER),
-        &wallets,
-        scratch,
-        &settings,
-        &["check"],
-    );
+    let out = in_image(Some(OWNER), &["check"]);
     let report = text(&out);
     assert!(out.status.success(), "{report}");
     assert!(
@@ -234,40 +206,26 @@ async fn the_validator_image_checks_lands_and_restarts_without_a_second_submit()
 
     // -- compose, as the docs run it: ENGY_SN53_UID/GID, the wallet folder and the image come
     //    from .env.validator through --env-file (nothing from this process's environment)
-    std::fs::create_dir(dir.path().join("docker")).unwrap();
-    let compose = dir.path().join("docker/compose.validator.yml");
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docker/compose.validator.yml"),
-        &compose,
+    let mut env_file = settings.clone();
+    env_file.extend([
+        ("ENGY_SN53_UID".to_owned(), OWNER.to_string()),
+        ("ENGY_SN53_GID".to_owned(), OWNER.to_string()),
+        (
+            "ENGY_SN53_WALLET_DIR".to_owned(),
+            wallets.display().to_string(),
+        ),
+        ("ENGY_SN53_IMAGE".to_owned(), image.clone()),
+    ]);
+    let compose = ComposeProject::new(
+        engine,
+        PROJECT,
+        dir.path(),
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docker/compose.validator.yml"),
+        ".env.validator",
+        &env_file,
     )
     .unwrap();
-    let env_file = dir.path().join(".env.validator");
-    let mut lines: Vec<String> = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    lines.extend([
-        format!("ENGY_SN53_UID={OWNER}"),
-        format!("ENGY_SN53_GID={OWNER}"),
-        format!("ENGY_SN53_WALLET_DIR={}", wallets.display()),
-        format!("ENGY_SN53_IMAGE={image}"),
-    ]);
-    std::fs::write(&env_file, lines.join("\n") + "\n").unwrap();
-    let compose_cmd = |args: &[&str]| {
-        let mut c = engine.compose();
-        c.args(["-p", PROJECT, "-f"])
-            .arg(&compose)
-            .arg("--env-file")
-            .arg(&env_file)
-            .args(args)
-            .current_dir(dir.path());
-        for k in [
-            "ENGY_SN53_UID",
-            "ENGY_SN53_GID",
-            "ENGY_SN53_WALLET_DIR",
-            "ENGY_SN53_IMAGE",
-        ] {
-            c.env_remove(k);
-        }
-        c
-    };
+    let compose_cmd = |args: &[&str]| compose.command(args);
 
     let landed = "set_weights of 3 uids from payload landed in block #";
     let before = head(&chain).await;
