@@ -91,6 +91,14 @@ EOF
 schemas() {
   check-jsonschema --builtin-schema vendor.compose-spec docker/compose*.yml
   check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+  # The publishing workflow's build arguments are ARGs of both Dockerfiles (a misspelt one is
+  # ignored by the build: an image without its commit).
+  local arg f
+  for arg in $(sed -n 's/^ *\(ENGY_[A-Z_]*\)=.*/\1/p' .github/workflows/images.yml | sort -u); do
+    for f in docker/Dockerfile.validator docker/Dockerfile.miner; do
+      grep -q "^ARG $arg\(=\|\$\)" "$f" || fail ".github/workflows/images.yml passes $arg, which $f does not declare (ARG)"
+    done
+  done
 }
 
 # The distroless stand-in, under the name the Dockerfiles use. Kept between runs.
