@@ -45,7 +45,7 @@ step() {
 trap 'say "FAILED (exit $?) at line $LINENO"' ERR
 
 STATE="${ENGY_IMAGES_STATE:-${XDG_CACHE_HOME:-$HOME/.cache}/engy-ci-images}"
-APT_PKGS=(podman runc mmdebstrap containernetworking-plugins iptables)
+APT_PKGS=(podman buildah runc fuse-overlayfs uidmap slirp4netns containernetworking-plugins iptables mmdebstrap)
 PIP_PKGS=('podman-compose==1.6.0' 'check-jsonschema==0.39.0')
 VALIDATOR_IMAGE=localhost/engy-validator:ci
 MINER_IMAGE=localhost/engy-miner:ci
@@ -204,8 +204,8 @@ build miner "$MINER_IMAGE"
 
 step "image checks"
 check_data_dir
-check_image validator "$VALIDATOR_IMAGE" 200
-check_image miner "$MINER_IMAGE" 200
+check_image validator "$VALIDATOR_IMAGE" 100
+check_image miner "$MINER_IMAGE" 100
 
 step "container tests: the validator image on the local chain with the provider double, the miner image with the gateway and serve doubles"
 PORT="${ENGY_CHAIN_PORT:-19944}"
