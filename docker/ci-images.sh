@@ -63,6 +63,8 @@ tools() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${PIP_PKGS[@]}"
+  # a pyenv python puts new commands on PATH through its shims
+  if command -v pyenv >/dev/null; then pyenv rehash; fi
   # runc, with limits this machine lets a container have: crun fails on this kernel's hybrid
   # cgroups, and podman's default limits (nofile 1048576) are above the hard limits, which makes
   # runc fail with "error setting rlimit type 7 (nofile) / 6 (nproc): operation not permitted";
