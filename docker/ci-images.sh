@@ -64,7 +64,7 @@ tools() {
   fi
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${PIP_PKGS[@]}"
   # a pyenv python puts new commands on PATH through its shims
-  if command -v pyenv >/dev/null; then pyenv rehash; fi
+  if command -v pyenv >/dev/null; then pyenv rehash || say "pyenv rehash failed (another one running?)"; fi
   # runc, with limits this machine lets a container have: crun fails on this kernel's hybrid
   # cgroups, and podman's default limits (nofile 1048576) are above the hard limits, which makes
   # runc fail with "error setting rlimit type 7 (nofile) / 6 (nproc): operation not permitted";
