@@ -8,9 +8,11 @@
 //!   optionally recording every decoder layer's residual output.
 //! * [`load`] dispatches on [`ArchKind`] (`model_type`, then `architectures`).
 //!
-//! Every implementation computes in f32 from dequantised weights with transformers' numerics
-//! (the reference is transformers' fp32 eager forward; `tests/arch_vectors.rs` holds each one to
-//! it). Rounding weights or activations to bf16 would flip MoE / DSA top-k choices.
+//! By default every implementation computes in f32 from dequantised weights with transformers'
+//! numerics (the reference is transformers' fp32 eager forward; `tests/arch_vectors.rs` holds
+//! each one to it). With [`Compute::Bf16`] each rounds to bf16 where transformers' bf16 model
+//! rounds (its module documentation lists the points), so that a bf16 serve's MoE / DSA top-k
+//! choices are recomputed as the serve made them.
 use std::path::Path;
 use std::sync::Arc;
 
@@ -36,8 +38,8 @@ pub struct LoadOptions {
     /// The stored weights exactly (`Bf16`: the honest serve and the auditor), or the int4 cheat
     /// applied to every projection ([`Weights::projection`]).
     pub precision: Precision,
-    /// Activation dtype: f32 (the auditor) or bf16-rounded (a GPU-like honest serve). An
-    /// architecture that does not model bf16 activations computes in f32.
+    /// Activation dtype: f32, or bf16-rounded at the architecture's bf16 rounding points (an
+    /// honest bf16 serve, and the auditor's bf16 recompute).
     pub compute: Compute,
     /// Whether dequantised weights are kept ([`Residency::Resident`]) or decoded per use
     /// ([`Residency::Streaming`], for checkpoints larger than memory at f32).
