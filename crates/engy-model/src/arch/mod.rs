@@ -45,8 +45,8 @@ pub struct LoadOptions {
     /// The stored weights exactly (`Bf16`: the honest serve and the auditor), or the int4 cheat
     /// applied to every projection ([`Weights::projection`]).
     pub precision: Precision,
-    /// Activation dtype: f32 (the auditor) or bf16-rounded (a GPU-like honest serve). An
-    /// architecture that does not model bf16 activations computes in f32.
+    /// Activation dtype: f32, or bf16-rounded at the architecture's bf16 rounding points (an
+    /// honest bf16 serve, and the auditor's bf16 recompute).
     pub compute: Compute,
     /// Whether dequantised weights are kept ([`Residency::Resident`]) or decoded per use
     /// ([`Residency::Streaming`], for checkpoints larger than memory at f32).

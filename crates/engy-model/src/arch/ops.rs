@@ -278,7 +278,26 @@ pub fn attention(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
+    let (att, v) = scores(q, k, v, scale, mask)?;
     let (h, t, _) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    att.matmul(&v.contiguous()?)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((t, h * dv))
+}
+
+/// The scaled, masked scores `[h, t, s]` of [`attention`] and the values expanded to the `h`
+/// query heads `[h, s, dv]`.
+fn scores(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let h = q.dim(0)?;
     let (kv, s, d) = k.dims3()?;
     let dv = v.dim(2)?;
     let rep = h / kv.max(1);
@@ -293,11 +312,7 @@ pub fn attention(
     if let Some(m) = mask {
         att = att.broadcast_add(m)?;
     }
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
-    att.matmul(&v.contiguous()?)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((t, h * dv))
+    Ok((att, v))
 }
 
 /// [`attention`] in the activation dtype `c`, as a fused (flash) attention kernel computes it
@@ -319,21 +334,9 @@ pub fn attention_in(
     if c == Compute::F32 {
         return attention(q, k, v, scale, mask);
     }
+    let (att, v) = scores(q, k, v, scale, mask)?;
     let (h, t, _) = q.dims3()?;
-    let (kv, s, d) = k.dims3()?;
     let dv = v.dim(2)?;
-    let rep = h / kv.max(1);
-    let expand = |z: &Tensor, w: usize| -> candle_core::Result<Tensor> {
-        if rep == 1 {
-            return Ok(z.clone());
-        }
-        z.unsqueeze(1)?.expand((kv, rep, s, w))?.reshape((h, s, w))
-    };
-    let (k, v) = (expand(k, d)?, expand(v, dv)?);
-    let mut att = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
-    if let Some(m) = mask {
-        att = att.broadcast_add(m)?;
-    }
     let max = att.max_keepdim(D::Minus1)?;
     let e = att.broadcast_sub(&max)?.exp()?;
     let sum = e.sum_keepdim(D::Minus1)?;
