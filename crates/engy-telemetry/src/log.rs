@@ -167,6 +167,66 @@ pub fn subscriber(
     }
 }
 
+/// The log format the operator asked for, read straight from the process arguments and the
+/// environment, for errors printed before (or instead of) a successful command-line parse,
+/// such as a usage error: `flag` (e.g. `--log-format`, as `--log-format json` or
+/// `--log-format=json`) wins over `var` (e.g. `ENGY_SN53_LOG_FORMAT`). Anything that is not
+/// `json` reads as [`LogFormat::Text`]. `args` are the process arguments (the first is the
+/// program); `var_value` is the variable's value (`std::env::var_os(var)`).
+pub fn requested_format(args: &[OsString], flag: &str, var_value: Option<OsString>) -> LogFormat {
+    let mut from_flag: Option<String> = None;
+    let mut it = args.iter().skip(1).filter_map(|a| a.to_str());
+    while let Some(a) = it.next() {
+        if a == "--" {
+            break;
+        }
+        if a == flag {
+            from_flag = it.next().map(str::to_owned);
+        } else if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+            from_flag = Some(v.to_owned());
+        }
+    }
+    let chosen = from_flag.or_else(|| var_value.and_then(|v| v.into_string().ok()));
+    match chosen.as_deref().map(str::trim) {
+        Some(v) if v.eq_ignore_ascii_case("json") => LogFormat::Json,
+        _ => LogFormat::Text,
+    }
+}
+
+/// The line [`fatal`] prints (without its newline): in text `"<program>: <message>"`, in
+/// JSON one object like the logger's lines, `{"timestamp", "level": "ERROR", "target":
+/// <program>, "message", "exit_code"}`, so a log shipper parses it like any other line
+/// (a multi-line message, such as a usage error, stays one JSON line).
+pub fn fatal_line(format: LogFormat, program: &str, message: &str, exit_code: u8) -> String {
+    let message = message.trim_end();
+    match format {
+        LogFormat::Text => format!("{program}: {message}"),
+        LogFormat::Json => {
+            use tracing_subscriber::fmt::time::FormatTime;
+            let mut timestamp = String::new();
+            // SystemTime writes RFC 3339 like the JSON layer; it cannot fail on a String
+            let _ = tracing_subscriber::fmt::time::SystemTime.format_time(
+                &mut tracing_subscriber::fmt::format::Writer::new(&mut timestamp),
+            );
+            serde_json::json!({
+                "timestamp": timestamp,
+                "level": "ERROR",
+                "target": program,
+                "message": message,
+                "exit_code": exit_code,
+            })
+            .to_string()
+        }
+    }
+}
+
+/// Prints a fatal error to standard error in the operator's format ([`fatal_line`]): for
+/// errors that end the process before or outside the logger (bad settings, a wallet that
+/// cannot be read, a usage error). The caller then exits with `exit_code`.
+pub fn fatal(format: LogFormat, program: &str, message: &str, exit_code: u8) {
+    eprintln!("{}", fatal_line(format, program, message, exit_code));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,6 +316,53 @@ mod tests {
         assert_eq!(v["hotkey"], "5F…");
         assert!(v["timestamp"].is_string());
         assert!(v["target"].is_string());
+    }
+
+    #[test]
+    fn requested_format_reads_the_flag_then_the_variable() {
+        let args = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        let f = "--log-format";
+        let json = Some(OsString::from("json"));
+        assert_eq!(
+            requested_format(&args(&["p", "run"]), f, None),
+            LogFormat::Text
+        );
+        assert_eq!(
+            requested_format(&args(&["p", "run"]), f, json.clone()),
+            LogFormat::Json
+        );
+        assert_eq!(
+            requested_format(&args(&["p", "run", "--log-format", "json"]), f, None),
+            LogFormat::Json
+        );
+        assert_eq!(
+            requested_format(&args(&["p", "run", "--log-format=json"]), f, None),
+            LogFormat::Json
+        );
+        assert_eq!(
+            requested_format(&args(&["p", "run", "--log-format=text"]), f, json),
+            LogFormat::Text
+        );
+    }
+
+    #[test]
+    fn fatal_lines_are_one_json_object_in_json_mode() {
+        let msg = "error: invalid value \"x\" for\n  --poll-s\n";
+        let line = fatal_line(LogFormat::Json, "engy-validator", msg, 2);
+        assert!(!line.contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["level"], "ERROR");
+        assert_eq!(v["target"], "engy-validator");
+        assert_eq!(v["message"], msg.trim_end());
+        assert_eq!(v["exit_code"], 2);
+        assert!(
+            v["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')),
+            "{v}"
+        );
+        assert_eq!(
+            fatal_line(LogFormat::Text, "engy-validator", "bad\n", 1),
+            "engy-validator: bad"
+        );
     }
 
     #[test]
