@@ -237,9 +237,18 @@ async fn the_validator_image_checks_lands_and_restarts_without_a_second_submit()
     );
     let (_, landed_at) = neuron_of(&chain, &charlie).await;
     assert!(landed_at > before, "LastUpdate {landed_at} ≤ {before}");
+    // health as the container's user (the wallet owner) and as the image's default user
     ok(engine
         .command()
         .args(["exec", CONTAINER, "/usr/local/bin/engy-validator", "health"]));
+    ok(engine.command().args([
+        "exec",
+        "--user",
+        "65532:65532",
+        CONTAINER,
+        "/usr/local/bin/engy-validator",
+        "health",
+    ]));
     if engine == Engine::Podman {
         // the image's own HEALTHCHECK (no compose healthcheck overrides it)
         ok(engine.command().args(["healthcheck", "run", CONTAINER]));
