@@ -75,12 +75,9 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let s = args.node.settings()?;
     let loaded = engy_validator::wallet::load_hotkey(&s)
         .with_context(|| format!("wallet {}/{}", s.wallet, s.wallet_hotkey))?;
-    if loaded.insecure_permissions {
-        tracing::warn!(
-            "hotkey file {} is readable by others (mode {:o}); fix: chmod 600",
-            loaded.path.display(),
-            loaded.mode.unwrap_or(0)
-        );
+    let notes = engy_validator::wallet::notes(&loaded);
+    for line in notes.problems.iter().chain(&notes.notes) {
+        tracing::warn!("{line}");
     }
     tracing::info!(
         "engy-validator {} starting: hotkey {} (wallet {}/{}), netuid {}, chain {} ({}), api {}, master {}, poll {} s, resubmit every {} blocks, state {}, heartbeat {} (stall limit {} s)",
