@@ -17,7 +17,7 @@ use engy_spec as spec;
 /// keeps it on chain with `SubtensorModule.set_weights`, resubmitting every
 /// ENGY_SN53_RESUBMIT_BLOCKS blocks. Every option can be set by its ENGY_SN53_* variable.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about)]
+#[command(version = engy_telemetry::build_info::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -81,7 +81,7 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     tracing::info!(
         "engy-validator {} starting: hotkey {} (wallet {}/{}), netuid {}, chain {} ({}), api {}, master {}, poll {} s, resubmit every {} blocks, state {}, heartbeat {} (stall limit {} s)",
-        env!("CARGO_PKG_VERSION"),
+        engy_telemetry::build_info::LONG_VERSION,
         loaded.hotkey.ss58(),
         s.wallet,
         s.wallet_hotkey,
@@ -271,6 +271,8 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
+    // `health` names the build on a second line (docs/VALIDATOR.md).
+    let health = matches!(cli.command, Command::Health(_));
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Check(args) => (|| {
@@ -314,6 +316,12 @@ fn main() -> ExitCode {
         }
         Command::Spec(args) => spec::main(args),
     };
+    if health {
+        println!(
+            "{}",
+            engy_telemetry::build_info::BUILD.describe("engy-validator")
+        );
+    }
     match result {
         Ok(code) => code,
         Err(e) => {

@@ -4,7 +4,8 @@
 //! Every metric answers one operator question: is it ticking (`ticks_total{outcome}`), is
 //! anything landing (`landings_total`, `last_landing_block`, `last_landing_age_seconds`), why
 //! not (`chain_errors_total{name}`, `provider_errors_total{name}`), on which epoch
-//! (`epoch`), and under commit-reveal (`commits_total`, `reveals_total{result}`).
+//! (`epoch`), and under commit-reveal (`commits_total`, `reveals_total{result}`); which
+//! build runs (`build_info{version,commit,dirty}`, always 1).
 
 use engy_telemetry::prometheus_client::metrics::counter::Counter;
 use engy_telemetry::prometheus_client::metrics::family::Family;
@@ -37,6 +38,7 @@ impl Metrics {
     pub fn register(registry: &mut Registry) -> Metrics {
         let m = Metrics::default();
         let r = registry.sub_registry_with_prefix("engy_validator");
+        engy_telemetry::build_info::register(r, &engy_telemetry::build_info::BUILD);
         r.register(
             "ticks",
             "Completed ticks by outcome (submitted, skipped, failed, nothing, replay, chain-down, committed, refused, rate-limited, reconciled, blocked)",
