@@ -65,6 +65,8 @@ async fn signals_hold_under_chain_faults_retries_and_a_runtime_change() {
         panic!("ENGY_SUBTENSOR_URL={url} is set but the node is unreachable: {e}")
     });
     baseline(&chain).await;
+    // (a run stopped half-way may have left the pool knob up)
+    sudo(&chain, "sudo_set_weights_min_stake", vec![Value::u128(0)]).await;
     let (bob, charlie) = (key(BOB_SEED), key(CHARLIE_SEED));
     let provider = ProviderDouble::start(bob.clone(), NETUID).await.unwrap();
     // far from the epochs other chain tests publish on the same chain
