@@ -20,10 +20,12 @@
 //!   master hotkey is decoded this way (the same public key written with e.g. Polkadot's
 //!   prefix 0 is the same master). [`ss58_decode_prefix_42`] is STRICTER: it only accepts the
 //!   bittensor prefix 42, for places where an address must be in bittensor form.
-//! * [`load_hotkey`] is STRICTER than bittensor-wallet: the key derived from `privateKey`
-//!   must match `publicKey`, `accountId` and `ss58Address`, and it reads `privateKey` rather
-//!   than re-deriving from `secretPhrase` (so the `utf8seed` file bittensor-wallet 4.1.1
-//!   cannot read back loads here).
+//! * [`load_hotkey`] loads the key bittensor-wallet 4.1.1 loads from the same file (phrase,
+//!   then seed, then `privateKey` of 64 or 32 bytes; `tests/reverse/hotkey_choice.py`
+//!   checks every case against PyPI bittensor-wallet) and lists the fields that name another
+//!   key, which bittensor-wallet ignores silently. It is STRICTER in one way: a file that
+//!   group or others can write is refused. It loads one file bittensor-wallet cannot: the
+//!   `utf8seed` form (raw-byte `secretSeed`) via its `privateKey`.
 //! * Encrypted hotkeys: NaCl (`$NACL`, what `btcli` writes when a password is set) decrypts
 //!   with [`load_hotkey_with_password`] ([`nacl`] gives the format and its source). The
 //!   older ansible-vault and legacy Fernet formats are refused with
@@ -402,7 +404,7 @@ pub enum WalletError {
         source: NaclError,
     },
     /// The file is not a JSON object in bittensor's hotkey format.
-    #[error("hotkey file {path} is not a bittensor keyfile (expected a JSON object with privateKey/publicKey/ss58Address): {why}; if it is encrypted, regenerate an unencrypted hotkey with `btcli wallet regen-hotkey`")]
+    #[error("hotkey file {path} is not a bittensor keyfile (expected a JSON object with privateKey/publicKey/ss58Address): {why}; check that the path names the hotkey file itself, else restore it from the wallet's backup or with `btcli wallet regen-hotkey` (a password-encrypted hotkey is fine: engy decrypts NaCl $NACL files)")]
     NotKeyfile {
         /// The file.
         path: PathBuf,
@@ -419,16 +421,26 @@ pub enum WalletError {
         /// What is wrong with it.
         why: String,
     },
-    /// The key derived from the secret does not match the stored public part.
-    #[error("hotkey file {path}: the key derived from {from} does not match {field}; the file is corrupt or was edited")]
-    KeyMismatch {
-        /// The file.
+    /// The hotkey file (or, for a symlink, the file it points to) can be written by its
+    /// group or by others (mode & 0o022): anyone in that set could swap the key the daemon
+    /// signs with. Refused (docs/SECURITY.md "Hotkey files").
+    #[error("hotkey file {path} can be written by group or others (mode {mode:o}); fix: chmod 600 {path} (and chown it to the daemon's user)")]
+    WritableByOthers {
+        /// The file (the symlink's target when it is a symlink).
         path: PathBuf,
-        /// Secret field used (`privateKey` or `secretSeed`).
-        from: &'static str,
-        /// The public field that disagrees.
-        field: &'static str,
+        /// The file mode bits.
+        mode: u32,
     },
+}
+
+/// A field of a hotkey file that names another key than the one loaded (bittensor-wallet
+/// 4.1.1 ignores every such field; the daemons warn).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disagreement {
+    /// The field: `secretSeed`, `privateKey`, `publicKey`, `accountId` or `ss58Address`.
+    pub field: &'static str,
+    /// The SS58 address the field names, or `None` when it does not decode.
+    pub ss58: Option<String>,
 }
 
 /// A hotkey loaded from a wallet file, with facts the daemon should log.
@@ -438,13 +450,21 @@ pub struct LoadedHotkey {
     pub hotkey: Hotkey,
     /// The file it came from.
     pub path: PathBuf,
-    /// `true` when the file is readable by group or others (mode & 0o077 != 0). Loading
-    /// still succeeds; the daemon should warn and suggest `chmod 600`.
+    /// `true` when the file is readable by group or others (mode & 0o044 != 0). Loading
+    /// still succeeds; `check` fails it and the daemon warns (docs/SECURITY.md "Hotkey
+    /// files"). A file writable by them is refused ([`WalletError::WritableByOthers`]).
     pub insecure_permissions: bool,
     /// The file mode bits (Unix), for the warning.
     pub mode: Option<u32>,
-    /// Which field the key came from: `privateKey` or `secretSeed`.
+    /// The file `path` points to when `path` is a symlink (followed, as bittensor-wallet
+    /// does; a Kubernetes secret volume is one); the daemons name it.
+    pub symlink_target: Option<PathBuf>,
+    /// Which field the key came from, in bittensor-wallet 4.1.1's order: `secretPhrase`,
+    /// `secretSeed` or `privateKey`.
     pub source_field: &'static str,
+    /// Other fields of the file that name a different key (or do not decode); empty for a
+    /// file bittensor-wallet wrote.
+    pub disagreeing: Vec<Disagreement>,
     /// `true` when the file was NaCl-encrypted and decrypted with the password.
     pub decrypted: bool,
 }
@@ -536,17 +556,23 @@ fn hex_field<const N: usize>(
 
 /// Load the hotkey `<wallet_path_root>/<wallet>/hotkeys/<hotkey>` written by bittensor-wallet.
 ///
-/// The key comes from `privateKey` (64-byte schnorrkel secret, see the keys README), else
-/// from `secretSeed` (32-byte mini secret). The derived public key must equal `publicKey`
-/// and `accountId` (when present) and `ss58Address` must encode it, else
-/// [`WalletError::KeyMismatch`]. A NaCl-encrypted keyfile fails with
-/// [`WalletError::PasswordRequired`] (use [`load_hotkey_with_password`]); ansible-vault and
-/// legacy Fernet fail with [`WalletError::UnsupportedEncryption`], which tells the operator
-/// how to fix it. A file readable by group/others loads, with
-/// [`LoadedHotkey::insecure_permissions`] set.
+/// The key is the one bittensor-wallet 4.1.1 (`Keyfile.keypair`) loads from the same file,
+/// checked against it in `tests/reverse/hotkey_choice.py`: the first present (non-null) of
+/// `secretPhrase` (BIP39 English words → substrate mini secret), `secretSeed` (32 bytes),
+/// `privateKey` (64 bytes = scalar || nonce, or 32 bytes = a mini secret). A phrase or
+/// field that does not decode is an error, as there. The other fields (`publicKey`,
+/// `accountId`, `ss58Address`, a second secret) are not used to pick the key; those naming
+/// another key are listed in [`LoadedHotkey::disagreeing`] for the daemon to warn about.
+/// One case loads here that bittensor-wallet refuses: a non-hex `secretSeed` (the raw seed
+/// bytes that its own `set_hotkey` writes for a key made from a seed) is skipped for
+/// `privateKey`.
 ///
-/// `secretPhrase` is not used (bittensor-wallet tries it first, but `privateKey` is the exact
-/// key and needs no BIP39); the `utf8seed` case (non-hex `secretSeed`) loads via `privateKey`.
+/// A NaCl-encrypted keyfile fails with [`WalletError::PasswordRequired`] (use
+/// [`load_hotkey_with_password`]); ansible-vault and legacy Fernet fail with
+/// [`WalletError::UnsupportedEncryption`], which tells the operator how to fix it. A
+/// symlink is followed ([`LoadedHotkey::symlink_target`]); a file writable by group/others
+/// is refused ([`WalletError::WritableByOthers`]); one readable by them loads, with
+/// [`LoadedHotkey::insecure_permissions`] set.
 pub fn load_hotkey(
     wallet_path_root: &Path,
     wallet: &str,
@@ -610,7 +636,7 @@ pub fn load_hotkey_file_with_password(
             }
         }
     })?);
-    let (insecure_permissions, mode) = file_mode(path);
+    let access = file_access(path)?;
 
     // bittensor-wallet tests the header at byte 0; leading whitespace is tolerated here
     // (the secretbox authenticates everything after the prefix anyway).
@@ -632,15 +658,13 @@ pub fn load_hotkey_file_with_password(
                 source: e,
             },
         })?;
-        return parse_keyfile(path, &plain, insecure_permissions, mode, true).map_err(
-            |e| match e {
-                WalletError::NotKeyfile { path, why } => WalletError::CorruptEncrypted {
-                    path,
-                    why: format!("it decrypts, but the content is {why}"),
-                },
-                other => other,
+        return parse_keyfile(path, &plain, &access, true).map_err(|e| match e {
+            WalletError::NotKeyfile { path, why } => WalletError::CorruptEncrypted {
+                path,
+                why: format!("it decrypts, but the content is {why}"),
             },
-        );
+            other => other,
+        });
     }
     if let Some(format) = unsupported_encryption(&data) {
         return Err(WalletError::UnsupportedEncryption {
@@ -648,15 +672,14 @@ pub fn load_hotkey_file_with_password(
             format,
         });
     }
-    parse_keyfile(path, &data, insecure_permissions, mode, false)
+    parse_keyfile(path, &data, &access, false)
 }
 
 /// Check and load the keyfile JSON `data` read from `path` (plain or decrypted).
 fn parse_keyfile(
     path: &Path,
     data: &[u8],
-    insecure_permissions: bool,
-    mode: Option<u32>,
+    access: &Access,
     decrypted: bool,
 ) -> Result<LoadedHotkey, WalletError> {
     let not_keyfile = |why: &str| WalletError::NotKeyfile {
@@ -671,88 +694,16 @@ fn parse_keyfile(
             .as_object()
             .ok_or_else(|| not_keyfile("not a JSON object"))?;
 
-        let (hk, source_field) = if let Some(sk) = hex_field::<64>(path, obj, "privateKey")? {
-            let hk = Hotkey::from_secret_key_bytes(sk.as_slice()).map_err(|_| {
-                WalletError::BadField {
-                    path: path.to_path_buf(),
-                    field: "privateKey",
-                    why: "is not a valid sr25519 secret key".to_string(),
-                }
-            })?;
-            (hk, "privateKey")
-        } else if let Some(seed) = hex_field::<32>(path, obj, "secretSeed")? {
-            let hk =
-                Hotkey::from_mini_secret(seed.as_slice()).map_err(|_| WalletError::BadField {
-                    path: path.to_path_buf(),
-                    field: "secretSeed",
-                    why: "is not a valid mini secret".to_string(),
-                })?;
-            (hk, "secretSeed")
-        } else {
-            return Err(WalletError::BadField {
-                    path: path.to_path_buf(),
-                    field: "privateKey",
-                    why: "is missing (and there is no secretSeed); is this a public-only file such as defaultpub.txt?".to_string(),
-                });
-        };
-
-        let public = hk.public_key();
-        let mut saw_public = false;
-        for field in ["publicKey", "accountId"] {
-            if let Some(pk) = hex_field::<32>(path, obj, field)? {
-                saw_public = true;
-                if *pk != public {
-                    return Err(WalletError::KeyMismatch {
-                        path: path.to_path_buf(),
-                        from: source_field,
-                        field,
-                    });
-                }
-            }
-        }
-        if !saw_public {
-            return Err(WalletError::BadField {
-                path: path.to_path_buf(),
-                field: "publicKey",
-                why: "is missing".to_string(),
-            });
-        }
-        let ss58 = obj
-            .get("ss58Address")
-            .ok_or_else(|| WalletError::BadField {
-                path: path.to_path_buf(),
-                field: "ss58Address",
-                why: "is missing".to_string(),
-            })?
-            .as_str()
-            .ok_or_else(|| WalletError::BadField {
-                path: path.to_path_buf(),
-                field: "ss58Address",
-                why: "is not a string".to_string(),
-            })?;
-        match ss58_decode(ss58) {
-            Ok((_, key)) if key == public => {}
-            Ok(_) => {
-                return Err(WalletError::KeyMismatch {
-                    path: path.to_path_buf(),
-                    from: source_field,
-                    field: "ss58Address",
-                })
-            }
-            Err(e) => {
-                return Err(WalletError::BadField {
-                    path: path.to_path_buf(),
-                    field: "ss58Address",
-                    why: format!("does not decode: {e}"),
-                })
-            }
-        }
+        let (hk, source_field) = choose_key(path, obj)?;
+        let disagreeing = disagreeing_fields(obj, source_field, &hk.public_key());
         Ok(LoadedHotkey {
             hotkey: hk,
             path: path.to_path_buf(),
-            insecure_permissions,
-            mode,
+            insecure_permissions: access.readable_by_others,
+            mode: access.mode,
+            symlink_target: access.symlink_target.clone(),
             source_field,
+            disagreeing,
             decrypted,
         })
     })();
@@ -770,21 +721,187 @@ fn zeroize_json(v: &mut serde_json::Value) {
     }
 }
 
-#[cfg(unix)]
-fn file_mode(path: &Path) -> (bool, Option<u32>) {
-    use std::os::unix::fs::PermissionsExt;
-    match std::fs::metadata(path) {
-        Ok(m) => {
-            let mode = m.permissions().mode() & 0o7777;
-            (mode & 0o077 != 0, Some(mode))
-        }
-        Err(_) => (false, None),
+/// What the daemons are told about the file's access (see [`LoadedHotkey`]).
+#[derive(Debug, Default)]
+struct Access {
+    readable_by_others: bool,
+    mode: Option<u32>,
+    symlink_target: Option<PathBuf>,
+}
+
+/// The file's mode (of the symlink's target when `path` is one); refuses a file writable by
+/// group or others.
+fn file_access(path: &Path) -> Result<Access, WalletError> {
+    let symlink_target = std::fs::symlink_metadata(path)
+        .ok()
+        .filter(|m| m.file_type().is_symlink())
+        .map(|_| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()));
+    let mode = file_mode(path);
+    if let Some(mode) = mode.filter(|m| m & 0o022 != 0) {
+        return Err(WalletError::WritableByOthers {
+            path: symlink_target.clone().unwrap_or_else(|| path.to_path_buf()),
+            mode,
+        });
     }
+    Ok(Access {
+        readable_by_others: mode.is_some_and(|m| m & 0o044 != 0),
+        mode,
+        symlink_target,
+    })
+}
+
+#[cfg(unix)]
+fn file_mode(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| m.permissions().mode() & 0o7777)
 }
 
 #[cfg(not(unix))]
-fn file_mode(_path: &Path) -> (bool, Option<u32>) {
-    (false, None)
+fn file_mode(_path: &Path) -> Option<u32> {
+    None
+}
+
+/// The substrate mini secret of a BIP39 English phrase without a password, as sp-core's
+/// `Pair::from_phrase` (substrate-bip39 `mini_secret_from_entropy`): the first 32 bytes of
+/// PBKDF2-HMAC-SHA512(entropy, salt "mnemonic", 2048 rounds). `None` for a phrase that is
+/// not valid BIP39 (unknown word, bad checksum, wrong length).
+fn mini_secret_from_phrase(phrase: &str) -> Option<Zeroizing<[u8; 32]>> {
+    let mnemonic = bip39::Mnemonic::parse_in_normalized(bip39::Language::English, phrase).ok()?;
+    let (mut entropy, len) = mnemonic.to_entropy_array();
+    let mut seed = Zeroizing::new([0u8; 64]);
+    let ok = pbkdf2::pbkdf2::<hmac::Hmac<sha2::Sha512>>(
+        entropy.get(..len)?,
+        b"mnemonic",
+        2048,
+        seed.as_mut_slice(),
+    );
+    entropy.zeroize();
+    ok.ok()?;
+    let mut mini = Zeroizing::new([0u8; 32]);
+    mini.copy_from_slice(seed.get(..32)?);
+    Some(mini)
+}
+
+/// The key bittensor-wallet 4.1.1 loads from a keyfile object, and the field it came from
+/// (see [`load_hotkey`] for the order).
+fn choose_key(
+    path: &Path,
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(Hotkey, &'static str), WalletError> {
+    let bad = |field: &'static str, why: &str| WalletError::BadField {
+        path: path.to_path_buf(),
+        field,
+        why: why.to_string(),
+    };
+    match obj.get("secretPhrase") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(phrase)) => {
+            let mini = mini_secret_from_phrase(phrase).ok_or_else(|| {
+                bad(
+                    "secretPhrase",
+                    "is not a BIP39 English mnemonic (bittensor-wallet refuses it too: \"Invalid phrase\")",
+                )
+            })?;
+            let hk = Hotkey::from_mini_secret(mini.as_slice())
+                .map_err(|_| bad("secretPhrase", "does not give a mini secret"))?;
+            return Ok((hk, "secretPhrase"));
+        }
+        Some(_) => return Err(bad("secretPhrase", "is not a string")),
+    }
+    // A non-hex secretSeed (raw seed bytes, as bittensor-wallet 4.1.1's own set_hotkey
+    // writes them) is skipped for privateKey; a hex one of the wrong length is an error.
+    match obj.get("secretSeed") {
+        Some(serde_json::Value::String(s))
+            if s.strip_prefix("0x")
+                .unwrap_or(s)
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit()) =>
+        {
+            if let Some(seed) = hex_field::<32>(path, obj, "secretSeed")? {
+                let hk = Hotkey::from_mini_secret(seed.as_slice())
+                    .map_err(|_| bad("secretSeed", "is not a valid mini secret"))?;
+                return Ok((hk, "secretSeed"));
+            }
+        }
+        _ => {}
+    }
+    match obj.get("privateKey") {
+        None | Some(serde_json::Value::Null) => Err(bad(
+            "privateKey",
+            "is missing (and there is no secretPhrase or secretSeed); is this a public-only file such as defaultpub.txt?",
+        )),
+        Some(serde_json::Value::String(s)) => {
+            let len = s.strip_prefix("0x").unwrap_or(s).len();
+            let hk = if len == 64 {
+                let seed = hex_field::<32>(path, obj, "privateKey")?
+                    .ok_or_else(|| bad("privateKey", "is missing"))?;
+                Hotkey::from_mini_secret(seed.as_slice())
+            } else {
+                let sk = hex_field::<64>(path, obj, "privateKey")?
+                    .ok_or_else(|| bad("privateKey", "is missing"))?;
+                Hotkey::from_secret_key_bytes(sk.as_slice())
+            };
+            let hk = hk.map_err(|_| {
+                bad(
+                    "privateKey",
+                    "is not a valid sr25519 secret key (64 bytes) or mini secret (32 bytes)",
+                )
+            })?;
+            Ok((hk, "privateKey"))
+        }
+        Some(_) => Err(bad("privateKey", "is not a string")),
+    }
+}
+
+/// The fields other than `chosen` that name a key other than `public` (or do not decode).
+fn disagreeing_fields(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    chosen: &'static str,
+    public: &[u8; 32],
+) -> Vec<Disagreement> {
+    let mut out = Vec::new();
+    let mut note = |field: &'static str, key: Option<[u8; 32]>| {
+        if key.as_ref() != Some(public) {
+            out.push(Disagreement {
+                field,
+                ss58: key.map(|k| ss58_encode(&k)),
+            });
+        }
+    };
+    let text = |field: &str| obj.get(field).and_then(serde_json::Value::as_str);
+    let unhex = |s: &str| hex::decode(s.strip_prefix("0x").unwrap_or(s)).ok();
+    for field in ["secretSeed", "privateKey"] {
+        if field == chosen {
+            continue;
+        }
+        let Some(s) = text(field) else { continue };
+        let bytes = unhex(s).map(Zeroizing::new);
+        // a raw-byte secretSeed (see choose_key) is what bittensor-wallet writes: not noted
+        if bytes.is_none() && field == "secretSeed" {
+            continue;
+        }
+        let key = match bytes.as_ref().map(|b| b.len()) {
+            Some(32) => bytes
+                .as_ref()
+                .and_then(|b| Hotkey::from_mini_secret(b).ok()),
+            Some(64) => bytes
+                .as_ref()
+                .and_then(|b| Hotkey::from_secret_key_bytes(b).ok()),
+            _ => None,
+        };
+        note(field, key.map(|k| k.public_key()));
+    }
+    for field in ["publicKey", "accountId"] {
+        if let Some(s) = text(field) {
+            note(field, unhex(s).and_then(|b| <[u8; 32]>::try_from(b).ok()));
+        }
+    }
+    if let Some(s) = text("ss58Address") {
+        note("ss58Address", ss58_decode(s).ok().map(|(_, k)| k));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -798,6 +915,26 @@ mod tests {
         let sk = hex::encode(hk.secret_key_bytes().as_slice());
         assert!(!dbg.contains(&sk[..16]));
         assert!(dbg.contains(&hk.ss58()));
+    }
+
+    #[test]
+    fn a_phrase_gives_substrates_mini_secret() {
+        // tests/vectors/keys/keypairs.json: dev_root and wallet_hotkey (bittensor-wallet).
+        for (phrase, seed) in [
+            (
+                "bottom drive obey lake curtain smoke basket hold race lonely fit walk",
+                "fac7959dbfe72f052e5a0c3c8d6530f202b02fd8f9f5ca3580ec8deb7797479e",
+            ),
+            (
+                "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about",
+                "4ed8d4b17698ddeaa1f1559f152f87b5d472f725ca86d341bd0276f1b61197e2",
+            ),
+        ] {
+            let mini = mini_secret_from_phrase(phrase).unwrap();
+            assert_eq!(hex::encode(mini.as_slice()), seed);
+        }
+        assert!(mini_secret_from_phrase("abandon abandon abandon").is_none());
+        assert!(mini_secret_from_phrase("").is_none());
     }
 
     #[test]

@@ -7,14 +7,16 @@
 //!   [`ss58_decode_prefix_42`] (used for a validator's own hotkey) rejects other prefixes,
 //!   which bittensor-wallet accepts; [`ss58_decode`] (used for the pinned master) does not.
 //! * `engy-sn53/wallet/v1` + the real `wallets/` directory (copied to a temp root): every
-//!   hotkey loads (including `utf8seed`, which bittensor-wallet itself cannot read back), its
-//!   signatures verify, and public-only / encrypted / tampered / world-readable files behave.
+//!   hotkey loads (including `utf8seed`, which bittensor-wallet itself cannot read back) from
+//!   the field bittensor-wallet reads (phrase, then hex seed, then privateKey), its
+//!   signatures verify, and public-only / encrypted / edited / world-readable files behave:
+//!   an edited public field is reported, never used to pick the key.
 
 use std::path::{Path, PathBuf};
 
 use engy_core::keys::{
     load_hotkey, ss58_decode, ss58_decode_prefix_42, ss58_encode, ss58_encode_with_prefix,
-    verify_signature, Hotkey, Ss58Error, WalletError,
+    verify_signature, Disagreement, Hotkey, Ss58Error, WalletError,
 };
 use serde_json::Value;
 
@@ -264,10 +266,19 @@ fn wallet_vectors() {
             let pk = hex32(h["public_key_hex"].as_str().unwrap());
             assert_eq!(lh.hotkey.public_key(), pk, "{file}");
             assert_eq!(lh.hotkey.ss58(), h["ss58_address"].as_str().unwrap());
-            assert_eq!(lh.source_field, "privateKey");
+            let raw: Value = serde_json::from_slice(&std::fs::read(&hot_path).unwrap()).unwrap();
+            // bittensor-wallet 4.1.1's order; a raw-byte secretSeed is skipped (utf8seed).
+            let source = if raw.get("secretPhrase").is_some_and(Value::is_string) {
+                "secretPhrase"
+            } else if h["secretSeed_is_hex"] == true {
+                "secretSeed"
+            } else {
+                "privateKey"
+            };
+            assert_eq!(lh.source_field, source, "{file}");
+            assert!(lh.disagreeing.is_empty(), "{file}: {:?}", lh.disagreeing);
             assert!(!lh.insecure_permissions, "{file} is 0600");
             let dbg = format!("{lh:?}");
-            let raw: Value = serde_json::from_slice(&std::fs::read(&hot_path).unwrap()).unwrap();
             let secrets: Vec<String> = ["privateKey", "secretSeed", "secretPhrase"]
                 .iter()
                 .filter_map(|f| raw.get(*f).and_then(Value::as_str))
@@ -303,57 +314,64 @@ fn wallet_vectors() {
                 chmod(&hot_path, 0o600);
             }
 
-            // Tampered public key: refuse.
+            // An edited public field: the key is still the one bittensor-wallet loads, and
+            // the field is reported.
             let mut tampered = raw.clone();
             let mut other = pk;
             other[0] ^= 1;
-            tampered["publicKey"] = Value::String(format!("0x{}", hex::encode(other)));
             let tp = root.join(wallet).join("hotkeys").join("tampered");
-            std::fs::write(&tp, serde_json::to_vec(&tampered).unwrap()).unwrap();
-            let err = load_hotkey(&root, wallet, "tampered").unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    WalletError::KeyMismatch {
-                        field: "publicKey",
-                        ..
-                    }
-                ),
-                "{err}"
-            );
-            assert_no_secret(&err, &secrets);
-            // Wrong ss58Address: refuse.
-            let mut tampered = raw.clone();
-            tampered["ss58Address"] = Value::String(ss58_encode(&other));
-            std::fs::write(&tp, serde_json::to_vec(&tampered).unwrap()).unwrap();
-            let err = load_hotkey(&root, wallet, "tampered").unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    WalletError::KeyMismatch {
-                        field: "ss58Address",
-                        ..
-                    }
-                ),
-                "{err}"
-            );
-            // Corrupt privateKey hex: a field error that does not echo the value.
-            let mut tampered = raw.clone();
+            for field in ["publicKey", "ss58Address"] {
+                let mut t = raw.clone();
+                t[field] = Value::String(if field == "ss58Address" {
+                    ss58_encode(&other)
+                } else {
+                    format!("0x{}", hex::encode(other))
+                });
+                std::fs::write(&tp, serde_json::to_vec(&t).unwrap()).unwrap();
+                let lh = load_hotkey(&root, wallet, "tampered").unwrap();
+                assert_eq!(lh.hotkey.public_key(), pk, "{file} {field}");
+                // An invalid Ristretto point still names an address; it only must differ.
+                assert_eq!(
+                    lh.disagreeing,
+                    vec![Disagreement {
+                        field,
+                        ss58: Some(ss58_encode(&other))
+                    }],
+                    "{file} {field}"
+                );
+            }
+            // Corrupt privateKey hex: an error where privateKey is the key's field (not
+            // echoing the value), a reported field where it is not.
             let bad_priv = format!("0x{}zz", &secrets[0][..secrets[0].len() - 2]);
             tampered["privateKey"] = Value::String(bad_priv);
             std::fs::write(&tp, serde_json::to_vec(&tampered).unwrap()).unwrap();
-            let err = load_hotkey(&root, wallet, "tampered").unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    WalletError::BadField {
-                        field: "privateKey",
-                        ..
-                    }
-                ),
-                "{err}"
-            );
-            assert_no_secret(&err, &secrets);
+            match load_hotkey(&root, wallet, "tampered") {
+                Err(err) => {
+                    assert_eq!(source, "privateKey", "{file}: {err}");
+                    assert!(
+                        matches!(
+                            err,
+                            WalletError::BadField {
+                                field: "privateKey",
+                                ..
+                            }
+                        ),
+                        "{err}"
+                    );
+                    assert_no_secret(&err, &secrets);
+                }
+                Ok(lh) => {
+                    assert_ne!(source, "privateKey", "{file}");
+                    assert_eq!(lh.hotkey.public_key(), pk);
+                    assert_eq!(
+                        lh.disagreeing,
+                        vec![Disagreement {
+                            field: "privateKey",
+                            ss58: None
+                        }]
+                    );
+                }
+            }
             std::fs::remove_file(&tp).unwrap();
             loaded += 1;
         }

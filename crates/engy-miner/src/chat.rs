@@ -159,12 +159,19 @@ impl Prompter {
     /// Render the prompt text for OpenAI `messages` (`[{role, content}, …]`).
     ///
     /// # Errors
-    /// [`ChatError::Messages`] when `messages` is not a list of objects with a string
-    /// `role`; [`ChatError::Render`] when the template raises.
+    /// [`ChatError::Messages`] when `messages` is not a non-empty list of objects with a
+    /// string `role`; [`ChatError::Render`] when the template raises.
     pub fn render(&self, messages: &Value) -> Result<String, ChatError> {
         let list = messages
             .as_array()
             .ok_or_else(|| ChatError::Messages("messages must be a list".into()))?;
+        // Production's apply_chat_template fails on an empty conversation (docs/PROTOCOL.md
+        // §3.1): nothing is generated for it here either.
+        if list.is_empty() {
+            return Err(ChatError::Messages(
+                "messages is empty: a chat request needs at least one message".into(),
+            ));
+        }
         let mut msgs = Vec::with_capacity(list.len());
         for (i, m) in list.iter().enumerate() {
             let role = m

@@ -1,32 +1,79 @@
 //! `engy-miner check`: the operator's preflight. Prints one `ok`/`FAIL` line per check, each
-//! FAIL with its fix; exits 1 if anything failed.
+//! FAIL with its fix, and a summary line; exits 1 if anything failed. Under `--log-format
+//! json` it prints one JSON object instead (docs/MINER.md "Preflight"):
+//! `{"passed": bool, "failed": n, "checks": [{"check", "ok", "detail", "fix"?}], "build"}`.
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use engy_core::toploc::{build_proofs_base64, verify_proofs_base64, Dtype, Params};
+use engy_telemetry::log::LogFormat;
 use serde_json::{json, Value};
 
 use crate::config::Opts;
 use crate::scan::{scan_reply, HiddenMode};
 
+/// The checks so far: printed as they come in text mode, collected for one object in JSON.
 struct Report {
+    format: LogFormat,
     failed: usize,
+    checks: Vec<Value>,
 }
 
 impl Report {
+    fn new(format: LogFormat) -> Self {
+        Self {
+            format,
+            failed: 0,
+            checks: Vec::new(),
+        }
+    }
     fn ok(&mut self, what: &str, detail: impl std::fmt::Display) {
-        println!("ok   {what}: {detail}");
+        match self.format {
+            LogFormat::Text => println!("ok   {what}: {detail}"),
+            LogFormat::Json => self
+                .checks
+                .push(json!({"check": what, "ok": true, "detail": detail.to_string()})),
+        }
     }
     fn fail(&mut self, what: &str, detail: impl std::fmt::Display, fix: &str) {
         self.failed += 1;
-        println!("FAIL {what}: {detail}\n     fix: {fix}");
+        match self.format {
+            LogFormat::Text => println!("FAIL {what}: {detail}\n     fix: {fix}"),
+            LogFormat::Json => self.checks.push(
+                json!({"check": what, "ok": false, "detail": detail.to_string(), "fix": fix}),
+            ),
+        }
+    }
+    /// The summary (text) or the whole report (JSON), and the exit code.
+    fn finish(self) -> ExitCode {
+        match self.format {
+            LogFormat::Text if self.failed == 0 => println!("all checks passed"),
+            LogFormat::Text => println!("{} check(s) failed", self.failed),
+            LogFormat::Json => {
+                let b = engy_telemetry::build_info::BUILD;
+                println!(
+                    "{}",
+                    json!({
+                        "passed": self.failed == 0,
+                        "failed": self.failed,
+                        "checks": self.checks,
+                        "build": {"version": b.version, "commit": b.commit, "dirty": b.dirty_flag()},
+                    })
+                );
+            }
+        }
+        if self.failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
     }
 }
 
 /// Run every check; the exit code is 1 when any failed.
 pub async fn run(opts: &Opts) -> ExitCode {
-    let mut r = Report { failed: 0 };
+    let mut r = Report::new(opts.log_format);
     let mut hidden = None;
     match &opts.checkpoint {
         None => r.fail(
@@ -75,7 +122,7 @@ pub async fn run(opts: &Opts) -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             r.fail("http client", e, "report this");
-            return ExitCode::FAILURE;
+            return r.finish();
         }
     };
     for serve in opts.serve_urls() {
@@ -91,6 +138,9 @@ pub async fn run(opts: &Opts) -> ExitCode {
         ),
     }
     if let Err(e) = opts.validate() {
+        r.fail("settings", &e, "see docs/MINER.md \"Configuration\"");
+    }
+    if let Some(Err(e)) = hidden.map(|h| opts.validate_topk(h)) {
         r.fail("settings", &e, "see docs/MINER.md \"Configuration\"");
     }
     match opts.gw.as_deref().filter(|g| !g.is_empty()) {
@@ -130,13 +180,7 @@ pub async fn run(opts: &Opts) -> ExitCode {
             }
         }
     }
-    if r.failed == 0 {
-        println!("all checks passed");
-        ExitCode::SUCCESS
-    } else {
-        println!("{} check(s) failed", r.failed);
-        ExitCode::FAILURE
-    }
+    r.finish()
 }
 
 /// How long the start-up probe waits for one serve's `/get_model_info`.

@@ -35,7 +35,7 @@ impl std::str::FromStr for Secret {
 /// Exit codes: 0 = stopped cleanly (SIGTERM/SIGINT) or another instance already runs on this
 /// node; 1 = runtime failure (or a FAIL in `check`); 2 = bad configuration.
 #[derive(Parser, Debug)]
-#[command(name = "engy-miner", version, about, long_about = None)]
+#[command(name = "engy-miner", version = engy_telemetry::build_info::LONG_VERSION, about, long_about = None)]
 pub struct Cli {
     /// What to do (default: run the miner).
     #[command(subcommand)]
@@ -282,6 +282,12 @@ impl Opts {
                 "must be at least 1: it caps every request's output and is advertised to the gateway (--max-output-tokens, default 32768)",
             ));
         }
+        if self.max_input_tokens == 0 {
+            return Err(bad(
+                "MAX_INPUT_TOKENS",
+                "must be at least 1: it is the prompt size advertised to the gateway in HELLO, and 0 would route this miner nothing (--max-input-tokens, default 229376)",
+            ));
+        }
         if !positive(self.max_request_s) {
             return Err(bad(
                 "MAX_REQUEST_S",
@@ -298,6 +304,12 @@ impl Opts {
                     format!("must be a number of seconds above 0, got {s} (--serve-http-s; unset = MAX_REQUEST_S)"),
                 ));
             }
+        }
+        if self.gw_workers == Some(0) {
+            return Err(bad(
+                "ENGY_GW_WORKERS",
+                "must be at least 1, the gateway's worker count; unset it to ask the gateway's /meta (--gw-workers)",
+            ));
         }
         if self.max_response_mb == Some(0) {
             return Err(bad(
@@ -340,6 +352,31 @@ impl Opts {
             if v == 0 {
                 return Err(bad(var, "must be at least 1"));
             }
+        }
+        Ok(())
+    }
+}
+
+impl Opts {
+    /// TOPLOC_TOPK against the checkpoint's `hidden_size`, checked once the checkpoint is
+    /// read: a full proof batch holds `TOPLOC_DBS` rows of `hidden_size` values, and top-k
+    /// cannot exceed the values it picks from (toploc 0.1.6 fails), so above
+    /// `TOPLOC_DBS × hidden_size` no proof could ever be built and every request would go
+    /// out with null proofs. Between `hidden_size` and that bound only a short last batch
+    /// (one row, say) gets a null proof, as in the reference (docs/PROTOCOL.md §5).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming TOPLOC_TOPK with the bound.
+    pub fn validate_topk(&self, hidden_size: usize) -> Result<(), ConfigError> {
+        let full_batch = hidden_size.saturating_mul(self.toploc_dbs);
+        if self.toploc_topk > full_batch {
+            return Err(bad(
+                "TOPLOC_TOPK",
+                format!(
+                    "{} is more than the {full_batch} values of a full proof batch (TOPLOC_DBS {} × hidden_size {hidden_size} of config.json): no proof could be built and every request would go out with null proofs; set TOPLOC_TOPK to at most {hidden_size} (default 128, --toploc-topk)",
+                    self.toploc_topk, self.toploc_dbs
+                ),
+            ));
         }
         Ok(())
     }

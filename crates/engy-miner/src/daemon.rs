@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use engy_telemetry::log::LogFormat;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, secs, Opts};
@@ -14,10 +15,16 @@ use crate::{chat, check, gateway, hw, serve, worker_name};
 /// Exit code for a bad configuration.
 pub const EXIT_CONFIG: u8 = 2;
 
-/// Print a configuration error once and give exit code 2.
-pub fn config_error(msg: impl std::fmt::Display) -> ExitCode {
-    // Printed once, whatever RUST_LOG says (not also logged: both go to stderr).
-    eprintln!("engy-miner: {msg}");
+/// Print a fatal error once on stderr, whatever RUST_LOG says (not also logged: both go to
+/// stderr): `engy-miner: <msg>`, or one JSON object under `--log-format json`
+/// ([`engy_telemetry::log::fatal`]); the process then exits with `exit_code`.
+pub fn fatal(format: LogFormat, msg: impl std::fmt::Display, exit_code: u8) {
+    engy_telemetry::log::fatal(format, "engy-miner", &msg.to_string(), exit_code);
+}
+
+/// Print a configuration error once ([`fatal`]) and give exit code 2.
+pub fn config_error(format: LogFormat, msg: impl std::fmt::Display) -> ExitCode {
+    fatal(format, msg, EXIT_CONFIG);
     ExitCode::from(EXIT_CONFIG)
 }
 
@@ -26,27 +33,30 @@ pub fn config_error(msg: impl std::fmt::Display) -> ExitCode {
 /// code is the documented one (docs/MINER.md): 0 stopped cleanly or another instance runs,
 /// 1 runtime failure, 2 bad configuration.
 pub async fn run(opts: Opts) -> ExitCode {
+    let f = opts.log_format;
     let Some(gw) = opts.gw.clone().filter(|g| !g.is_empty()) else {
         return config_error(
+            f,
             "GW is not set: export GW=wss://<gateway-host>/gw (the gateway websocket URL)",
         );
     };
     if let Err(e) = crate::check_gw(&gw) {
-        return config_error(e);
+        return config_error(f, e);
     }
     let Some(miner_key) = opts.miner_key.clone().filter(|k| !k.expose().is_empty()) else {
         return config_error(
+            f,
             "MINER_KEY is not set: export MINER_KEY=<your miner key> (it is never logged)",
         );
     };
     let Some(checkpoint) = opts.checkpoint.clone() else {
-        return config_error("--checkpoint / CHECKPOINT is not set: the model folder with tokenizer.json and config.json");
+        return config_error(f, "--checkpoint / CHECKPOINT is not set: the model folder with tokenizer.json and config.json");
     };
     if opts.serve_urls().is_empty() {
-        return config_error("--serve-url / SERVE_URL is empty");
+        return config_error(f, "--serve-url / SERVE_URL is empty");
     }
     if let Err(e) = opts.validate() {
-        return config_error(e);
+        return config_error(f, e);
     }
     // One miner per node (§2.3): a second instance says so and exits 0.
     let lock_file = match std::fs::OpenOptions::new()
@@ -57,10 +67,13 @@ pub async fn run(opts: Opts) -> ExitCode {
     {
         Ok(f) => f,
         Err(e) => {
-            return config_error(format!(
-                "cannot open the lock file {}: {e}",
-                opts.lock_file.display()
-            ))
+            return config_error(
+                f,
+                format!(
+                    "cannot open the lock file {}: {e}",
+                    opts.lock_file.display()
+                ),
+            )
         }
     };
     let mut lock = fd_lock::RwLock::new(lock_file);
@@ -74,14 +87,17 @@ pub async fn run(opts: Opts) -> ExitCode {
     // The checkpoint must be able to serve before HELLO announces it (CHECKPOINT).
     let ckpt = match Checkpoint::load(&checkpoint) {
         Ok(c) => c,
-        Err(e) => return config_error(e),
+        Err(e) => return config_error(f, e),
     };
+    if let Err(e) = opts.validate_topk(ckpt.hidden) {
+        return config_error(f, e);
+    }
     // Metrics (off unless --metrics-addr): bound now, so a bad address is a start-up error.
     let metrics = Arc::new(Metrics::new());
     let shutdown = CancellationToken::new();
     let metrics_addr = match opts.metrics_socket() {
         Ok(a) => a,
-        Err(e) => return config_error(e),
+        Err(e) => return config_error(f, e),
     };
     let _metrics_server = match metrics_addr {
         None => None,
@@ -97,7 +113,9 @@ pub async fn run(opts: Opts) -> ExitCode {
                     tracing::info!(addr = %s.local_addr(), "metrics at http://{}/metrics", s.local_addr());
                     Some(s)
                 }
-                Err(e) => return config_error(format!("ENGY_METRICS_ADDR: {e} (--metrics-addr)")),
+                Err(e) => {
+                    return config_error(f, format!("ENGY_METRICS_ADDR: {e} (--metrics-addr)"))
+                }
             }
         }
     };
@@ -108,6 +126,13 @@ pub async fn run(opts: Opts) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// HELLO's `versions` (docs/PROTOCOL.md §2, §9): `{"engy-miner": "<version>", "commit":
+/// "<git sha or unknown>", "dirty": true | false | null}` from [`engy_telemetry::build_info`].
+pub fn hello_versions() -> serde_json::Value {
+    let b = engy_telemetry::build_info::BUILD;
+    serde_json::json!({"engy-miner": b.version, "commit": b.commit, "dirty": b.dirty_flag()})
 }
 
 /// What start-up needs from the checkpoint folder, each part proven to work.
@@ -187,7 +212,7 @@ async fn serve(
         model: opts.model.clone(),
         model_root: model_root.clone(),
         hw: hw.clone(),
-        versions: serde_json::json!({"engy-miner": env!("CARGO_PKG_VERSION")}),
+        versions: hello_versions(),
         worker_name: worker_name.clone(),
         worker_id: uuid::Uuid::new_v4().simple().to_string(),
         max_inflight_total: opts.max_inflight.max(1),
@@ -204,7 +229,8 @@ async fn serve(
         serves = %opts.serve_urls().join(", "), workers = n,
         legs = %workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", "), leg_inflight = per_leg,
         total_inflight = per_leg * workers.len() as u64, worker_name = %worker_name,
-        hidden_size = hidden, reply_cap_mb = reply_cap >> 20, "dialing the gateway"
+        hidden_size = hidden, reply_cap_mb = reply_cap >> 20,
+        version = engy_telemetry::build_info::LONG_VERSION, "dialing the gateway"
     );
     tracing::info!(hw = %hw, "hardware");
     let hub = gateway::Hub::new(identity, engine, metrics);

@@ -9,7 +9,9 @@
 //!   batches);
 //! * `engy_miner_inflight`: requests being served, all legs;
 //! * `engy_miner_legs_connected`: legs whose session is up (HELLO sent);
-//! * `engy_miner_reconnects_total`: re-dials after a session ended or a dial failed.
+//! * `engy_miner_reconnects_total`: re-dials after a session ended or a dial failed;
+//! * `engy_miner_build_info{version,commit,dirty}`: always 1, the running build
+//!   ([`engy_telemetry::build_info`]).
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,6 +81,7 @@ impl Metrics {
         let legs_connected = Gauge::default();
         let reconnects = Counter::default();
         let mut r = Registry::with_prefix("engy_miner");
+        engy_telemetry::build_info::register(&mut r, &engy_telemetry::build_info::BUILD);
         r.register(
             "requests",
             "Gateway serve frames by how they ended",

@@ -343,3 +343,26 @@ async fn the_miner_key_is_in_no_log_at_trace_level() {
     assert!(!log.contains(KEY), "MINER_KEY in the log");
     terminate_idle(m).await;
 }
+
+/// `messages: []` (and a request without `messages`, which production reads as `[]`) is an
+/// error `response` as in production (issue 21 item 11): nothing is generated for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_messages_get_an_error_response_as_in_production() {
+    let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
+    let _m = fx.miner(&[]);
+    let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
+    for (corr, req) in [
+        ("empty", json!({"messages": [], "max_tokens": 4})),
+        ("absent", json!({"max_tokens": 4})),
+    ] {
+        assert!(fx.gw.serve(leg, corr, req, false));
+        let resp = fx.gw.wait_response(corr, T).await.expect("response");
+        let error = resp["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{corr}: {resp}"));
+        assert!(error.contains("messages"), "{corr}: {error}");
+        assert!(resp["commitment"].is_null(), "{resp}");
+    }
+    assert!(fx.sglang.generate_log().is_empty(), "nothing was generated");
+    assert_wire_frames(&fx);
+}

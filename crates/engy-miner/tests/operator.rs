@@ -9,25 +9,6 @@ use std::process::{Command, Stdio};
 use common::*;
 use engy_devnet::sglang::SglangConfig;
 
-/// The miner with exactly these variables (plus PATH), stdout/stderr captured.
-fn miner_cmd(vars: &[(&str, &str)], args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_engy-miner"));
-    cmd.args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("RUST_LOG", "info");
-    for (k, v) in vars {
-        cmd.env(k, v);
-    }
-    cmd
-}
-
-/// A 127.0.0.1 port nothing listens on (bound, then released).
-fn closed_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 #[test]
 fn configuration_errors_are_printed_once_without_colour_codes() {
     let out = miner_cmd(&[], &[]).output().unwrap();
@@ -91,7 +72,7 @@ fn a_gw_the_miner_cannot_extend_is_refused_without_echoing_it() {
 #[tokio::test]
 async fn check_names_the_cause_of_an_unreachable_serve() {
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let serve = format!("http://127.0.0.1:{}", closed_port());
+    let serve = format!("http://127.0.0.1:{}", free_port());
     let ckpt = fx.ckpt();
     let gw = fx.gw.url();
     let vars = [
@@ -157,7 +138,7 @@ async fn sigterm_during_start_up_exits_zero() {
 async fn an_unreachable_serve_is_one_start_up_warning_and_the_miner_runs() {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let dead = format!("http://127.0.0.1:{}", free_port());
     let good = fx.sglang.url();
     let serves = format!("{good},{dead}");
     let (ckpt, gw, lock) = (fx.ckpt(), fx.gw.url(), fx.lock());

@@ -9,12 +9,6 @@ use common::*;
 use engy_devnet::sglang::{Fault, SglangConfig};
 use serde_json::Value;
 
-/// A 127.0.0.1 port nothing listens on (bound, then released).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 async fn scrape(addr: &str) -> String {
     let r = reqwest::get(format!("http://{addr}/metrics"))
         .await
@@ -92,15 +86,7 @@ async fn metrics_count_requests_by_outcome_legs_and_reconnects() {
 
     // The gateway drops the leg: the miner re-dials.
     assert!(fx.gw.drop_conn(leg));
-    fx.gw
-        .wait_for(T, |_, conns| {
-            conns
-                .iter()
-                .any(|c| c.id != leg && c.alive && c.hello.is_some())
-                .then_some(())
-        })
-        .await
-        .expect("re-dialed");
+    wait_redialed(&fx.gw, leg).await;
     let text = scrape(&addr).await;
     assert_eq!(sample(&text, "engy_miner_reconnects_total"), 1.0);
     assert_eq!(sample(&text, "engy_miner_legs_connected"), 1.0);

@@ -6,11 +6,16 @@
 //!   an error naming that variable, never silently replaced by the default.
 //! * [`metrics`]: the Prometheus scrape endpoint behind a daemon's `--metrics-addr` (off by
 //!   default), serving a [`prometheus_client`] registry the daemon fills with its own metrics.
+//! * [`build_info`]: the running build (version, git commit, dirty flag) for `--version`,
+//!   `health`, the miner's HELLO and the `<prefix>_build_info` metric.
+//! * [`cli`]: clap usage errors that name the variable the operator set.
 //!
 //! The daemons own their metric names and flags; this crate owns only the plumbing, so both
 //! daemons log and expose metrics the same way (docs/VALIDATOR.md, docs/MINER.md).
 #![deny(unsafe_code)]
 
+pub mod build_info;
+pub mod cli;
 pub mod log;
 pub mod metrics;
 

@@ -76,20 +76,19 @@ pub async fn run(s: &Settings) -> Report {
     let hotkey = match crate::wallet::load_hotkey(s) {
         Ok(l) => {
             r.ok(format!(
-                "wallet {}/{} loads and matches its address {} ({}, from {})",
+                "wallet {}/{} loads: hotkey {} ({}, key from {}, as bittensor-wallet reads it)",
                 s.wallet,
                 s.wallet_hotkey,
                 l.hotkey.ss58(),
                 l.path.display(),
                 l.source_field
             ));
-            if l.insecure_permissions {
-                r.ok(format!(
-                    "(warning) hotkey file is readable by others (mode {:o}); fix: chmod 600 {}",
-                    l.mode.unwrap_or(0),
-                    l.path.display()
-                ));
-            }
+            let notes = crate::wallet::notes(&l);
+            notes.problems.into_iter().for_each(|p| r.fail(p));
+            notes
+                .notes
+                .into_iter()
+                .for_each(|n| r.ok(format!("(warning) {n}")));
             Some(l.hotkey)
         }
         Err(e) => {

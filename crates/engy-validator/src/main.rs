@@ -17,7 +17,7 @@ use engy_spec as spec;
 /// keeps it on chain with `SubtensorModule.set_weights`, resubmitting every
 /// ENGY_SN53_RESUBMIT_BLOCKS blocks. Every option can be set by its ENGY_SN53_* variable.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about)]
+#[command(version = engy_telemetry::build_info::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -103,16 +103,13 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let s = args.node.settings()?;
     let loaded = engy_validator::wallet::load_hotkey(&s)
         .with_context(|| format!("wallet {}/{}", s.wallet, s.wallet_hotkey))?;
-    if loaded.insecure_permissions {
-        tracing::warn!(
-            "hotkey file {} is readable by others (mode {:o}); fix: chmod 600",
-            loaded.path.display(),
-            loaded.mode.unwrap_or(0)
-        );
+    let notes = engy_validator::wallet::notes(&loaded);
+    for line in notes.problems.iter().chain(&notes.notes) {
+        tracing::warn!("{line}");
     }
     tracing::info!(
         "engy-validator {} starting: hotkey {} (wallet {}/{}), netuid {}, chain {} ({}), api {}, master {}, poll {} s, resubmit every {} blocks, state {}, heartbeat {} (stall limit {} s)",
-        env!("CARGO_PKG_VERSION"),
+        engy_telemetry::build_info::LONG_VERSION,
         loaded.hotkey.ss58(),
         s.wallet,
         s.wallet_hotkey,
@@ -310,6 +307,8 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
+    // `health` names the build on a second line (docs/VALIDATOR.md).
+    let health = matches!(cli.command, Command::Health(_));
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Check(args) => (|| {
@@ -360,6 +359,12 @@ fn main() -> ExitCode {
         }
         Command::Spec(args) => spec::main(args),
     };
+    if health {
+        println!(
+            "{}",
+            engy_telemetry::build_info::BUILD.describe("engy-validator")
+        );
+    }
     match result {
         Ok(code) => code,
         Err(e) => {

@@ -6,7 +6,8 @@
 //! anything landing (`landings_total`, `last_landing_block`, `last_landing_age_seconds`,
 //! `blocks_since_landing` against `activity_cutoff`), why not (`chain_errors_total{kind}`,
 //! `provider_errors_total{kind}`), on which epoch (`epoch`) and runtime (`spec_version`,
-//! `transaction_version`), and under commit-reveal (`commits_total`, `reveals_total{result}`).
+//! `transaction_version`), under commit-reveal (`commits_total`, `reveals_total{result}`), and which build runs
+//! (`build_info{version,commit,dirty}`, always 1).
 //!
 //! Label values come only from the closed sets below ([`OUTCOMES`], [`CHAIN_ERROR_KINDS`]
 //! plus `dispatch:<Pallet>.<Error>` with metadata identifiers, [`PROVIDER_ERROR_KINDS`],
@@ -117,6 +118,7 @@ impl Metrics {
     pub fn register(registry: &mut Registry) -> Metrics {
         let m = Metrics::default();
         let r = registry.sub_registry_with_prefix("engy_validator");
+        engy_telemetry::build_info::register(r, &engy_telemetry::build_info::BUILD);
         r.register(
             "ticks",
             "Completed ticks by outcome (submitted, skipped, failed, nothing, replay, chain-down, committed, refused, rate-limited, reconciled, blocked, backing-off)",

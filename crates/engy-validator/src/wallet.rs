@@ -156,6 +156,56 @@ pub fn load_hotkey(s: &Settings) -> Result<LoadedHotkey, HotkeyError> {
     }
 }
 
+/// What an operator must be told about a loaded hotkey besides its address
+/// (docs/SECURITY.md "Hotkey files"): `problems` fail `check` and are WARN lines of `run`
+/// (which still starts: a restart would fix nothing); `notes` are said by both.
+#[derive(Debug, Default)]
+pub struct HotkeyNotes {
+    /// The file is readable by group or others.
+    pub problems: Vec<String>,
+    /// A symlink followed; fields of the file that name another key than the one loaded.
+    pub notes: Vec<String>,
+}
+
+/// The [`HotkeyNotes`] of `l`.
+pub fn notes(l: &LoadedHotkey) -> HotkeyNotes {
+    let mut out = HotkeyNotes::default();
+    let file = l.symlink_target.as_ref().unwrap_or(&l.path);
+    if l.insecure_permissions {
+        out.problems.push(format!(
+            "hotkey file {} is readable by others (group or all users, mode {:o}): they can copy the key; fix: chmod 600 {} and run the validator as its owner (ENGY_SN53_UID/GID with compose)",
+            file.display(),
+            l.mode.unwrap_or(0),
+            file.display()
+        ));
+    }
+    if let Some(target) = &l.symlink_target {
+        out.notes.push(format!(
+            "hotkey file {} is a symlink to {} (followed, as bittensor-wallet does)",
+            l.path.display(),
+            target.display()
+        ));
+    }
+    if !l.disagreeing.is_empty() {
+        let others = l
+            .disagreeing
+            .iter()
+            .map(|d| match &d.ss58 {
+                Some(a) => format!("{} names {a}", d.field),
+                None => format!("{} does not decode", d.field),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        out.notes.push(format!(
+            "hotkey file {}: the key is {} from {}, which bittensor-wallet and btcli use too, but {others}; the file was edited or mixed up: re-create it with btcli (`btcli wallet regen-hotkey`) so every field names the same key",
+            l.path.display(),
+            l.hotkey.ss58(),
+            l.source_field
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

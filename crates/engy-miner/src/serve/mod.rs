@@ -186,7 +186,11 @@ impl Engine {
         if job.is_cancelled() {
             return Err(JobError::Cancelled);
         }
-        let messages = request.get("messages").cloned().unwrap_or(Value::Null);
+        // Absent reads as `[]`, as production reads it (refused: docs/PROTOCOL.md §3.1).
+        let messages = request
+            .get("messages")
+            .cloned()
+            .unwrap_or_else(|| Value::Array(Vec::new()));
         let prompter = Arc::clone(&self.prompter);
         let prompt_ids = tokio::task::spawn_blocking(move || prompter.prompt_ids(&messages))
             .await

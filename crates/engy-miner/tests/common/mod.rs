@@ -15,7 +15,48 @@ use engy_devnet::sglang::{Element, GenerateRecord, SglangConfig, SglangDouble};
 use serde_json::{json, Value};
 
 pub const T: Duration = Duration::from_secs(60);
+
+/// The binary under test: `ENGY_MINER_BIN` when set (a copy that a shared target directory
+/// cannot swap mid-run), else the one cargo built for this test.
+pub fn miner_bin() -> String {
+    std::env::var("ENGY_MINER_BIN")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_engy-miner").to_owned())
+}
 pub const KEY: &str = "mk-test-secret-4f9a";
+
+/// A 127.0.0.1 port nothing listens on (bound, then released).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// The miner binary with exactly these variables (plus PATH, RUST_LOG=info), no stdin.
+pub fn miner_cmd(vars: &[(&str, &str)], args: &[&str]) -> Command {
+    let mut cmd = Command::new(miner_bin());
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Wait (bounded by [`T`]) until a leg other than `dropped` has a live session again.
+pub async fn wait_redialed(gw: &GatewayDouble, dropped: u64) {
+    gw.wait_for(T, |_, conns| {
+        conns
+            .iter()
+            .any(|c| c.id != dropped && c.alive && c.hello.is_some())
+            .then_some(())
+    })
+    .await
+    .expect("re-dialed");
+}
 
 pub struct Fixture {
     pub dir: tempfile::TempDir,
@@ -61,7 +102,7 @@ impl Fixture {
             .dir
             .path()
             .join(format!("miner-{}.log", uuid::Uuid::new_v4().simple()));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_engy-miner"));
+        let mut cmd = Command::new(miner_bin());
         cmd.env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("RUST_LOG", "info")
