@@ -171,7 +171,7 @@ check_image() {
   [ "$got" = "[CMD /usr/local/bin/engy-$name health]" ] || fail "engy-$name HEALTHCHECK is '$got'"
   got="$(podman run --rm --no-healthcheck --network none "$image" --version)"
   say "engy-$name --version: $got"
-  case "$got" in "engy-$name $VERSION"*) ;; *) fail "engy-$name --version is '$got', want 'engy-$name $VERSION…'" ;; esac
+  case "$got" in "engy-$name $VERSION (commit $COMMIT, dirty="*) ;; *) fail "engy-$name --version is '$got', want 'engy-$name $VERSION (commit $COMMIT, dirty=…)': the binaries are not a build of this checkout" ;; esac
 }
 
 # The validator's state folder: world-writable with the sticky bit, so any uid can write it.
