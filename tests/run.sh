@@ -9,6 +9,8 @@
 #   ENGY_SHARED_DIR      the shared folder beside the project (default: ../shared)
 #   ENGY_CHAIN_PORT      port for the local chain (default 19944)
 #   ENGY_SUBTENSOR_URL   use an already running chain instead of starting one
+#   ENGY_SUBTENSOR293_URL  a running spec 293 chain (../shared/chain293) for the runtime-change
+#                        step of the validator's chain tests; started on PORT+1 when unset
 #   ENGY_NO_CHAIN=1      do not start a chain (chain tests then print a visible skip)
 #   ENGY_TF5_PYTHON      a python with torch + transformers 5.24: also run the real-shape
 #                        check of engy-model against transformers (tests/reverse/arch_real_shape.py,
@@ -21,7 +23,10 @@ cd "$ROOT"
 export ENGY_SHARED_DIR="${ENGY_SHARED_DIR:-$(cd "$ROOT/.." && pwd)/shared}"
 PORT="${ENGY_CHAIN_PORT:-19944}"
 HARNESS="$ENGY_SHARED_DIR/chain"
+HARNESS293="$ENGY_SHARED_DIR/chain293"
+PORT293=$((PORT + 1))
 STARTED=0
+STARTED293=0
 
 say() { echo "[tests/run.sh] $*" >&2; }
 
@@ -29,6 +34,10 @@ stop_chain() {
   if [ "$STARTED" = 1 ]; then
     say "stopping the local chain on port $PORT"
     bash "$HARNESS/stop-subtensor.sh" "$PORT" >&2 || true
+  fi
+  if [ "$STARTED293" = 1 ]; then
+    say "stopping the spec 293 chain on port $PORT293"
+    bash "$HARNESS293/stop-subtensor.sh" "$PORT293" >&2 || true
   fi
 }
 trap stop_chain EXIT
@@ -42,6 +51,12 @@ elif [ -f "$HARNESS/start-subtensor.sh" ] && command -v node >/dev/null && comma
   bash "$HARNESS/start-subtensor.sh" "$PORT" --restart >&2
   STARTED=1
   export ENGY_SUBTENSOR_URL="ws://127.0.0.1:$PORT"
+  if [ -z "${ENGY_SUBTENSOR293_URL:-}" ] && [ -f "$HARNESS293/start-subtensor.sh" ]; then
+    say "starting the spec 293 runtime (chopsticks) on 127.0.0.1:$PORT293 (runtime-change test)"
+    bash "$HARNESS293/start-subtensor.sh" "$PORT293" --restart >&2
+    STARTED293=1
+    export ENGY_SUBTENSOR293_URL="ws://127.0.0.1:$PORT293"
+  fi
 else
   say "no chain harness at $HARNESS (or no node/npm): chain tests will be skipped"
 fi

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use engy_model::audit::{audit, AuditParams, AuditReport, Verdict};
+use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict};
 use engy_model::{LoadOptions, Model, Residency};
 
 /// Arguments of `engy-audit audit`.
@@ -46,6 +46,32 @@ pub struct AuditArgs {
     /// used; faster for repeated passes, 4 bytes per parameter.
     #[arg(long)]
     pub resident: bool,
+    /// The activation dtype(s) of the recompute: `auto` recomputes in bf16 (as GPU serves
+    /// compute) and, when that does not pass, in f32, and passes when either does
+    /// (docs/AUDITOR.md "bf16 and f32 recomputes"); `bf16` or `f32` run only that one.
+    #[arg(long, env = "ENGY_AUDIT_RECOMPUTE", value_enum, default_value_t = RecomputeArg::Auto)]
+    pub recompute: RecomputeArg,
+}
+
+/// `--recompute` values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecomputeArg {
+    /// bf16, then f32 when bf16 does not pass.
+    Auto,
+    /// bf16 only.
+    Bf16,
+    /// f32 only.
+    F32,
+}
+
+impl From<RecomputeArg> for Recompute {
+    fn from(a: RecomputeArg) -> Self {
+        match a {
+            RecomputeArg::Auto => Recompute::Auto,
+            RecomputeArg::Bf16 => Recompute::Bf16,
+            RecomputeArg::F32 => Recompute::F32,
+        }
+    }
 }
 
 const EXIT_PASS: u8 = 0;
@@ -132,7 +158,8 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
         .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
     let model_root = engy_core::identity::model_root(&args.checkpoint)
         .with_context(|| format!("model_root of {}", args.checkpoint.display()))?;
-    audit(&model, &model_root, &value, &params).context("recomputing hidden states")
+    audit_with(&model, &model_root, &value, &params, args.recompute.into())
+        .context("recomputing hidden states")
 }
 
 /// The text report: the verdict line first (so `| head -1` is the verdict), then the score
@@ -158,6 +185,30 @@ fn report_text(r: &AuditReport) -> String {
         r.params.toploc_v,
         r.params.toploc_p
     );
+    if let Some(c) = r.compute {
+        let tried: Vec<String> = r
+            .recomputes
+            .iter()
+            .map(|o| {
+                let ties = match o.dsa_ties {
+                    engy_model::arch::TieOrder::HigherFirst => " (DSA ties higher-first)",
+                    engy_model::arch::TieOrder::LowerFirst => "",
+                };
+                format!(
+                    "{}{ties} {} (max {} mismatches in a batch)",
+                    o.compute.label(),
+                    o.verdict,
+                    o.max_exp_mismatches
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            "recompute: {} reported; tried: {}",
+            c.label(),
+            tried.join(", ")
+        );
+    }
     let _ = writeln!(
         s,
         "prompt tokens {}, proven output rows {}, proof bytes {}",

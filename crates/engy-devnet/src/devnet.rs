@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use engy_model::audit::{audit, AuditParams, Verdict};
+use engy_model::audit::{audit_with, AuditParams, Recompute, Verdict};
 use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Precision};
 use serde_json::{json, Value};
 
@@ -44,7 +44,7 @@ pub struct DevnetOptions {
     /// Group size of the int4 cheat.
     pub int4_group: usize,
     /// Activation dtype of both serves ([`Compute::Bf16`] plays a bf16 GPU serve; the auditor
-    /// always computes in f32).
+    /// recomputes in bf16, then f32: [`Recompute::Auto`]).
     pub serve_compute: Compute,
     /// Audit thresholds (model spec defaults).
     pub audit: AuditParams,
@@ -372,7 +372,13 @@ async fn phase(
             let ck = Arc::clone(auditor);
             let params = opts.audit;
             let report = tokio::task::spawn_blocking(move || {
-                audit(&ck.model, &ck.model_root, &commitment, &params)
+                audit_with(
+                    &ck.model,
+                    &ck.model_root,
+                    &commitment,
+                    &params,
+                    Recompute::Auto,
+                )
             })
             .await
             .context("audit task")?

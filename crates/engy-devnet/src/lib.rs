@@ -4,6 +4,12 @@
 //! * [`gateway`]: the engy gateway (PROTOCOL.md §2), a websocket server that records every frame.
 //! * [`provider`]: the provider API (PROTOCOL.md §6), serving signed epoch payloads and faults.
 //! * [`sglang`]: sglang's native HTTP API (sglang-native-api.md) over a pluggable model backend.
+//! * [`chain_proxy`]: a websocket proxy in front of a real subtensor node that can refuse the
+//!   next extrinsic as the node's transaction pool does (ancient birth block, outdated).
+//!
+//! Beside them, [`container`]: the machine's container engine for the image tests.
+pub mod chain_proxy;
+pub mod container;
 pub mod devnet;
 pub mod devnet_backend;
 pub mod gateway;

@@ -2,11 +2,12 @@
 //! cross-language checks against transformers (`tests/reverse/arch_real_shape.py`).
 //!
 //! ```text
-//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT [--decode N]
+//! cargo run --release -p engy-model --example arch_hidden_states -- CHECKPOINT IDS OUT [--decode N] [--bf16]
 //! ```
 //!
 //! * `CHECKPOINT`: a folder with `config.json` and safetensors shards, loaded exactly as the
-//!   auditor loads it ([`engy_model::arch::load`], streaming residency, f32 compute).
+//!   auditor loads it ([`engy_model::arch::load`], streaming residency, f32 compute; with
+//!   `--bf16`, bf16 compute: the architecture's bf16 rounding points).
 //! * `IDS`: a safetensors file with I64 tensors `input_ids_0`, `input_ids_1`, … (shape `[T]`),
 //!   the schema of `tests/vectors/arch/*/reference.safetensors`; other tensors are ignored.
 //! * `OUT`: written as safetensors, F32: `hidden_<k>` `[T, hidden]` (the final norm's output)
@@ -24,13 +25,21 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use engy_model::{arch, LoadOptions, Residency};
+use engy_model::{arch, Compute, LoadOptions, Residency};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 fn main() -> ExitCode {
-    let usage = "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N]";
+    let usage =
+        "usage: arch_hidden_states CHECKPOINT IDS.safetensors OUT.safetensors [--decode N] [--bf16]";
     let mut args: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    let compute = match args.iter().position(|a| a.as_os_str() == "--bf16") {
+        Some(i) => {
+            args.remove(i);
+            Compute::Bf16
+        }
+        None => Compute::F32,
+    };
     let mut decode = 0;
     if let Some(i) = args.iter().position(|a| a.as_os_str() == "--decode") {
         match args
@@ -50,7 +59,7 @@ fn main() -> ExitCode {
         eprintln!("{usage}");
         return ExitCode::from(2);
     };
-    match run(checkpoint, ids, out, decode) {
+    match run(checkpoint, ids, out, decode, compute) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("arch_hidden_states: {e}");
@@ -99,10 +108,17 @@ fn le_bytes(t: &Tensor) -> Result<(Vec<usize>, Vec<u8>), String> {
     Ok((shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
 }
 
-fn run(checkpoint: &Path, ids: &Path, out: &Path, decode: usize) -> Result<(), String> {
+fn run(
+    checkpoint: &Path,
+    ids: &Path,
+    out: &Path,
+    decode: usize,
+    compute: Compute,
+) -> Result<(), String> {
     let seqs = read_ids(ids)?;
     let opts = LoadOptions {
         residency: Residency::Streaming,
+        compute,
         ..LoadOptions::default()
     };
     let t0 = Instant::now();

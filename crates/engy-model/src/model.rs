@@ -7,11 +7,12 @@
 //! hands to its logits processor for Llama/Qwen models and returns as `hidden_states`
 //! (sglang-native-api.md §2.6.1).
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use half::bf16;
 
-use crate::arch::{self, Architecture, Cache, LoadOptions, TextConfig};
+use crate::arch::{self, Architecture, Cache, LoadOptions, TextConfig, Weights};
 use crate::ModelError;
 
 /// How the checkpoint's weights are turned into the weights the forward pass uses.
@@ -61,7 +62,8 @@ pub fn quantize_int4(w: &mut [f32], cols: usize, group_size: usize) {
 }
 
 /// The dtype the forward pass computes activations in. Weights are stored in bf16 either way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Compute {
     /// f32 activations (the auditor, and the default serve): prefill and decode give
     /// bit-identical rows on CPU.
@@ -74,6 +76,14 @@ pub enum Compute {
 }
 
 impl Compute {
+    /// `f32` or `bf16`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Compute::F32 => "f32",
+            Compute::Bf16 => "bf16",
+        }
+    }
+
     /// Rounds `t` (f32) to the activation dtype: bf16 storage with f32 accumulation inside each
     /// operation, as GPU bf16 kernels do (candle's CPU matmul has no bf16 kernel).
     pub(crate) fn round(self, t: Tensor) -> candle_core::Result<Tensor> {
@@ -100,6 +110,9 @@ pub type KvCache = Cache;
 pub struct Model {
     arch: Box<dyn Architecture>,
     opts: LoadOptions,
+    /// The parsed config and opened weights it was loaded from ([`Model::open`]), so that
+    /// [`Model::with_compute`] can load a sibling over the same weights.
+    source: Option<(TextConfig, Arc<Weights>)>,
 }
 
 impl std::fmt::Debug for Model {
@@ -150,15 +163,67 @@ impl Model {
     /// # Errors
     /// As [`arch::load`].
     pub fn open(dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
+        let cfg = TextConfig::read(dir)?;
+        let weights = Arc::new(Weights::open(
+            dir,
+            cfg.quantization.as_ref(),
+            opts.precision,
+            opts.residency,
+        )?);
         Ok(Self {
-            arch: arch::load(dir, opts)?,
+            arch: arch::load_with(cfg.clone(), weights.clone(), opts)?,
             opts: *opts,
+            source: Some((cfg, weights)),
+        })
+    }
+
+    /// The same checkpoint and weights (shared, not reopened: with
+    /// [`Residency::Resident`](crate::Residency::Resident) the decoded weights are decoded once
+    /// for both) with activations computed in `compute`. The auditor uses it to recompute a
+    /// commitment in bf16 and in f32 ([`crate::audit::Recompute`]).
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] for a model made by [`Model::from_arch`] (it has no checkpoint to
+    /// reload), and the errors of the architecture's loader.
+    pub fn with_compute(&self, compute: Compute) -> Result<Self, ModelError> {
+        self.with_numerics(compute, self.opts.dsa_ties)
+    }
+
+    /// [`Model::with_compute`] that also sets the DSA tie order
+    /// ([`LoadOptions::dsa_ties`]).
+    ///
+    /// # Errors
+    /// As [`Model::with_compute`].
+    pub fn with_numerics(
+        &self,
+        compute: Compute,
+        dsa_ties: arch::TieOrder,
+    ) -> Result<Self, ModelError> {
+        let Some((cfg, weights)) = &self.source else {
+            return Err(ModelError::Config(
+                "a model wrapped with Model::from_arch cannot be reloaded in another compute dtype"
+                    .into(),
+            ));
+        };
+        let opts = LoadOptions {
+            compute,
+            dsa_ties,
+            ..self.opts
+        };
+        Ok(Self {
+            arch: arch::load_with(cfg.clone(), weights.clone(), &opts)?,
+            opts,
+            source: self.source.clone(),
         })
     }
 
     /// Wraps an already loaded architecture.
     pub fn from_arch(arch: Box<dyn Architecture>, opts: LoadOptions) -> Self {
-        Self { arch, opts }
+        Self {
+            arch,
+            opts,
+            source: None,
+        }
     }
 
     /// The checkpoint's config.
@@ -179,6 +244,11 @@ impl Model {
     /// The activation dtype.
     pub fn compute(&self) -> Compute {
         self.opts.compute
+    }
+
+    /// The options it was loaded with.
+    pub fn options(&self) -> LoadOptions {
+        self.opts
     }
 
     /// An empty cache for one sequence.

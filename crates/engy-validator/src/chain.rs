@@ -253,7 +253,7 @@ pub enum SubmitError {
     #[error("{0} (ExtrinsicFailed)")]
     DispatchOther(String),
     /// The transaction pool refused it (never in a block): RPC 1010 "Invalid Transaction".
-    #[error("pool rejected: Invalid Transaction {}{}", custom.map(|c| format!("Custom({c})")).unwrap_or_else(|| message.clone()), custom.and_then(custom_hint).map(|h| format!(" ({h})")).unwrap_or_default())]
+    #[error("pool rejected: Invalid Transaction {}{}", custom.map(|c| format!("Custom({c})")).unwrap_or_else(|| pool_reason(message).map(|(n, m)| format!("{n} ({m})")).unwrap_or_else(|| message.clone())), custom.and_then(custom_hint).map(|h| format!(" ({h})")).unwrap_or_default())]
     Pool {
         /// The `Custom(N)` code, when it is one.
         custom: Option<u8>,
@@ -295,6 +295,50 @@ impl SubmitError {
         )
     }
 
+    /// The failure's kind, a word of a small closed set for the `chain_errors_total{kind}`
+    /// metric (never the node's free text): `dispatch:<Pallet>.<Error>` (metadata
+    /// identifiers), `dispatch-other`, `ancient-birth-block`, `outdated`, `pool-rejected`,
+    /// `not-included`, `build`, `missing-call`, `transport`, `timeout`.
+    pub fn kind(&self) -> String {
+        match self {
+            SubmitError::Dispatch { pallet, name, .. } => format!("dispatch:{pallet}.{name}"),
+            SubmitError::DispatchOther(_) => "dispatch-other".into(),
+            SubmitError::Pool { .. } if self.stale_era_or_nonce() => {
+                if pool_text_says(self, &["ancientbirthblock", "ancient birth block"]) {
+                    "ancient-birth-block".into()
+                } else {
+                    "outdated".into()
+                }
+            }
+            SubmitError::Pool { .. } => "pool-rejected".into(),
+            SubmitError::NotIncluded(_) => "not-included".into(),
+            SubmitError::Build(_) => "build".into(),
+            SubmitError::MissingCall { .. } => "missing-call".into(),
+            SubmitError::Transport(_) => "transport".into(),
+            SubmitError::Timeout(_) => "timeout".into(),
+        }
+    }
+
+    /// True for a pool rejection of the extrinsic's era or nonce, not of its content: an
+    /// ancient birth block (`InvalidTransaction::AncientBirthBlock`, the mortal era's birth
+    /// block is unknown to the node) or an outdated transaction (`InvalidTransaction::Stale`,
+    /// its nonce was used). Built again with a fresh era and nonce, the same call can land
+    /// (issue 21 item 6). Node text: `Transaction has an ancient birth block`,
+    /// `Transaction is outdated`; chopsticks: `{"invalid":{"ancientBirthBlock":null}}`,
+    /// `{"invalid":{"stale":null}}`.
+    pub fn stale_era_or_nonce(&self) -> bool {
+        matches!(self, SubmitError::Pool { custom: None, .. })
+            && pool_text_says(
+                self,
+                &[
+                    "ancientbirthblock",
+                    "ancient birth block",
+                    "\"stale\"",
+                    "is outdated",
+                ],
+            )
+    }
+
     /// The runtime's short name for the failure, for tests and `check`
     /// (`SettingWeightsTooFast`, `Custom(6)`, …).
     pub fn name(&self) -> String {
@@ -305,6 +349,53 @@ impl SubmitError {
             } => format!("Custom({c})"),
             SubmitError::Pool { message, .. } => message.clone(),
             other => other.to_string(),
+        }
+    }
+}
+
+/// Substrate's `InvalidTransaction` reasons a pool rejection can carry: (words of the node's
+/// text or chopsticks' JSON key, lower case; the variant's name; what it means here).
+/// sp-runtime `transaction_validity.rs`.
+const INVALID_TRANSACTION: &[(&[&str], &str, &str)] = &[
+    (&["ancientbirthblock", "ancient birth block"], "AncientBirthBlock", "the extrinsic's mortal era starts at a block this node does not know (a lagging node, or a long gap between signing and submitting); rebuilt with a fresh era"),
+    (&["\"stale\"", "is outdated"], "Stale", "the transaction is outdated: its nonce was already used (another extrinsic of this hotkey landed first); rebuilt with a fresh nonce"),
+    (&["\"future\"", "will be valid in the future"], "Future", "its nonce is ahead of the account's"),
+    (&["badproof", "bad signature", "invalid signing address"], "BadProof", "the signature does not verify against this runtime (genesis, spec or extension data differ)"),
+    (&["\"payment\"", "inability to pay"], "Payment", "the account cannot pay the fee"),
+    (&["exhaustsresources", "exhausts the resources"], "ExhaustsResources", "the block is full"),
+    (&["\"call\"", "call is not expected"], "Call", "the runtime does not accept this call"),
+    (&["badsigner", "bad signer"], "BadSigner", "the signer is not allowed"),
+];
+
+/// The `(name, meaning)` of the `InvalidTransaction` reason in a pool rejection's text, so
+/// a log line names it instead of printing the node's raw JSON.
+pub fn pool_reason(message: &str) -> Option<(&'static str, &'static str)> {
+    let lower = message.to_ascii_lowercase();
+    INVALID_TRANSACTION
+        .iter()
+        .find(|(words, _, _)| words.iter().any(|w| lower.contains(w)))
+        .map(|(_, name, meaning)| (*name, *meaning))
+}
+
+/// True when `e` is a pool rejection whose text contains one of `needles` (lower case).
+fn pool_text_says(e: &SubmitError, needles: &[&str]) -> bool {
+    match e {
+        SubmitError::Pool { message, .. } => {
+            let lower = message.to_ascii_lowercase();
+            needles.iter().any(|n| lower.contains(n))
+        }
+        _ => false,
+    }
+}
+
+impl ChainError {
+    /// The failure's kind for the `chain_errors_total{kind}` metric: `unreachable`
+    /// (connecting), `timeout`, `read`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ChainError::Connect { .. } => "unreachable",
+            ChainError::Timeout { .. } => "timeout",
+            ChainError::Read { .. } => "read",
         }
     }
 }
@@ -1074,6 +1165,20 @@ fn classify(e: subxt::Error) -> SubmitError {
         subxt::Error::Transaction(subxt::error::TransactionError::Invalid(m)) => {
             parse_pool_rejection(m).unwrap_or_else(|| SubmitError::NotIncluded(m.clone()))
         }
+        // a node's JSON-RPC error: subxt prints only `message (code)`, but the reason of a
+        // pool rejection (`Transaction has an ancient birth block`, `Custom error: 6`) is
+        // in its `data`
+        subxt::Error::Rpc(subxt::error::RpcError::ClientError(
+            subxt::ext::subxt_rpcs::Error::User(u),
+        )) => {
+            let data = u
+                .data
+                .as_ref()
+                .map(|d| format!(": {}", d.get().trim_matches('"')))
+                .unwrap_or_default();
+            let text = format!("{}: {}{data}", u.code, u.message);
+            parse_pool_rejection(&text).unwrap_or(SubmitError::Transport(text))
+        }
         _ => {
             // subxt repeats its layer prefix ("RPC error: RPC error: client error: …")
             let text = strip_layer_prefixes(&e.to_string()).to_owned();
@@ -1232,6 +1337,49 @@ mod tests {
             parse_pool_rejection("1010: Invalid Transaction: Transaction is outdated").unwrap();
         assert!(matches!(stale, SubmitError::Pool { custom: None, .. }));
         assert!(parse_pool_rejection("connection reset by peer").is_none());
+    }
+
+    #[test]
+    fn error_kinds_are_closed_words() {
+        let kind = |t: &str| parse_pool_rejection(t).unwrap().kind();
+        assert_eq!(
+            kind(r#"1010: {"invalid":{"ancientBirthBlock":null}}"#),
+            "ancient-birth-block"
+        );
+        assert_eq!(
+            kind("1010: Invalid Transaction: Transaction has an ancient birth block"),
+            "ancient-birth-block"
+        );
+        assert_eq!(kind(r#"1010: {"invalid":{"stale":null}}"#), "outdated");
+        assert_eq!(
+            kind("1010: Invalid Transaction: Transaction is outdated"),
+            "outdated"
+        );
+        assert_eq!(kind(r#"1010: {"invalid":{"custom":6}}"#), "pool-rejected");
+        assert_eq!(
+            kind(r#"1010: {"invalid":{"badProof":null}}"#),
+            "pool-rejected"
+        );
+        let d = SubmitError::Dispatch {
+            pallet: "SubtensorModule".into(),
+            name: "IncorrectWeightVersionKey".into(),
+            block: 9,
+        };
+        assert_eq!(
+            d.kind(),
+            "dispatch:SubtensorModule.IncorrectWeightVersionKey"
+        );
+        assert!(!d.stale_era_or_nonce());
+        assert_eq!(SubmitError::Timeout(180).kind(), "timeout");
+        // the log names the reason, never the node's raw JSON
+        let line =
+            parse_pool_rejection(r#"User error: {"invalid":{"ancientBirthBlock":null}} (1010)"#)
+                .unwrap()
+                .to_string();
+        assert!(
+            line.contains("AncientBirthBlock (") && !line.contains('{'),
+            "{line}"
+        );
     }
 
     /// Every code of subtensor's `CustomTransactionError` (spec 425,

@@ -56,7 +56,7 @@ pub struct NodeArgs {
     #[arg(long, env = "ENGY_SN53_MASTER_HOTKEY")]
     pub master_hotkey: Option<String>,
     /// Subnet netuid.
-    #[arg(long, env = "ENGY_SN53_NETUID", default_value_t = engy_core::payload::DEFAULT_NETUID)]
+    #[arg(long, env = "ENGY_SN53_NETUID", default_value_t = engy_core::payload::DEFAULT_NETUID, value_parser = clap::value_parser!(u16).range(1..))]
     pub netuid: u16,
     /// Chain: `finney`, `test`, `local` (ws://127.0.0.1:9944) or a ws:// / wss:// node URL.
     #[arg(long, env = "ENGY_SN53_NETWORK", default_value = "finney")]

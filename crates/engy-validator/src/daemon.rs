@@ -66,6 +66,59 @@ pub fn replay_diagnosis(
     ))
 }
 
+/// The one line announcing a runtime upgrade between two connections, `None` when the
+/// runtime is the same: `runtime upgraded: spec 218 → 293, transaction_version 1 → 1;
+/// transaction extensions changed: added X, removed Y` (or `unchanged: …`). Inputs are
+/// `(spec_version, transaction_version, extension names in order)`.
+pub fn runtime_change(
+    before: &(u32, u32, Vec<String>),
+    now: &(u32, u32, Vec<String>),
+) -> Option<String> {
+    if before == now {
+        return None;
+    }
+    let (spec0, tx0, ext0) = before;
+    let (spec1, tx1, ext1) = now;
+    let what = if spec0 == spec1 {
+        format!("runtime changed at spec {spec1}")
+    } else {
+        format!("runtime upgraded: spec {spec0} → {spec1}")
+    };
+    let exts = if ext0 == ext1 {
+        format!(
+            "transaction extensions unchanged ({}): the extrinsic is built as before",
+            ext1.join(", ")
+        )
+    } else {
+        let added: Vec<&str> = ext1
+            .iter()
+            .filter(|e| !ext0.contains(e))
+            .map(String::as_str)
+            .collect();
+        let removed: Vec<&str> = ext0
+            .iter()
+            .filter(|e| !ext1.contains(e))
+            .map(String::as_str)
+            .collect();
+        let mut parts = Vec::new();
+        if !added.is_empty() {
+            parts.push(format!("added {}", added.join(", ")));
+        }
+        if !removed.is_empty() {
+            parts.push(format!("removed {}", removed.join(", ")));
+        }
+        if parts.is_empty() {
+            parts.push("reordered".to_owned());
+        }
+        format!(
+            "transaction extensions CHANGED ({}): the extrinsic is now built with {}",
+            parts.join("; "),
+            ext1.join(", ")
+        )
+    };
+    Some(format!("{what}, transaction_version {tx0} → {tx1}; {exts}"))
+}
+
 /// `dropped N unregistered hotkey(s) holding X% of the weight: 5Abc…wxyz=123,…` (§7 step 5:
 /// log the dropped hotkeys and their weight share), empty when none was dropped.
 fn dropped_note(r: &schedule::Resolved) -> Option<String> {
@@ -93,6 +146,146 @@ pub struct TickReport {
     /// Short outcome word for tests and metrics: `submitted`, `skipped`, `failed`,
     /// `nothing`, `replay`, `chain-down`, `committed` (a timelocked commit, not yet revealed).
     pub outcome: &'static str,
+}
+
+/// The longest wait of the dispatch backoff in seconds (the poll interval when longer).
+pub const BACKOFF_CAP_S: u64 = 3600;
+
+/// The backoff cap for `poll_s`: [`BACKOFF_CAP_S`], or `poll_s` when that is longer.
+pub fn backoff_cap(poll_s: u64) -> u64 {
+    BACKOFF_CAP_S.max(poll_s)
+}
+
+/// Seconds to wait after the `failures`-th dispatch failure in a row: `poll_s × 2^failures`,
+/// capped at [`backoff_cap`] (1 failure: skip one poll; 2: three; …).
+pub fn backoff_delay(poll_s: u64, failures: u32) -> u64 {
+    poll_s
+        .saturating_mul(1u64 << failures.min(32))
+        .min(backoff_cap(poll_s))
+}
+
+/// True for a failure that dispatched (included, `ExtrinsicFailed`) and will fail the same
+/// way until something changes: not the rate limits, which have their own wait
+/// (`LastUpdate + WeightsSetRateLimit`), and not a commit-reveal switch, which the next
+/// tick follows.
+fn backs_off(e: &chain::SubmitError) -> bool {
+    match e {
+        chain::SubmitError::Dispatch { name, .. } => !matches!(
+            name.as_str(),
+            "SettingWeightsTooFast"
+                | "CommittingWeightsTooFast"
+                | "CommitRevealEnabled"
+                | "CommitRevealDisabled"
+        ),
+        chain::SubmitError::DispatchOther(_) => true,
+        _ => false,
+    }
+}
+
+/// Consecutive dispatch failures of this process (issue 21 item 6).
+#[derive(Debug, Default, Clone)]
+struct Backoff {
+    /// Failures in a row (0: no backoff).
+    failures: u32,
+    /// Unix seconds before which nothing is sent.
+    next_try: u64,
+    /// The epoch and hyperparameters of the last failure.
+    epoch: u64,
+    hp: Option<chain::Hyperparams>,
+    /// The runtime's name of the last failure.
+    last_error: String,
+}
+
+impl Backoff {
+    /// Records a failure at `now`; returns the wait before the next try.
+    fn fail(
+        &mut self,
+        epoch: u64,
+        hp: &chain::Hyperparams,
+        now: u64,
+        poll_s: u64,
+        name: &str,
+    ) -> u64 {
+        self.failures = self.failures.saturating_add(1);
+        let wait = backoff_delay(poll_s, self.failures);
+        self.next_try = now.saturating_add(wait);
+        self.epoch = epoch;
+        self.hp = Some(*hp);
+        self.last_error = name.to_owned();
+        wait
+    }
+
+    /// Why the backoff no longer holds: a new epoch or a changed hyperparameter.
+    fn reset_by(&self, epoch: u64, hp: &chain::Hyperparams) -> Option<String> {
+        if self.failures == 0 {
+            return None;
+        }
+        if epoch != self.epoch {
+            return Some(format!(
+                "new epoch {epoch}, the failure was at epoch {}",
+                self.epoch
+            ));
+        }
+        let before = self.hp.as_ref()?;
+        (before != hp).then(|| format!("hyperparameters changed: {}", hp_diff(before, hp)))
+    }
+
+    /// Seconds left to wait at `now`, `None` when a submission may go out.
+    fn wait(&self, now: u64) -> Option<u64> {
+        (self.failures > 0 && now < self.next_try).then(|| self.next_try - now)
+    }
+}
+
+/// `weights_version_key 5 → 0, …`: the hyperparameters that differ.
+fn hp_diff(a: &chain::Hyperparams, b: &chain::Hyperparams) -> String {
+    let mut out = Vec::new();
+    let mut cmp = |name: &str, x: String, y: String| {
+        if x != y {
+            out.push(format!("{name} {x} → {y}"));
+        }
+    };
+    cmp(
+        "weights_rate_limit",
+        a.weights_rate_limit.to_string(),
+        b.weights_rate_limit.to_string(),
+    );
+    cmp(
+        "min_allowed_weights",
+        a.min_allowed_weights.to_string(),
+        b.min_allowed_weights.to_string(),
+    );
+    cmp(
+        "max_weight_limit",
+        a.max_weight_limit.to_string(),
+        b.max_weight_limit.to_string(),
+    );
+    cmp(
+        "commit_reveal_weights_enabled",
+        a.commit_reveal_weights_enabled.to_string(),
+        b.commit_reveal_weights_enabled.to_string(),
+    );
+    cmp(
+        "activity_cutoff",
+        a.activity_cutoff.to_string(),
+        b.activity_cutoff.to_string(),
+    );
+    cmp(
+        "weights_version_key",
+        a.weights_version_key.to_string(),
+        b.weights_version_key.to_string(),
+    );
+    cmp(
+        "weights_min_stake",
+        a.weights_min_stake.to_string(),
+        b.weights_min_stake.to_string(),
+    );
+    out.join(", ")
+}
+
+/// Blocks since the last landing and how that was found.
+struct LandingGap {
+    since: u64,
+    what: String,
 }
 
 /// The vector a tick works with.
@@ -123,6 +316,15 @@ pub struct Daemon {
     refused: Option<(u64, String)>,
     /// Metrics, when `--metrics-addr` serves them.
     metrics: Option<crate::metrics::Metrics>,
+    /// What the last tick knew of the landings (written to the heartbeat file).
+    landing: crate::liveness::Landing,
+    /// The runtime of the last connection: `(spec_version, transaction_version, extension
+    /// names)`, to announce a runtime upgrade once.
+    runtime: Option<(u32, u32, Vec<String>)>,
+    /// True once this tick has sent an extrinsic (read after a signal abandons the tick).
+    sent: bool,
+    /// Consecutive dispatch failures and when the next attempt is allowed.
+    backoff: Backoff,
 }
 
 fn short(hk: &str) -> String {
@@ -145,6 +347,10 @@ impl Daemon {
             view: None,
             refused: None,
             metrics: None,
+            landing: crate::liveness::Landing::default(),
+            runtime: None,
+            sent: false,
+            backoff: Backoff::default(),
         })
     }
 
@@ -175,15 +381,36 @@ impl Daemon {
         }
     }
 
-    /// Reports (once per process) the transaction extensions this client cannot encode.
+    /// Reports the chain's runtime: at the first connection its spec and transaction
+    /// versions and the transaction extensions (naming any this client cannot encode);
+    /// afterwards, once per change, a runtime upgrade seen under the running validator
+    /// ([`runtime_change`]: old → new spec, and whether the extrinsic's extensions changed).
+    /// The versions are also the `spec_version` / `transaction_version` metrics.
     pub fn report_extensions(&mut self, chain: &Chain) {
+        let md = chain.metadata();
+        let (spec, txv) = chain.runtime_version();
+        let names = chain::extension_names(&md);
+        if let Some(m) = &self.metrics {
+            m.runtime(spec, txv);
+        }
+        let now = (spec, txv, names.clone());
+        let before = self.runtime.replace(now.clone());
+        if let Some(line) = before.as_ref().and_then(|b| runtime_change(b, &now)) {
+            let bad = chain::unsupported_extensions(&md);
+            if bad.is_empty() {
+                tracing::warn!("chain {}: {line}", chain.url());
+            } else {
+                tracing::error!(
+                    "chain {}: {line}; the new runtime uses transaction extension(s) this validator cannot encode: {} — set_weights cannot be signed; upgrade engy-validator",
+                    chain.url(),
+                    bad.join(", ")
+                );
+            }
+        }
         if self.extensions_checked {
             return;
         }
         self.extensions_checked = true;
-        let md = chain.metadata();
-        let (spec, txv) = chain.runtime_version();
-        let names = chain::extension_names(&md);
         let bad = chain::unsupported_extensions(&md);
         if bad.is_empty() {
             tracing::info!(
@@ -222,10 +449,10 @@ impl Daemon {
                 }
             },
             Err(e) => {
-                self.provider_error(&match &e {
-                    crate::provider::FetchError::Status(code) => format!("http_{code}"),
-                    crate::provider::FetchError::Transport(_) => "transport".to_owned(),
-                    crate::provider::FetchError::TooLarge(_) => "too_large".to_owned(),
+                self.provider_error(match &e {
+                    crate::provider::FetchError::Status(code) => crate::metrics::http_kind(*code),
+                    crate::provider::FetchError::Transport(_) => "transport",
+                    crate::provider::FetchError::TooLarge(_) => "too-large",
                 });
                 format!("fetch failed: {e}")
             }
@@ -251,6 +478,7 @@ impl Daemon {
     /// ([`Daemon::activity_alarm`]).
     pub async fn tick(&mut self, now: u64) -> TickReport {
         self.view = None;
+        self.sent = false;
         let mut report = self.tick_inner(now).await;
         if !matches!(report.outcome, "submitted" | "committed" | "reconciled") {
             if let Some(alarm) = self.activity_alarm(now) {
@@ -258,23 +486,68 @@ impl Daemon {
                 report.line.push_str(&alarm);
             }
         }
+        // a landing in this tick is 0 blocks ago (the chain read was taken before it)
+        let landed = matches!(report.outcome, "submitted" | "committed" | "reconciled");
+        let gap = if landed {
+            Some(0)
+        } else {
+            self.landing_gap(now).map(|g| g.since)
+        };
+        self.landing = crate::liveness::Landing {
+            blocks_since: gap,
+            activity_cutoff: self.activity_cutoff.map(u64::from),
+            refused: (report.outcome == "replay").then(|| "replay".to_owned()),
+        };
         if let Some(m) = &self.metrics {
             m.tick(report.outcome);
-            if report.outcome == "chain-down" {
-                m.chain_error(if report.line.contains("chain unreachable") {
-                    "unreachable"
-                } else {
-                    "read"
-                });
-            }
             let st = state::read(&self.settings.state_file);
             m.last_landing(
                 st.last_submit_block,
                 st.last_submit_ts,
                 crate::liveness::unix_now(),
             );
+            m.landing_gap(self.landing.blocks_since, self.landing.activity_cutoff);
         }
         report
+    }
+
+    /// What the last tick knew of this validator's landings, for the heartbeat file
+    /// (`health --landing`).
+    pub fn landing(&self) -> &crate::liveness::Landing {
+        &self.landing
+    }
+
+    fn chain_error(&self, kind: &str) {
+        if let Some(m) = &self.metrics {
+            m.chain_error(kind);
+        }
+    }
+
+    /// Blocks since this validator's weights last landed: from this tick's chain read
+    /// (`head − LastUpdate`), else from the state file's `last_submit_ts` on the wall clock
+    /// (12 s blocks); `None` when neither is known.
+    fn landing_gap(&self, now: u64) -> Option<LandingGap> {
+        match self.view {
+            Some((head, last_update)) if last_update > 0 && head >= last_update => {
+                Some(LandingGap {
+                    since: head - last_update,
+                    what: format!(
+                        "its LastUpdate is block #{last_update}, {} blocks ago",
+                        head - last_update
+                    ),
+                })
+            }
+            Some(_) => None,
+            None => {
+                let st = state::read(&self.settings.state_file);
+                let ts = st.last_submit_ts.filter(|ts| *ts <= now)?;
+                let blocks = (now - ts) / schedule::BLOCK_S;
+                Some(LandingGap {
+                    since: blocks,
+                    what: format!("the last landing recorded in the state file was {} s ago (~{blocks} blocks by the wall clock)", now - ts),
+                })
+            }
+        }
     }
 
     /// ` — ERROR: …` when the last landing is older than half of `activity_cutoff`: from
@@ -289,25 +562,7 @@ impl Daemon {
                 " (subtensor's default: not read from the chain yet)".to_owned(),
             ),
         };
-        let (since, what) = match self.view {
-            Some((head, last_update)) if last_update > 0 && head >= last_update => (
-                head - last_update,
-                format!(
-                    "its LastUpdate is block #{last_update}, {} blocks ago",
-                    head - last_update
-                ),
-            ),
-            Some(_) => return None,
-            None => {
-                let st = state::read(&self.settings.state_file);
-                let ts = st.last_submit_ts.filter(|ts| *ts <= now)?;
-                let blocks = (now - ts) / schedule::BLOCK_S;
-                (
-                    blocks,
-                    format!("the last landing recorded in the state file was {} s ago (~{blocks} blocks by the wall clock)", now - ts),
-                )
-            }
-        };
+        let LandingGap { since, what } = self.landing_gap(now)?;
         let a = crate::chain_rules::Activity {
             since,
             cutoff: u64::from(cutoff),
@@ -391,13 +646,14 @@ impl Daemon {
         let chain = match Chain::connect(&s.chain_url).await {
             Ok(c) => c,
             Err(e) => {
+                self.chain_error(e.kind());
                 return warn(
                     "chain-down",
                     format!(
                         "{via}: chain unreachable ({e}); nothing submitted, state unchanged; {}",
                         self.retry()
                     ),
-                )
+                );
             }
         };
         self.report_extensions(&chain);
@@ -444,22 +700,16 @@ impl Daemon {
             },
         };
 
-        let metagraph = match chain.metagraph(s.netuid).await {
-            Ok(m) => m,
-            Err(e) => {
-                return warn(
-                    "chain-down",
-                    format!("{via} ({why}): metagraph read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
-                )
-            }
-        };
+        // hyperparameters and the validator's own LastUpdate first: they say how long
+        // nothing has landed even when the metagraph cannot be read
         let hp = match chain.hyperparams(s.netuid).await {
             Ok(h) => h,
             Err(e) => {
+                self.chain_error(e.kind());
                 return warn(
                     "chain-down",
                     format!("{via} ({why}): hyperparameters read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
-                )
+                );
             }
         };
         self.activity_cutoff = Some(hp.activity_cutoff);
@@ -473,6 +723,16 @@ impl Daemon {
         if let (Some(b), Some(n)) = (block, own) {
             self.view = Some((b, n.last_update));
         }
+        let metagraph = match chain.metagraph(s.netuid).await {
+            Ok(m) => m,
+            Err(e) => {
+                self.chain_error(e.kind());
+                return warn(
+                    "chain-down",
+                    format!("{via} ({why}): metagraph read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
+                );
+            }
+        };
         let mut notes: Vec<String> = Vec::new();
         let mut level = Level::Info;
         // commit-reveal: the path of this submission, and the reveal of the last commit
@@ -481,10 +741,11 @@ impl Daemon {
             Err(e) => match hp.commit_reveal_weights_enabled {
                 false => Ok(Submission::SetWeights),
                 true => {
+                    self.chain_error(e.kind());
                     return warn(
                         "chain-down",
                         format!("{via} ({why}): commit-reveal state read failed ({e}); nothing submitted, state unchanged; {}", self.retry()),
-                    )
+                    );
                 }
             },
         };
@@ -629,6 +890,29 @@ impl Daemon {
             }
         }
 
+        // a call that dispatched and failed is not re-sent every poll: exponential backoff,
+        // reset by a new epoch or a changed hyperparameter (issue 21 item 6)
+        if let Some(reason) = self.backoff.reset_by(v.epoch, &hp) {
+            tracing::info!(
+                "dispatch backoff reset ({reason}): the last {} dispatch failure(s) ({}) no longer hold; submitting now",
+                self.backoff.failures,
+                self.backoff.last_error
+            );
+            self.backoff = Backoff::default();
+        }
+        if let Some(wait) = self.backoff.wait(now) {
+            return warn(
+                "backing-off",
+                format!(
+                    "{via} ({why}): not submitted: the last submission dispatched and failed with {} ({} time(s) in a row); next try in {wait} s (exponential backoff, capped at {} s; a new epoch or a changed hyperparameter retries at once); {}{notes}",
+                    self.backoff.last_error,
+                    self.backoff.failures,
+                    backoff_cap(s.poll_s),
+                    self.next_poll()
+                ),
+            );
+        }
+
         // 8. set_weights (or the timelocked commit), waiting for inclusion
         let signer = HotkeySigner(&self.hotkey);
         if let Submission::Commit {
@@ -653,18 +937,34 @@ impl Daemon {
                     )
                 }
             };
-            let result = chain
+            self.sent = true;
+            let mut result = chain
                 .commit_timelocked(call, s.netuid, &commit, reveal_round, version, &signer)
                 .await;
+            if let Some(first) = result.as_ref().err().filter(|e| e.stale_era_or_nonce()) {
+                self.resubmit_notice(&format!("{via} ({why})"), call.name(), first);
+                result = chain
+                    .commit_timelocked(call, s.netuid, &commit, reveal_round, version, &signer)
+                    .await;
+            }
             let inclusion = match result {
                 Ok(inc) => inc,
                 Err(e) => {
                     let what = format!("{} of {} uids", call.name(), resolved.uids.len());
                     return self
-                        .failed(&chain, &e, &hp, &format!("{via} ({why})"), &what, &notes)
+                        .failed(
+                            &chain,
+                            &e,
+                            &hp,
+                            (v.epoch, now),
+                            &format!("{via} ({why})"),
+                            &what,
+                            &notes,
+                        )
                         .await;
                 }
             };
+            self.backoff = Backoff::default();
             let record = CommitRecord {
                 epoch: v.epoch,
                 commit_epoch: plan.commit_epoch,
@@ -713,7 +1013,8 @@ impl Daemon {
                 ),
             };
         }
-        let result = chain
+        self.sent = true;
+        let mut result = chain
             .set_weights(
                 s.netuid,
                 &resolved.uids,
@@ -722,6 +1023,25 @@ impl Daemon {
                 &signer,
             )
             .await;
+        // an era or nonce the pool refuses: built again (fresh era from the latest block,
+        // fresh nonce) and sent once more in this tick, not a poll later
+        let mut resent = String::new();
+        if let Some(first) = result.as_ref().err().filter(|e| e.stale_era_or_nonce()) {
+            self.resubmit_notice(&format!("{via} ({why})"), "set_weights", first);
+            resent = format!(
+                " (resubmitted once with a fresh era after the pool refused the first as {})",
+                first.kind()
+            );
+            result = chain
+                .set_weights(
+                    s.netuid,
+                    &resolved.uids,
+                    &resolved.weights,
+                    VERSION_KEY,
+                    &signer,
+                )
+                .await;
+        }
         let inclusion = match result {
             Ok(inc) => inc,
             Err(e) => {
@@ -743,9 +1063,17 @@ impl Daemon {
                         };
                     }
                 }
-                let what = format!("set_weights of {} uids", resolved.uids.len());
+                let what = format!("set_weights of {} uids{resent}", resolved.uids.len());
                 return self
-                    .failed(&chain, &e, &hp, &format!("{via} ({why})"), &what, &notes)
+                    .failed(
+                        &chain,
+                        &e,
+                        &hp,
+                        (v.epoch, now),
+                        &format!("{via} ({why})"),
+                        &what,
+                        &notes,
+                    )
                     .await;
             }
         };
@@ -753,6 +1081,7 @@ impl Daemon {
         // 9. only now, write the state atomically. The cadence anchors on the block read
         // before submitting (§7 step 8: RESUBMIT_BLOCKS 120 leaves 20 blocks of a 100-block
         // rate limit for inclusion lag); the inclusion block only when none was read.
+        self.backoff = Backoff::default();
         let landed_block = block.or(Some(inclusion.block).filter(|b| *b > 0));
         let saved = self.save_submission(&st, &v, source, landed_block, now);
         if !saved.is_empty() {
@@ -762,7 +1091,7 @@ impl Daemon {
             level,
             outcome: "submitted",
             line: format!(
-                "{via} ({why}): set_weights of {} uids from {} landed in block #{}; next resubmit in {} blocks (~{} s), {}{notes}{saved}",
+                "{via} ({why}): set_weights of {} uids from {} landed in block #{}{resent}; next resubmit in {} blocks (~{} s), {}{notes}{saved}",
                 resolved.uids.len(),
                 source.as_str(),
                 inclusion.block,
@@ -813,30 +1142,54 @@ impl Daemon {
 
     /// The tick report of a failed submission (`set_weights` or a commit, `what` names it):
     /// the error by name, the runtime's hint, and what happens next ([`Daemon::after_failure`]).
+    #[allow(clippy::too_many_arguments)]
     async fn failed(
-        &self,
+        &mut self,
         chain: &Chain,
         e: &chain::SubmitError,
         hp: &chain::Hyperparams,
+        (epoch, now): (u64, u64),
         head: &str,
         what: &str,
         notes: &str,
     ) -> TickReport {
-        if let Some(m) = &self.metrics {
-            m.chain_error(&e.name());
-        }
+        self.chain_error(&e.kind());
         let hint = chain::dispatch_hint(&e.name())
             .map(|h| format!(" — {h}"))
             .unwrap_or_default();
         let after = self.after_failure(chain, e, hp).await;
+        let retry = if backs_off(e) && !self.final_tick {
+            // counted from the failure, not from the tick's start: the inclusion wait can
+            // take longer than the first backoff step
+            let now = crate::liveness::unix_now().max(now);
+            let wait = self
+                .backoff
+                .fail(epoch, hp, now, self.settings.poll_s, &e.name());
+            format!(
+                "dispatch failure {} in a row: next try in {wait} s (at unix {}; exponential backoff, capped at {} s; a new epoch or a changed hyperparameter retries at once)",
+                self.backoff.failures,
+                now.saturating_add(wait),
+                backoff_cap(self.settings.poll_s)
+            )
+        } else {
+            self.retry()
+        };
         TickReport {
             level: Level::Warn,
             outcome: "failed",
             line: format!(
-                "{head}: {what} FAILED: {e}{hint}; state unchanged, {}{after}{notes}",
-                self.retry()
+                "{head}: {what} FAILED: {e}{hint}; state unchanged, {retry}{after}{notes}"
             ),
         }
+    }
+
+    /// The WARN line of a submission the pool refused for its era or nonce, before it is
+    /// built again and resent once.
+    fn resubmit_notice(&self, head: &str, what: &str, first: &chain::SubmitError) {
+        self.chain_error(&first.kind());
+        tracing::warn!(
+            "{head}: {what} refused by the transaction pool: {first}; building it again with a fresh era and nonce and resubmitting now (once in this tick)"
+        );
     }
 
     /// After a failed submit: for a rate-limit refusal (`SettingWeightsTooFast`,
@@ -1023,10 +1376,18 @@ pub async fn run(mut daemon: Daemon, max_ticks: Option<u64>) -> anyhow::Result<(
             _ = int.recv() => None,
         };
         let Some(report) = report else {
-            tracing::info!("signal during a tick: abandoned it (state file unchanged, it is only written after an included extrinsic); exiting 0");
+            if daemon.sent {
+                tracing::warn!("signal during a tick: abandoned it after its extrinsic was sent: it MAY STILL LAND; the state file is only written once an inclusion is seen, so the next start reads the chain's Weights row and LastUpdate and records it as landed instead of sending it again; exiting 0");
+            } else {
+                tracing::info!("signal during a tick: abandoned it before anything was sent (state file unchanged); exiting 0");
+            }
             return Ok(());
         };
-        if let Err(e) = crate::liveness::stamp(&s.heartbeat_file, crate::liveness::unix_now()) {
+        if let Err(e) = crate::liveness::stamp_with(
+            &s.heartbeat_file,
+            crate::liveness::unix_now(),
+            daemon.landing(),
+        ) {
             tracing::warn!(
                 "heartbeat file {} not written: {e}",
                 s.heartbeat_file.display()

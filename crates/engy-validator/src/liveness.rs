@@ -35,6 +35,120 @@ pub fn stamp(path: &Path, now: u64) -> std::io::Result<()> {
     )
 }
 
+/// What the last tick knew of this validator's landings, kept in the heartbeat file beside
+/// `ts` for `health --landing` (issue 21 item 3): `{"ts": …, "landing": {"blocks_since": N,
+/// "activity_cutoff": C, "refused": "replay"}}`, each field absent when unknown.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Landing {
+    /// Blocks since the chain last took this validator's weights (head − `LastUpdate`, or
+    /// by the wall clock from the state file when the chain was not read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks_since: Option<u64>,
+    /// The subnet's `activity_cutoff` as last read from the chain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activity_cutoff: Option<u64>,
+    /// Set when the state file refuses every vector: `replay` (its `last_applied` epoch is
+    /// ahead of the provider's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+}
+
+/// The landing verdict of `health --landing` (pure).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LandingHealth {
+    /// The last landing is within half of `activity_cutoff`.
+    Ok {
+        /// Blocks since the last landing.
+        blocks_since: u64,
+        /// The cutoff.
+        activity_cutoff: u64,
+    },
+    /// Not known yet (no tick has read the chain or found a landing in the state file).
+    Unknown,
+    /// The last landing is older than half of `activity_cutoff`.
+    Stale {
+        /// Blocks since the last landing.
+        blocks_since: u64,
+        /// The cutoff.
+        activity_cutoff: u64,
+    },
+    /// The state file refuses every vector (the replay guard).
+    Refused,
+}
+
+impl LandingHealth {
+    /// True for the verdicts `health --landing` exits non-zero on.
+    pub fn failing(&self) -> bool {
+        matches!(self, LandingHealth::Stale { .. } | LandingHealth::Refused)
+    }
+
+    /// The verdict in words (one clause of `health`'s line).
+    pub fn describe(&self) -> String {
+        match self {
+            LandingHealth::Ok { blocks_since, activity_cutoff } => format!(
+                "landing ok: last landing {blocks_since} blocks ago (alarm above half of activity_cutoff {activity_cutoff})"
+            ),
+            LandingHealth::Unknown => {
+                "landing unknown: no tick has read the chain's LastUpdate or found a landing in the state file yet".to_owned()
+            }
+            LandingHealth::Stale { blocks_since, activity_cutoff } => format!(
+                "NOTHING LANDED for {blocks_since} blocks, more than half of activity_cutoff {activity_cutoff}: the validator drops out of consensus at {activity_cutoff}"
+            ),
+            LandingHealth::Refused => {
+                "NOTHING LANDS: the state file refuses every vector (replay guard: its last_applied epoch is ahead of the provider's; see the log for the fix)".to_owned()
+            }
+        }
+    }
+}
+
+/// Judges the landing record of the heartbeat file: refused first, then the age of the last
+/// landing against half of the cutoff (subtensor's default when none was read).
+pub fn judge_landing(l: Option<&Landing>) -> LandingHealth {
+    let Some(l) = l else {
+        return LandingHealth::Unknown;
+    };
+    if l.refused.is_some() {
+        return LandingHealth::Refused;
+    }
+    let Some(blocks_since) = l.blocks_since else {
+        return LandingHealth::Unknown;
+    };
+    let activity_cutoff = l
+        .activity_cutoff
+        .unwrap_or(u64::from(crate::chain_rules::DEFAULT_ACTIVITY_CUTOFF));
+    let a = crate::chain_rules::Activity {
+        since: blocks_since,
+        cutoff: activity_cutoff,
+    };
+    if a.alarming() {
+        LandingHealth::Stale {
+            blocks_since,
+            activity_cutoff,
+        }
+    } else {
+        LandingHealth::Ok {
+            blocks_since,
+            activity_cutoff,
+        }
+    }
+}
+
+/// [`stamp`] with the landing record of the last tick.
+pub fn stamp_with(path: &Path, now: u64, landing: &Landing) -> std::io::Result<()> {
+    crate::state::write_atomic(
+        path,
+        serde_json::json!({ "ts": now, "landing": landing })
+            .to_string()
+            .as_bytes(),
+    )
+}
+
+/// The landing record of the heartbeat file, `None` when absent or invalid.
+pub fn read_landing(path: &Path) -> Option<Landing> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    serde_json::from_value(v.get("landing")?.clone()).ok()
+}
+
 /// The heartbeat's timestamp (unix seconds), or `None` when the file is missing or invalid.
 /// Integers and finite non-negative floats are accepted; booleans are not.
 pub fn read_ts(path: &Path) -> Option<u64> {
@@ -212,6 +326,29 @@ mod tests {
             watchdog_judge(Some(10_500), 10_000, 11_000, 300),
             Health::Fresh { age: 500 }
         );
+    }
+
+    #[test]
+    fn landing_verdicts() {
+        assert_eq!(judge_landing(None), LandingHealth::Unknown);
+        let l = |since: Option<u64>, cutoff: Option<u64>, refused: Option<&str>| Landing {
+            blocks_since: since,
+            activity_cutoff: cutoff,
+            refused: refused.map(str::to_owned),
+        };
+        assert!(!judge_landing(Some(&l(Some(100), Some(1000), None))).failing());
+        assert!(!judge_landing(Some(&l(Some(500), Some(1000), None))).failing());
+        assert!(judge_landing(Some(&l(Some(501), Some(1000), None))).failing());
+        assert!(judge_landing(Some(&l(Some(1), Some(1000), Some("replay")))).failing());
+        assert_eq!(
+            judge_landing(Some(&l(None, Some(1000), None))),
+            LandingHealth::Unknown
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("hb.json");
+        stamp_with(&p, 77, &l(Some(3), Some(9), None)).unwrap();
+        assert_eq!(read_ts(&p), Some(77));
+        assert_eq!(read_landing(&p), Some(l(Some(3), Some(9), None)));
     }
 
     #[test]

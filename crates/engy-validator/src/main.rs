@@ -32,10 +32,22 @@ enum Command {
     /// activity and whether the current payload would land. Exit 1 on any FAIL.
     Check(config::NodeArgs),
     /// Container HEALTHCHECK: exit 0 only when the heartbeat file is fresh
-    /// (younger than max(3 × POLL_S, 900 s)).
-    Health(config::FileArgs),
+    /// (younger than max(3 × POLL_S, 900 s)). The line also says whether weights land;
+    /// `--landing` makes that the exit code too (for monitoring, not for the container).
+    Health(HealthArgs),
     /// Build, verify, open and inspect Merkle weight commitments (specs/SCHEME.md).
     Spec(spec::SpecArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct HealthArgs {
+    #[command(flatten)]
+    files: config::FileArgs,
+    /// Also exit 1 when nothing has landed for more than half of the subnet's
+    /// activity_cutoff, or when the state file refuses every vector (replay guard), as the
+    /// last tick saw it. For monitoring: a container restart fixes neither.
+    #[arg(long)]
+    landing: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -43,7 +55,7 @@ struct RunArgs {
     #[command(flatten)]
     node: config::NodeArgs,
     /// Exit 0 after this many ticks (one-shot runs and tests); default: run forever.
-    #[arg(long, env = "ENGY_SN53_MAX_TICKS")]
+    #[arg(long, env = "ENGY_SN53_MAX_TICKS", value_parser = clap::value_parser!(u64).range(1..))]
     ticks: Option<u64>,
     /// Log line format: `text` (default) or `json` (one object per line, for log shippers).
     /// The filter is ENGY_LOG (default `info`).
@@ -63,9 +75,25 @@ fn init_logging(format: engy_telemetry::log::LogFormat) -> Result<(), ExitCode> 
         target: engy_telemetry::log::LogTarget::Stdout,
     })
     .map_err(|e| {
-        eprintln!("engy-validator: {e}");
+        fatal(&e.to_string(), 2);
         ExitCode::from(2)
     })
+}
+
+/// The log format the operator asked for (`--log-format` / `ENGY_SN53_LOG_FORMAT`), read
+/// before the command line is parsed, for the errors that end the process.
+fn requested_format() -> engy_telemetry::log::LogFormat {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    engy_telemetry::log::requested_format(
+        &args,
+        "--log-format",
+        std::env::var_os("ENGY_SN53_LOG_FORMAT"),
+    )
+}
+
+/// Prints an error that ends the process on stderr, as one JSON line in JSON mode.
+fn fatal(message: &str, exit_code: u8) {
+    engy_telemetry::log::fatal(requested_format(), "engy-validator", message, exit_code);
 }
 
 fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -249,7 +277,15 @@ fn parse() -> Result<Cli, ExitCode> {
         Ok(cli) => Ok(cli),
         Err(e) => match config::usage_error(&e, &Cli::command(), &args, &|k| std::env::var_os(k)) {
             Some(message) => {
-                eprint!("{message}");
+                fatal(&message, 2);
+                Err(ExitCode::from(2))
+            }
+            // a usage error clap words well (unknown flag, ...) is still one JSON line in
+            // JSON mode; help and version print as clap does
+            None if e.use_stderr()
+                && requested_format() == engy_telemetry::log::LogFormat::Json =>
+            {
+                fatal(&e.render().to_string(), 2);
                 Err(ExitCode::from(2))
             }
             None => e.exit(),
@@ -259,10 +295,10 @@ fn parse() -> Result<Cli, ExitCode> {
 
 /// The exit code of a failed subcommand: a configuration error says which (2 for a usage
 /// error), anything else is 1.
-fn exit_code(e: &anyhow::Error) -> ExitCode {
+fn exit_code(e: &anyhow::Error) -> u8 {
     match e.downcast_ref::<config::ConfigError>() {
-        Some(c) => ExitCode::from(c.exit_code()),
-        None => ExitCode::FAILURE,
+        Some(c) => c.exit_code(),
+        None => 1,
     }
 }
 
@@ -287,12 +323,19 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             })
         })(),
-        Command::Health(args) => {
+        Command::Health(HealthArgs {
+            files: args,
+            landing,
+        }) => {
             (|| {
                 let (_, hb) = args.paths()?;
+                let verdict = liveness::judge_landing(liveness::read_landing(&hb).as_ref());
                 match liveness::judge(liveness::read_ts(&hb), liveness::unix_now(), args.poll_s) {
                     liveness::Health::Fresh { age } => {
-                        println!("ok: last tick {age} s ago");
+                        println!("ok: last tick {age} s ago; {}", verdict.describe());
+                        if landing && verdict.failing() {
+                            return Ok(ExitCode::FAILURE);
+                        }
                         Ok(ExitCode::SUCCESS)
                     }
                     liveness::Health::Missing => {
@@ -325,8 +368,9 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("engy-validator: {}", describe(&e));
-            exit_code(&e)
+            let code = exit_code(&e);
+            fatal(&describe(&e), code);
+            ExitCode::from(code)
         }
     }
 }

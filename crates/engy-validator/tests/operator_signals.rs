@@ -453,7 +453,7 @@ async fn json_logs_and_metrics() {
     eprintln!("{text}");
     for want in [
         "engy_validator_ticks_total{outcome=\"chain-down\"} 1",
-        "engy_validator_chain_errors_total{name=\"unreachable\"} 1",
+        "engy_validator_chain_errors_total{kind=\"unreachable\"} 1",
         "engy_validator_epoch 5",
         "engy_validator_landings_total 0",
         "engy_validator_commits_total 0",

@@ -31,6 +31,16 @@
 //!   (width `moe_intermediate_size · n_shared_experts`) unscaled;
 //! * the final hidden state is `model.norm`'s output (the LM head's input).
 //!
+//! With [`Compute::Bf16`] every module's output is rounded to bf16 where transformers' bf16
+//! model rounds it (`GlmMoeDsaRMSNorm` rounds the normalised row, then the product with its
+//! weight; RoPE multiplies by bf16 `cos`/`sin`; the router and the indexer scores stay f32 as
+//! transformers keeps them; the routed experts' weighted sum is f32, rounded once, as
+//! transformers' `grouped_mm` experts compute it; attention accumulates in f32 and rounds its
+//! output, as SDPA does): an honest bf16 serve's rows, recomputed.
+//!
+//! Keys with exactly equal index scores at the `index_topk` boundary are taken in
+//! `LoadOptions::dsa_ties` order (lower index first by default; see [`super::TieOrder`]).
+//!
 //! Decoding with a [`Cache`] keeps each layer's expanded keys and values and each full layer's
 //! indexer keys; a new query's DSA selection is the top-k over the same causal keys as in the
 //! teacher-forced pass, so both paths select the same keys.
@@ -41,7 +51,7 @@ use serde_json::Value;
 
 use super::ops::{self, linear_t};
 use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
-use crate::ModelError;
+use crate::{Compute, ModelError};
 
 /// Epsilon of the MLA latent RMSNorms (`DeepseekV3RMSNorm(q_lora_rank)` and
 /// `DeepseekV3RMSNorm(kv_lora_rank)` are built without `eps`, so they use its default).
@@ -435,6 +445,8 @@ pub struct GlmMoeDsa {
     w: Arc<Weights>,
     inv_freq: Vec<f32>,
     score_budget: usize,
+    compute: Compute,
+    dsa_ties: super::TieOrder,
 }
 
 /// Default [`GlmMoeDsa::with_score_budget`]: 2^24 f32 (64 MiB) per score block.
@@ -477,6 +489,8 @@ fn inv_freq(theta: f64, d: usize) -> Vec<f32> {
 /// row `r` is at position `pos0 + r`. The slice is de-interleaved (`[x0, x2, …, x1, x3, …]`)
 /// and rotated split-half, so pair `(x[2i], x[2i+1])` turns by `pos · inv_freq[i]` and is
 /// written to `(out[i], out[i + d/2])`.
+/// With [`Compute::Bf16`], `cos`/`sin` are bf16 and each product and sum is rounded to bf16
+/// (`q1 * cos - q2 * sin` on bf16 tensors).
 fn rope_inplace(
     inv_freq: &[f32],
     x: &mut [f32],
@@ -484,7 +498,9 @@ fn rope_inplace(
     stride: usize,
     start: usize,
     pos0: usize,
+    c: Compute,
 ) {
+    let rb = |v: f32| c.round_f32(v);
     let half = inv_freq.len();
     let mut y = vec![0f32; 2 * half];
     for (r, row) in x.chunks_mut(heads * stride).enumerate() {
@@ -497,8 +513,9 @@ fn rope_inplace(
             }
             for (i, f) in inv_freq.iter().enumerate() {
                 let (sin, cos) = (p * f).sin_cos();
-                s[i] = y[i] * cos - y[half + i] * sin;
-                s[half + i] = y[half + i] * cos + y[i] * sin;
+                let (sin, cos) = (rb(sin), rb(cos));
+                s[i] = rb(rb(y[i] * cos) - rb(y[half + i] * sin));
+                s[half + i] = rb(rb(y[half + i] * cos) + rb(y[i] * sin));
             }
         }
     }
@@ -540,17 +557,12 @@ impl GlmMoeDsa {
     /// Reads the `glm_moe_dsa` fields of `text` ([`GlmMoeDsaConfig::from_json`] on its raw
     /// text config) and checks every tensor the forward pass uses (decoding them now under
     /// [`Residency::Resident`]; checking only their presence under [`Residency::Streaming`]).
-    /// The activations are computed in f32 whatever `opts.compute` says (this architecture does
-    /// not model a bf16 serve).
+    /// The activations are computed in `opts.compute` (see the module documentation).
     ///
     /// # Errors
     /// [`ModelError::Config`] for missing or inconsistent settings, [`ModelError::MissingTensor`]
     /// / [`ModelError::Shape`] when the checkpoint does not match them.
-    pub fn load(
-        text: TextConfig,
-        w: Arc<Weights>,
-        _opts: &LoadOptions,
-    ) -> Result<Self, ModelError> {
+    pub fn load(text: TextConfig, w: Arc<Weights>, opts: &LoadOptions) -> Result<Self, ModelError> {
         let cfg = GlmMoeDsaConfig::from_json(&text.raw)?;
         let inv_freq = inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim);
         let m = Self {
@@ -559,6 +571,8 @@ impl GlmMoeDsa {
             w,
             inv_freq,
             score_budget: DEFAULT_SCORE_BUDGET,
+            compute: opts.compute,
+            dsa_ties: opts.dsa_ties,
         };
         m.check_tensors()?;
         Ok(m)
@@ -762,26 +776,34 @@ impl GlmMoeDsa {
             )));
         }
         let hd = c.hidden_size;
-        let mut x = self.w.rows("model.embed_tokens.weight", ids)?;
+        let cm = self.compute;
+        let mut x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
         let mut new_layers = Vec::with_capacity(c.num_hidden_layers);
         let mut selection: Option<Vec<Vec<usize>>> = None;
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
-            let h = ops::rms_norm(&x, &ln1, c.rms_norm_eps)?;
+            let h = ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?;
             let (attn, layer_cache, sel) =
                 self.attention(l, &p, &h, off, &cache.layers[l].0, selection.take())?;
-            x = (x + attn)?;
+            x = cm.round((x + attn)?)?;
             let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
-            let h2 = ops::rms_norm(&x, &ln2, c.rms_norm_eps)?;
+            let h2 = ops::rms_norm_in(&x, &ln2, c.rms_norm_eps, cm)?;
             let (mlp, experts) = if c.sparse_mlp[l] {
                 let (y, e) = self.moe(&p, &h2)?;
                 (y, Some(e))
             } else {
-                let y = ops::swiglu(&self.w, &format!("{p}.mlp"), &h2, hd, c.intermediate_size)?;
+                let y = ops::swiglu_in(
+                    &self.w,
+                    &format!("{p}.mlp"),
+                    &h2,
+                    hd,
+                    c.intermediate_size,
+                    cm,
+                )?;
                 (y, None)
             };
-            x = (x + mlp)?;
+            x = cm.round((x + mlp)?)?;
             if let Some(tr) = trace.as_deref_mut() {
                 tr.residuals.push(x.clone());
                 tr.experts.push(experts);
@@ -798,7 +820,7 @@ impl GlmMoeDsa {
             selection = Some(sel);
             new_layers.push(layer_cache);
         }
-        let out = ops::rms_norm(&x, &self.norm("model.norm.weight", hd)?, c.rms_norm_eps)?;
+        let out = ops::rms_norm_in(&x, &self.norm("model.norm.weight", hd)?, c.rms_norm_eps, cm)?;
         cache.layers = new_layers;
         cache.len = off + ids.len();
         Ok(out)
@@ -851,6 +873,7 @@ impl GlmMoeDsa {
             c.kv_lora_rank,
         );
         let dqk = dn + dr;
+        let cm = self.compute;
         let a = format!("{p}.self_attn");
         let (past_k, past_v, past_ik) = match past {
             [] => (None, None, None),
@@ -862,43 +885,51 @@ impl GlmMoeDsa {
             return Err(cfg_err("glm_moe_dsa: the cache does not match its length"));
         }
         // Query latent and queries [nh, t, dqk].
-        let q_a = self.w.projection_t(&format!("{a}.q_a_proj"), qr, hd)?;
+        let q_a = self
+            .w
+            .projection_t_in(&format!("{a}.q_a_proj"), qr, hd, cm)?;
         let q_a_b = self.bias(&format!("{a}.q_a_proj.bias"), qr)?;
-        let q_resid = ops::rms_norm(
-            &Self::linear_b(h, &q_a, q_a_b.as_ref())?,
+        let q_resid = ops::rms_norm_in(
+            &cm.round(Self::linear_b(h, &q_a, q_a_b.as_ref())?)?,
             &self.norm(&format!("{a}.q_a_layernorm.weight"), qr)?,
             LATENT_NORM_EPS,
+            cm,
         )?;
         let q_b = self
             .w
-            .projection_t(&format!("{a}.q_b_proj"), nh * dqk, qr)?;
-        let mut q = linear_t(&q_resid, &q_b)?.flatten_all()?.to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut q, nh, dqk, dn, off);
+            .projection_t_in(&format!("{a}.q_b_proj"), nh * dqk, qr, cm)?;
+        let mut q = cm
+            .round(linear_t(&q_resid, &q_b)?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        rope_inplace(&self.inv_freq, &mut q, nh, dqk, dn, off, cm);
         let q = Tensor::from_vec(q, (t, nh, dqk), &dev)?
             .transpose(0, 1)?
             .contiguous()?;
         // Keys [nkv, t, dqk] (one rope head shared by all) and values [nkv, t, dv].
         let kv_a = self
             .w
-            .projection_t(&format!("{a}.kv_a_proj_with_mqa"), kvr + dr, hd)?;
+            .projection_t_in(&format!("{a}.kv_a_proj_with_mqa"), kvr + dr, hd, cm)?;
         let kv_a_b = self.bias(&format!("{a}.kv_a_proj_with_mqa.bias"), kvr + dr)?;
-        let ckv = Self::linear_b(h, &kv_a, kv_a_b.as_ref())?;
-        let latent = ops::rms_norm(
+        let ckv = cm.round(Self::linear_b(h, &kv_a, kv_a_b.as_ref())?)?;
+        let latent = ops::rms_norm_in(
             &ckv.narrow(1, 0, kvr)?,
             &self.norm(&format!("{a}.kv_a_layernorm.weight"), kvr)?,
             LATENT_NORM_EPS,
+            cm,
         )?;
         let mut k_rot = ckv
             .narrow(1, kvr, dr)?
             .contiguous()?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut k_rot, 1, dr, 0, off);
+        rope_inplace(&self.inv_freq, &mut k_rot, 1, dr, 0, off, cm);
         let k_rot = Tensor::from_vec(k_rot, (1, t, dr), &dev)?;
         let kv_b = self
             .w
-            .projection_t(&format!("{a}.kv_b_proj"), nkv * (dn + dv), kvr)?;
-        let kv = linear_t(&latent, &kv_b)?
+            .projection_t_in(&format!("{a}.kv_b_proj"), nkv * (dn + dv), kvr, cm)?;
+        let kv = cm
+            .round(linear_t(&latent, &kv_b)?)?
             .reshape((t, nkv, dn + dv))?
             .transpose(0, 1)?; // [nkv, t, dn + dv]
         let k_new = Tensor::cat(
@@ -950,10 +981,12 @@ impl GlmMoeDsa {
                 Some(&mask.narrow(0, r0, n)?),
             )?);
         }
-        let y = Tensor::cat(&ys, 0)?; // [t, nh * dv]
-        let o = self.w.projection_t(&format!("{a}.o_proj"), hd, nh * dv)?;
+        let y = cm.round(Tensor::cat(&ys, 0)?)?; // [t, nh * dv]
+        let o = self
+            .w
+            .projection_t_in(&format!("{a}.o_proj"), hd, nh * dv, cm)?;
         let o_b = self.bias(&format!("{a}.o_proj.bias"), hd)?;
-        let out = Self::linear_b(&y, &o, o_b.as_ref())?;
+        let out = cm.round(Self::linear_b(&y, &o, o_b.as_ref())?)?;
         let mut lc = vec![k_all, v_all];
         if let Some(ik) = index_k {
             lc.push(ik);
@@ -982,20 +1015,27 @@ impl GlmMoeDsa {
             c.index_head_dim,
             c.q_lora_rank,
         );
+        let cm = self.compute;
         let ix = format!("{a}.indexer");
-        let wq = self.w.projection_t(&format!("{ix}.wq_b"), ni * di, qr)?;
-        let mut qi = linear_t(q_resid, &wq)?.flatten_all()?.to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut qi, ni, di, 0, off);
+        let wq = self
+            .w
+            .projection_t_in(&format!("{ix}.wq_b"), ni * di, qr, cm)?;
+        let mut qi = cm
+            .round(linear_t(q_resid, &wq)?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        rope_inplace(&self.inv_freq, &mut qi, ni, di, 0, off, cm);
         let qi = Tensor::from_vec(qi, (t, ni, di), &dev)?;
-        let wk = self.w.projection_t(&format!("{ix}.wk"), di, hd)?;
-        let ki = ops::layer_norm(
-            &linear_t(h, &wk)?,
+        let wk = self.w.projection_t_in(&format!("{ix}.wk"), di, hd, cm)?;
+        // torch's LayerNorm on a bf16 input computes in f32 and rounds its output once.
+        let ki = cm.round(ops::layer_norm(
+            &cm.round(linear_t(h, &wk)?)?,
             &self.norm(&format!("{ix}.k_norm.weight"), di)?,
             &self.norm(&format!("{ix}.k_norm.bias"), di)?,
             INDEXER_NORM_EPS,
-        )?;
+        )?)?;
         let mut ki = ki.flatten_all()?.to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut ki, 1, di, 0, off);
+        rope_inplace(&self.inv_freq, &mut ki, 1, di, 0, off, cm);
         let ki = Tensor::from_vec(ki, (t, di), &dev)?;
         let ki_all = match past {
             Some(old) => Tensor::cat(&[old, &ki], 0)?,
@@ -1007,7 +1047,7 @@ impl GlmMoeDsa {
             ));
         }
         let ww = self.w.matrix_t(&format!("{ix}.weights_proj"), ni, hd)?;
-        let w = (linear_t(h, &ww)? * (ni as f64).powf(-0.5))?;
+        let w = (cm.round(linear_t(h, &ww)?)? * (ni as f64).powf(-0.5))?;
         // w [t, ni]. Per block of query rows: scores [n, ni, total] = relu(q·k · di^-0.5), then
         // index [n, total] = Σ_h w_h · scores_h (rows are independent, so blocking changes
         // nothing but the memory held).
@@ -1038,7 +1078,7 @@ impl GlmMoeDsa {
                 if causal <= c.index_topk {
                     (0..causal).collect()
                 } else {
-                    top_k(&row[..causal], c.index_topk)
+                    ops::topk_indices_ordered(&row[..causal], c.index_topk, self.dsa_ties)
                 }
             })
             .collect();
@@ -1059,15 +1099,19 @@ impl GlmMoeDsa {
         let logits = linear_t(h, &router)?.to_vec2::<f32>()?;
         let routes: Vec<Vec<(usize, f32)>> =
             logits.iter().map(|row| route(c, row, &bias)).collect();
-        let routed = ops::moe_dispatch(h, &routes, |e, rows| {
-            ops::swiglu(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi)
-        })?;
-        let shared = ops::swiglu(
+        let cm = self.compute;
+        // The weighted sum of the routed experts stays f32 and is rounded once (transformers'
+        // grouped_mm experts: bf16 expert outputs times f32 weights, summed over top-k in f32).
+        let routed = cm.round(ops::moe_dispatch(h, &routes, |e, rows| {
+            ops::swiglu_in(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi, cm)
+        })?)?;
+        let shared = ops::swiglu_in(
             &self.w,
             &format!("{m}.shared_experts"),
             h,
             hd,
             mi * c.n_shared_experts,
+            cm,
         )?;
         let experts = routes
             .into_iter()
@@ -1077,7 +1121,7 @@ impl GlmMoeDsa {
                 e
             })
             .collect();
-        Ok(((routed + shared)?, experts))
+        Ok((cm.round((routed + shared)?)?, experts))
     }
 }
 
@@ -1214,12 +1258,12 @@ mod tests {
         assert_eq!(f, vec![1.0, 0.01]);
         // Position 0 rotates by nothing: only the de-interleaving shows.
         let mut x = vec![9.0, 1.0, 2.0, 3.0, 4.0];
-        rope_inplace(&f, &mut x, 1, 5, 1, 0);
+        rope_inplace(&f, &mut x, 1, 5, 1, 0, Compute::F32);
         assert_eq!(x, vec![9.0, 1.0, 3.0, 2.0, 4.0]);
         // Pair (x[2i], x[2i+1]) turns by pos * inv_freq[i] (GPT-J / complex form).
         let (q, pos) = ([0.3f32, -1.2, 0.7, 2.0], 5usize);
         let mut y = q.to_vec();
-        rope_inplace(&f, &mut y, 1, 4, 0, pos);
+        rope_inplace(&f, &mut y, 1, 4, 0, pos, Compute::F32);
         for i in 0..2 {
             let a = pos as f32 * f[i];
             let (re, im) = (q[2 * i], q[2 * i + 1]);

@@ -10,7 +10,10 @@
 //!
 //! Every implementation computes in f32 from dequantised weights with transformers' numerics
 //! (the reference is transformers' fp32 eager forward; `tests/arch_vectors.rs` holds each one to
-//! it). Rounding weights or activations to bf16 would flip MoE / DSA top-k choices.
+//! it), or, with [`Compute::Bf16`], rounds to bf16 where transformers' bf16 model rounds, so
+//! that a bf16 serve is recomputed in bf16 (`tests/audit_oracle.rs`; docs/AUDITOR.md "bf16 and
+//! f32 recomputes"). The two differ by more than rounding: on MoE models bf16 noise flips
+//! near-tied expert (and DSA key) choices, so neither recompute explains the other's serves.
 use std::path::Path;
 use std::sync::Arc;
 
@@ -30,18 +33,54 @@ pub mod weights;
 pub use config::{ArchKind, QuantConfig, TextConfig};
 pub use weights::{Residency, Weights};
 
+/// Whether the architecture has a DSA indexer (a top-k key selection whose ties
+/// [`TieOrder`] orders).
+pub fn has_dsa(kind: ArchKind) -> bool {
+    kind == ArchKind::GlmMoeDsa
+}
+
 /// How a checkpoint is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LoadOptions {
     /// The stored weights exactly (`Bf16`: the honest serve and the auditor), or the int4 cheat
     /// applied to every projection ([`Weights::projection`]).
     pub precision: Precision,
-    /// Activation dtype: f32 (the auditor) or bf16-rounded (a GPU-like honest serve). An
-    /// architecture that does not model bf16 activations computes in f32.
+    /// Activation dtype: f32, or bf16-rounded at the architecture's bf16 rounding points (an
+    /// honest bf16 serve, and the auditor's bf16 recompute).
     pub compute: Compute,
     /// Whether dequantised weights are kept ([`Residency::Resident`]) or decoded per use
     /// ([`Residency::Streaming`], for checkpoints larger than memory at f32).
     pub residency: Residency,
+    /// Which of several keys with exactly equal DSA index scores at the `index_topk` boundary
+    /// a query keeps (architectures with a DSA indexer; ignored elsewhere).
+    pub dsa_ties: TieOrder,
+}
+
+/// The order among exactly equal scores when a top-k selection must cut between them.
+///
+/// Serves differ here: torch's CPU `topk` keeps an order of its partial-sort / nth_element,
+/// and sglang's radix top-k kernel for the DSA indexer takes equal values at the threshold in
+/// the order its threads reach them, so no order is the serve's. The auditor therefore treats
+/// a tie at the boundary as a tie: it recomputes with either order before it calls a
+/// commitment a cheat ([`crate::audit::Recompute`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TieOrder {
+    /// Lower index (earlier key) first.
+    #[default]
+    LowerFirst,
+    /// Higher index (later key) first.
+    HigherFirst,
+}
+
+impl TieOrder {
+    /// `lower-first` or `higher-first`.
+    pub fn label(self) -> &'static str {
+        match self {
+            TieOrder::LowerFirst => "lower-first",
+            TieOrder::HigherFirst => "higher-first",
+        }
+    }
 }
 
 /// What one layer keeps between incremental calls. The meaning of the tensors is the

@@ -1,11 +1,16 @@
 //! The f32 building blocks the architectures share, each with transformers' semantics.
 //!
 //! Shapes: a sequence is `[T, H]` (one batch row); attention heads are `[heads, T, d]`.
+//!
+//! The `*_in` variants take the activation dtype ([`Compute`]) and round where transformers'
+//! module rounds when the model runs in bf16 (every op's output in the model dtype, f32
+//! accumulation inside each op; docs/AUDITOR.md "bf16 recompute"). With [`Compute::F32`] they
+//! are exactly the plain f32 functions.
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::ModelError;
+use crate::{Compute, ModelError};
 
-use super::Weights;
+use super::{TieOrder, Weights};
 
 /// `x · Wᵀ`: `x` `[T, in]`, `w` `[out, in]` (nn.Linear without bias) → `[T, out]`.
 ///
@@ -35,6 +40,25 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
         .broadcast_mul(w)
 }
 
+/// RMSNorm of transformers' Llama-style modules (`LlamaRMSNorm`, `Qwen3MoeRMSNorm`,
+/// `DeepseekV3RMSNorm`, `GlmMoeDsaRMSNorm`) in the activation dtype `c`: the row is normalised
+/// in f32, rounded to `c`, then multiplied by the weight in `c`
+/// (`self.weight * hidden_states.to(input_dtype)`), so bf16 rounds twice.
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn rms_norm_in(x: &Tensor, w: &Tensor, eps: f64, c: Compute) -> candle_core::Result<Tensor> {
+    match c {
+        Compute::F32 => rms_norm(x, w, eps),
+        Compute::Bf16 => {
+            let x = x.contiguous()?;
+            let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+            let n = c.round(x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?)?;
+            c.round(n.broadcast_mul(w)?)
+        }
+    }
+}
+
 /// Zero-centred RMSNorm (Qwen3.5 / Qwen3-Next `Qwen3_5MoeRMSNorm`):
 /// `x * rsqrt(mean(x²) + eps) * (1 + w)`.
 ///
@@ -42,6 +66,16 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
 /// A candle error on a shape mismatch.
 pub fn rms_norm_1p(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     rms_norm(x, &(w + 1.0)?, eps)
+}
+
+/// [`rms_norm_1p`] in the activation dtype `c`: `Qwen3_5MoeRMSNorm` normalises and multiplies
+/// by `1 + w` in f32 (`self._norm(x.float()) * (1.0 + self.weight.float())`) and rounds once
+/// (`.type_as(x)`), unlike the Llama-style [`rms_norm_in`].
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn rms_norm_1p_in(x: &Tensor, w: &Tensor, eps: f64, c: Compute) -> candle_core::Result<Tensor> {
+    c.round(rms_norm_1p(x, w, eps)?)
 }
 
 /// LayerNorm with weight and bias over the last dimension (biased variance).
@@ -56,6 +90,29 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::
     xc.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?
         .broadcast_mul(w)?
         .broadcast_add(b)
+}
+
+/// A SwiGLU MLP as [`swiglu`] in the activation dtype `c`: each projection's output, the
+/// activation and the product are rounded to `c` (transformers' `down_proj(act_fn(gate_proj(x))
+/// * up_proj(x))` in a bf16 model).
+///
+/// # Errors
+/// Weight errors and candle errors.
+pub fn swiglu_in(
+    w: &Weights,
+    module: &str,
+    x: &Tensor,
+    hidden: usize,
+    inter: usize,
+    c: Compute,
+) -> Result<Tensor, ModelError> {
+    if c == Compute::F32 {
+        return swiglu(w, module, x, hidden, inter);
+    }
+    let g = c.round(w.linear_in(&format!("{module}.gate_proj"), x, inter, hidden, c)?)?;
+    let u = c.round(w.linear_in(&format!("{module}.up_proj"), x, inter, hidden, c)?)?;
+    let h = c.round((c.round(silu(&g)?)? * u)?)?;
+    Ok(c.round(w.linear_in(&format!("{module}.down_proj"), &h, hidden, inter, c)?)?)
 }
 
 /// `x * sigmoid(x)`.
@@ -158,6 +215,46 @@ pub fn rope_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<
     Tensor::cat(&[&y, &x.narrow(D::Minus1, rot, d - rot)?], D::Minus1)
 }
 
+/// [`rope_half`] in the activation dtype `c`: with [`Compute::Bf16`], `cos`/`sin` are rounded
+/// to bf16 (transformers' rotary embedding returns them in the model dtype) and each product
+/// and the sum are rounded (`q * cos + rotate_half(q) * sin` on bf16 tensors); the features
+/// past the rotary part pass through.
+///
+/// # Errors
+/// Candle errors only.
+pub fn rope_half_in(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    c: Compute,
+) -> candle_core::Result<Tensor> {
+    if c == Compute::F32 {
+        return rope_half(x, cos, sin);
+    }
+    let d = x.dim(D::Minus1)?;
+    let half = cos.dim(1)?;
+    let rot = half * 2;
+    let full = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let t = c.round(t.clone())?;
+        Tensor::cat(&[&t, &t], D::Minus1)
+    };
+    let (cos, sin) = (full(cos)?, full(sin)?);
+    let xr = x.narrow(D::Minus1, 0, rot)?.contiguous()?;
+    let rotated = Tensor::cat(
+        &[
+            &xr.narrow(D::Minus1, half, half)?.neg()?,
+            &xr.narrow(D::Minus1, 0, half)?,
+        ],
+        D::Minus1,
+    )?;
+    let y =
+        c.round((c.round(xr.broadcast_mul(&cos)?)? + c.round(rotated.broadcast_mul(&sin)?)?)?)?;
+    if rot == d {
+        return Ok(y);
+    }
+    Tensor::cat(&[&y, &x.narrow(D::Minus1, rot, d - rot)?], D::Minus1)
+}
+
 /// Interleaved (GPT-J) RoPE on the whole last dimension of `x` `[heads, t, d]`: pair
 /// `(x[2i], x[2i+1])` rotated by `inv_freq[i]`; output in the same interleaved order.
 ///
@@ -181,7 +278,26 @@ pub fn attention(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
+    let (att, v) = scores(q, k, v, scale, mask)?;
     let (h, t, _) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    att.matmul(&v.contiguous()?)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((t, h * dv))
+}
+
+/// The scaled, masked scores `[h, t, s]` of [`attention`] and the values expanded to the `h`
+/// query heads `[h, s, dv]`.
+fn scores(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let h = q.dim(0)?;
     let (kv, s, d) = k.dims3()?;
     let dv = v.dim(2)?;
     let rep = h / kv.max(1);
@@ -196,19 +312,254 @@ pub fn attention(
     if let Some(m) = mask {
         att = att.broadcast_add(m)?;
     }
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
-    att.matmul(&v.contiguous()?)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((t, h * dv))
+    Ok((att, v))
+}
+
+/// [`attention`] in the activation dtype `c`, as a fused (flash) attention kernel computes it
+/// on bf16 inputs (torch's CPU `scaled_dot_product_attention`, FlashAttention on GPU): scores,
+/// max and `exp(s - max)` in f32, the row sum of those f32 exponentials, the exponentials
+/// rounded to bf16 for the product with `v` (accumulated in f32), divided by the sum, and the
+/// output rounded. With [`Compute::F32`], exactly [`attention`].
+///
+/// # Errors
+/// Candle errors on inconsistent shapes.
+pub fn attention_in(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    c: Compute,
+) -> candle_core::Result<Tensor> {
+    if c == Compute::F32 {
+        return attention(q, k, v, scale, mask);
+    }
+    let (att, v) = scores(q, k, v, scale, mask)?;
+    let (h, t, _) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let max = att.max_keepdim(D::Minus1)?;
+    let e = att.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let y = c.round(e)?.matmul(&v.contiguous()?)?.broadcast_div(&sum)?;
+    c.round(y.transpose(0, 1)?.contiguous()?.reshape((t, h * dv))?)
 }
 
 /// Indices of the `k` largest values of `row`, largest first (ties: lower index first).
 pub fn topk_indices(row: &[f32], k: usize) -> Vec<usize> {
+    topk_indices_ordered(row, k, TieOrder::LowerFirst)
+}
+
+/// [`topk_indices`] with equal values taken in `ties` order.
+pub fn topk_indices_ordered(row: &[f32], k: usize, ties: TieOrder) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..row.len()).collect();
-    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.sort_by(|&a, &b| {
+        row[b].total_cmp(&row[a]).then(match ties {
+            TieOrder::LowerFirst => a.cmp(&b),
+            TieOrder::HigherFirst => b.cmp(&a),
+        })
+    });
     idx.truncate(k);
     idx
+}
+
+/// Indices of the `k` largest values of `row` in the order torch's CPU `topk` returns them
+/// (`aten/src/ATen/native/TopKImpl.h`: `(value, index)` pairs ordered by libstdc++'s
+/// `std::nth_element` then `std::sort` of the first `k - 1`, or `std::partial_sort` when
+/// `k * 64 <= row.len()`, with "greater" as the comparison). Unlike [`topk_indices`], exact
+/// ties are broken as torch breaks them, which is not by index: a bf16 serve's router logits
+/// tie often enough that this decides which expert runs. NaN counts as the largest.
+pub fn torch_topk_indices(row: &[f32], k: usize) -> Vec<usize> {
+    let k = k.min(row.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut q: Vec<(f32, usize)> = row.iter().copied().zip(0..).collect();
+    if k * 64 <= q.len() {
+        stl::partial_sort(&mut q, k);
+    } else {
+        stl::nth_element(&mut q, k - 1);
+        stl::insertion_sort(&mut q, 0, k - 1);
+    }
+    q.truncate(k);
+    q.into_iter().map(|(_, i)| i).collect()
+}
+
+/// The libstdc++ algorithms torch's CPU `topk` runs, step for step (`bits/stl_algo.h`,
+/// `bits/stl_heap.h`), with its comparison `comp(x, y) = isnan(x) && !isnan(y) || x > y`.
+mod stl {
+    type E = (f32, usize);
+
+    fn comp(x: &E, y: &E) -> bool {
+        (x.0.is_nan() && !y.0.is_nan()) || x.0 > y.0
+    }
+
+    /// `std::__insertion_sort` of `q[first..last]`.
+    pub(super) fn insertion_sort(q: &mut [E], first: usize, last: usize) {
+        if first >= last {
+            return;
+        }
+        for i in first + 1..last {
+            let v = q[i];
+            if comp(&v, &q[first]) {
+                q.copy_within(first..i, first + 1);
+                q[first] = v;
+            } else {
+                let mut j = i;
+                while comp(&v, &q[j - 1]) {
+                    q[j] = q[j - 1];
+                    j -= 1;
+                }
+                q[j] = v;
+            }
+        }
+    }
+
+    fn move_median_to_first(q: &mut [E], r: usize, a: usize, b: usize, c: usize) {
+        let m = if comp(&q[a], &q[b]) {
+            if comp(&q[b], &q[c]) {
+                b
+            } else if comp(&q[a], &q[c]) {
+                c
+            } else {
+                a
+            }
+        } else if comp(&q[a], &q[c]) {
+            a
+        } else if comp(&q[b], &q[c]) {
+            c
+        } else {
+            b
+        };
+        q.swap(r, m);
+    }
+
+    fn unguarded_partition(q: &mut [E], mut first: usize, mut last: usize, pivot: usize) -> usize {
+        loop {
+            while comp(&q[first], &q[pivot]) {
+                first += 1;
+            }
+            last -= 1;
+            while comp(&q[pivot], &q[last]) {
+                last -= 1;
+            }
+            if first >= last {
+                return first;
+            }
+            q.swap(first, last);
+            first += 1;
+        }
+    }
+
+    /// `std::nth_element(q.begin(), q.begin() + nth, q.end(), comp)` (introselect).
+    pub(super) fn nth_element(q: &mut [E], nth: usize) {
+        let (mut first, mut last) = (0, q.len());
+        let mut depth = 2 * q.len().max(1).ilog2();
+        while last - first > 3 {
+            if depth == 0 {
+                heap_select(q, first, nth + 1, last);
+                q.swap(first, nth);
+                return;
+            }
+            depth -= 1;
+            let mid = first + (last - first) / 2;
+            move_median_to_first(q, first, first + 1, mid, last - 1);
+            let cut = unguarded_partition(q, first + 1, last, first);
+            if cut <= nth {
+                first = cut;
+            } else {
+                last = cut;
+            }
+        }
+        insertion_sort(q, first, last);
+    }
+
+    fn adjust_heap(q: &mut [E], first: usize, mut hole: usize, len: usize, value: E) {
+        let top = hole;
+        let mut child = hole;
+        while child < (len - 1) / 2 {
+            child = 2 * (child + 1);
+            if comp(&q[first + child], &q[first + child - 1]) {
+                child -= 1;
+            }
+            q[first + hole] = q[first + child];
+            hole = child;
+        }
+        if len.is_multiple_of(2) && child == (len - 2) / 2 {
+            child = 2 * (child + 1);
+            q[first + hole] = q[first + child - 1];
+            hole = child - 1;
+        }
+        while hole > top {
+            let parent = (hole - 1) / 2;
+            if !comp(&q[first + parent], &value) {
+                break;
+            }
+            q[first + hole] = q[first + parent];
+            hole = parent;
+        }
+        q[first + hole] = value;
+    }
+
+    fn make_heap(q: &mut [E], first: usize, last: usize) {
+        let len = last - first;
+        if len < 2 {
+            return;
+        }
+        let mut parent = (len - 2) / 2;
+        loop {
+            let v = q[first + parent];
+            adjust_heap(q, first, parent, len, v);
+            if parent == 0 {
+                return;
+            }
+            parent -= 1;
+        }
+    }
+
+    fn pop_heap(q: &mut [E], first: usize, last: usize, result: usize) {
+        let v = q[result];
+        q[result] = q[first];
+        adjust_heap(q, first, 0, last - first, v);
+    }
+
+    fn heap_select(q: &mut [E], first: usize, middle: usize, last: usize) {
+        make_heap(q, first, middle);
+        for i in middle..last {
+            if comp(&q[i], &q[first]) {
+                pop_heap(q, first, middle, i);
+            }
+        }
+    }
+
+    /// `std::partial_sort(q.begin(), q.begin() + k, q.end(), comp)`.
+    pub(super) fn partial_sort(q: &mut [E], k: usize) {
+        heap_select(q, 0, k, q.len());
+        let mut last = k;
+        while last > 1 {
+            last -= 1;
+            pop_heap(q, 0, last, last);
+        }
+    }
+}
+
+/// [`softmax_top_k`] as a model of activation dtype `c` routes: with [`Compute::Bf16`] the
+/// top `k` are chosen as torch's `topk` chooses them ([`torch_topk_indices`]; the logits a
+/// bf16 serve softmaxes are bf16 and tie). The weights are f32 either way; the caller rounds
+/// them where the model casts them.
+///
+/// # Errors
+/// Candle errors only.
+pub fn softmax_top_k_in(
+    logits: &Tensor,
+    k: usize,
+    renormalise: bool,
+    c: Compute,
+) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
+    let pick: fn(&[f32], usize) -> Vec<usize> = match c {
+        Compute::F32 => topk_indices,
+        Compute::Bf16 => torch_topk_indices,
+    };
+    softmax_top_k_with(logits, k, renormalise, pick)
 }
 
 /// The softmax top-k router of Qwen3-MoE and Qwen3.5-MoE (transformers' `*TopKRouter`):
@@ -223,11 +574,20 @@ pub fn softmax_top_k(
     k: usize,
     renormalise: bool,
 ) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
+    softmax_top_k_with(logits, k, renormalise, topk_indices)
+}
+
+fn softmax_top_k_with(
+    logits: &Tensor,
+    k: usize,
+    renormalise: bool,
+    pick: fn(&[f32], usize) -> Vec<usize>,
+) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
     let probs = candle_nn::ops::softmax_last_dim(logits)?.to_vec2::<f32>()?;
     Ok(probs
         .iter()
         .map(|row| {
-            let top = topk_indices(row, k);
+            let top = pick(row, k);
             let sum: f32 = top.iter().map(|&e| row[e]).sum();
             top.iter()
                 .map(|&e| (e, if renormalise { row[e] / sum } else { row[e] }))
@@ -251,6 +611,21 @@ pub fn moe_dispatch<F>(
 where
     F: FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
 {
+    moe_dispatch_weighted(x, choice, |e, rows, w| {
+        Ok(expert(e, rows)?.broadcast_mul(w)?)
+    })
+}
+
+/// The loop of [`moe_dispatch`]: `weighted(e, rows, w)` returns expert `e`'s output on `rows`
+/// already multiplied by the weights `w` `[n, 1]`; the results are summed per token in f32.
+fn moe_dispatch_weighted<F>(
+    x: &Tensor,
+    choice: &[Vec<(usize, f32)>],
+    mut weighted: F,
+) -> Result<Tensor, ModelError>
+where
+    F: FnMut(usize, &Tensor, &Tensor) -> Result<Tensor, ModelError>,
+{
     let (t, h) = x.dims2()?;
     let mut per: std::collections::BTreeMap<usize, Vec<(u32, f32)>> = Default::default();
     for (tok, list) in choice.iter().enumerate() {
@@ -265,9 +640,138 @@ where
         let n = idx.len();
         let idx = Tensor::from_vec(idx, n, &Device::Cpu)?;
         let rows = x.index_select(&idx, 0)?;
-        let y = expert(e, &rows)?;
-        let y = y.broadcast_mul(&Tensor::from_vec(wts, (n, 1), &Device::Cpu)?)?;
+        let y = weighted(e, &rows, &Tensor::from_vec(wts, (n, 1), &Device::Cpu)?)?;
         out = out.index_add(&idx, &y, 0)?;
     }
     Ok(out)
+}
+
+/// [`moe_dispatch`] as transformers' `grouped_mm` experts compute it in a model of activation
+/// dtype `c` whose routing weights are in that dtype (the Qwen routers' `.to(router_logits.dtype)`):
+/// each expert output times its weight is rounded to `c` (`proj_out * sample_weights`, both
+/// bf16), the `k` products of a token are summed in f32 (`.sum(dim=1)` accumulates in f32) and
+/// the sum is rounded once. The f32 sum runs in ascending expert order rather than top-k
+/// order; the two differ at most in the last f32 bit before that rounding. With
+/// [`Compute::F32`], exactly [`moe_dispatch`].
+///
+/// # Errors
+/// Whatever `expert` returns, and candle errors.
+pub fn moe_dispatch_in<F>(
+    x: &Tensor,
+    choice: &[Vec<(usize, f32)>],
+    c: Compute,
+    mut expert: F,
+) -> Result<Tensor, ModelError>
+where
+    F: FnMut(usize, &Tensor) -> Result<Tensor, ModelError>,
+{
+    if c == Compute::F32 {
+        return moe_dispatch(x, choice, expert);
+    }
+    let out = moe_dispatch_weighted(x, choice, |e, rows, w| {
+        Ok(c.round(expert(e, rows)?.broadcast_mul(w)?)?)
+    })?;
+    Ok(c.round(out)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `torch.tensor(v).topk(k).indices` (torch 2.15, CPU) for
+    /// `v[i] = [0.25, 0.5, 0.75, 1.0, 1.5][(7i² + 3i + 1) % 5]`: rows full of exact ties, through
+    /// both of torch's paths (`nth_element` for `k * 64 > n`, `partial_sort` otherwise).
+    #[test]
+    fn torch_topk_breaks_ties_as_torch_does() {
+        let levels = [0.25f32, 0.5, 0.75, 1.0, 1.5];
+        let row = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| levels[(7 * i * i + 3 * i + 1) % 5])
+                .collect()
+        };
+        let torch: [(usize, usize, &[usize]); 4] = [
+            (8, 2, &[3, 5]),
+            (8, 3, &[3, 5, 6]),
+            (128, 2, &[8, 3]),
+            (256, 8, &[173, 88, 203, 138, 38, 153, 208, 63]),
+        ];
+        for (n, k, want) in torch {
+            let r = row(n);
+            assert_eq!(torch_topk_indices(&r, k), want, "n {n} k {k}");
+            // Same set of values as the lower-index-first rule, other members on ties.
+            let ours = topk_indices(&r, k);
+            assert_ne!(
+                ours, want,
+                "n {n} k {k}: the case must have a tie at the boundary"
+            );
+            let vals = |ix: &[usize]| -> Vec<f32> { ix.iter().map(|&i| r[i]).collect() };
+            assert_eq!(vals(&ours), vals(want));
+        }
+        // Distinct values: both rules agree.
+        let r: Vec<f32> = (0..40).map(|i| ((i * 37) % 41) as f32).collect();
+        for k in [1, 3, 8] {
+            assert_eq!(torch_topk_indices(&r, k), topk_indices(&r, k));
+        }
+    }
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), (1, v.len()), &Device::Cpu).unwrap()
+    }
+
+    fn row(x: &Tensor) -> Vec<f32> {
+        x.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// `Qwen3_5MoeRMSNorm` rounds once (f32 `norm(x) * (1 + w)`, then bf16), where the
+    /// Llama-style norm rounds the normalised row first: on this row the two differ.
+    #[test]
+    fn zero_centred_norm_rounds_once_in_bf16() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.37)
+            .collect();
+        let w: Vec<f32> = (0..64)
+            .map(|i| ((i * 7 % 17) as f32 - 8.0) * 0.011)
+            .collect();
+        let (xt, wt) = (t(&x), t(&w));
+        let f32_out = row(&rms_norm_1p(&xt, &wt, 1e-6).unwrap());
+        let bf = row(&rms_norm_1p_in(&xt, &wt, 1e-6, Compute::Bf16).unwrap());
+        let once: Vec<f32> = f32_out
+            .iter()
+            .map(|&v| Compute::Bf16.round_f32(v))
+            .collect();
+        assert_eq!(bf, once);
+        let w1 = (&wt + 1.0).unwrap();
+        let twice = row(&rms_norm_in(&xt, &w1, 1e-6, Compute::Bf16).unwrap());
+        assert_ne!(bf, twice, "the row must tell one rounding from two");
+        assert_eq!(
+            row(&rms_norm_1p_in(&xt, &wt, 1e-6, Compute::F32).unwrap()),
+            f32_out
+        );
+    }
+
+    /// bf16 RoPE rounds `cos`/`sin`, each product and the sum; f32 is [`rope_half`] exactly.
+    #[test]
+    fn rope_half_in_rounds_products_and_sum() {
+        let (cos, sin) = rope_tables(10000.0, 4, 3, 2).unwrap();
+        let xv: Vec<f32> = (0..12).map(|i| (i as f32 - 5.5) * 0.731).collect();
+        let x = Tensor::from_vec(xv.clone(), (1, 2, 6), &Device::Cpu).unwrap();
+        assert_eq!(
+            row(&rope_half_in(&x, &cos, &sin, Compute::F32).unwrap()),
+            row(&rope_half(&x, &cos, &sin).unwrap())
+        );
+        let got = row(&rope_half_in(&x, &cos, &sin, Compute::Bf16).unwrap());
+        let rb = |v: f32| Compute::Bf16.round_f32(v);
+        let (c, s) = (row(&cos), row(&sin));
+        for p in 0..2 {
+            let xr = &xv[p * 6..p * 6 + 6];
+            for i in 0..4 {
+                let (h, j) = (i % 2, if i < 2 { i + 2 } else { i - 2 });
+                let (cv, sv) = (rb(c[p * 2 + h]), rb(s[p * 2 + h]));
+                let rot = if i < 2 { -xr[j] } else { xr[j] };
+                assert_eq!(got[p * 6 + i], rb(rb(xr[i] * cv) + rb(rot * sv)), "{p} {i}");
+            }
+            // Past the rotary part, the features pass through.
+            assert_eq!(&got[p * 6 + 4..p * 6 + 6], &xr[4..]);
+        }
+    }
 }

@@ -32,6 +32,19 @@
 //! and `mtp.*` are never read. Routed experts are stored per expert
 //! (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
 //!
+//! With [`Compute::Bf16`] every module's output is rounded to bf16 where transformers' bf16
+//! model rounds it (an honest bf16 serve, recomputed): `Qwen3_5MoeRMSNorm` computes in f32 and
+//! rounds once; each projection's output is rounded (weights not stored as bf16 are the bf16
+//! rounding of their dequantised value, [`Weights::linear_in`]); the causal conv accumulates in
+//! f32 and rounds, then SiLU rounds; `β = sigmoid(b)` is rounded while `g` stays f32; the delta
+//! rule runs in f32 and its output is rounded; the gated norm rounds the normalised row, its
+//! product with the weight, and the product with the f32 `silu(z)`; RoPE uses bf16 `cos`/`sin`
+//! and rounds each product and the sum; attention is a fused kernel's
+//! ([`ops::attention_in`]); the router's logits are bf16 (a bf16 `nn.Linear`), softmax and
+//! renormalisation f32, the weights rounded to bf16; routed experts as `grouped_mm`
+//! ([`ops::moe_dispatch_in`]); the shared expert gate's logit and sigmoid are rounded; every
+//! residual add is rounded.
+//!
 //! Cache per layer: DeltaNet `[conv_state [K-1, conv_dim], state [nv, d_k, d_v]]`; attention
 //! `[k, v]` (`[kv_heads, positions, head_dim]`).
 use std::sync::Arc;
@@ -40,7 +53,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::ops::{self, linear_t};
 use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
-use crate::ModelError;
+use crate::{Compute, ModelError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mixer {
@@ -52,6 +65,7 @@ enum Mixer {
 pub struct Qwen3_5Moe {
     cfg: TextConfig,
     w: Arc<Weights>,
+    compute: Compute,
     mixers: Vec<Mixer>,
     heads: usize,
     kv_heads: usize,
@@ -70,12 +84,13 @@ pub struct Qwen3_5Moe {
 
 impl Qwen3_5Moe {
     /// Reads the Qwen3.5-MoE fields of `cfg` and checks every tensor the forward pass uses.
+    /// The activations are computed in `opts.compute` (see the module documentation).
     ///
     /// # Errors
     /// [`ModelError::Config`] for missing or inconsistent settings (`layer_types`, head
     /// counts, a RoPE type other than `default`), [`ModelError::MissingTensor`] /
     /// [`ModelError::Shape`] when the checkpoint does not match.
-    pub fn load(cfg: TextConfig, w: Arc<Weights>, _opts: &LoadOptions) -> Result<Self, ModelError> {
+    pub fn load(cfg: TextConfig, w: Arc<Weights>, opts: &LoadOptions) -> Result<Self, ModelError> {
         let n = cfg.num_hidden_layers;
         let heads = cfg.usize_req("num_attention_heads")?;
         let kv_heads = cfg.usize_or("num_key_value_heads", heads)?;
@@ -127,6 +142,7 @@ impl Qwen3_5Moe {
             top_k: cfg.usize_req("num_experts_per_tok")?,
             moe_inter: cfg.usize_req("moe_intermediate_size")?,
             shared_inter: cfg.usize_or("shared_expert_intermediate_size", 0)?,
+            compute: opts.compute,
             cfg,
             w,
         };
@@ -276,14 +292,19 @@ impl Qwen3_5Moe {
         let (nk, nv, dk, dv, kk) = (self.nk, self.nv, self.dk, self.dv, self.conv_k);
         let cd = self.conv_dim();
         let w = &*self.w;
-        let qkv = w
-            .linear(&format!("{a}.in_proj_qkv"), h, cd, d)?
+        let cm = self.compute;
+        let rb = |v: f32| cm.round_f32(v);
+        let qkv = cm
+            .round(w.linear_in(&format!("{a}.in_proj_qkv"), h, cd, d, cm)?)?
             .to_vec2::<f32>()?;
-        let z = w
-            .linear(&format!("{a}.in_proj_z"), h, nv * dv, d)?
+        let z = cm
+            .round(w.linear_in(&format!("{a}.in_proj_z"), h, nv * dv, d, cm)?)?
             .to_vec2::<f32>()?;
-        let bb = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_b"), nv, d)?)?.to_vec2::<f32>()?;
-        let aa = linear_t(h, &w.matrix_t(&format!("{a}.in_proj_a"), nv, d)?)?.to_vec2::<f32>()?;
+        let small = |name: &str| -> Result<Vec<Vec<f32>>, ModelError> {
+            let wt = w.matrix_t(&format!("{a}.{name}"), nv, d)?;
+            Ok(cm.round(linear_t(h, &wt)?)?.to_vec2::<f32>()?)
+        };
+        let (bb, aa) = (small("in_proj_b")?, small("in_proj_a")?);
         let conv_w = w
             .tensor(&format!("{a}.conv1d.weight"))?
             .flatten_all()?
@@ -292,7 +313,8 @@ impl Qwen3_5Moe {
         let dt_bias = w.tensor(&format!("{a}.dt_bias"))?.to_vec1::<f32>()?;
         let norm_w = w.tensor(&format!("{a}.norm.weight"))?.to_vec1::<f32>()?;
 
-        // Causal depthwise conv over [previous K-1 inputs | this call's inputs], then SiLU.
+        // Causal depthwise conv over [previous K-1 inputs | this call's inputs] (f32
+        // accumulation, output in the activation dtype), then SiLU.
         let hist = kk.saturating_sub(1);
         let mut input: Vec<f32> = match prev.first() {
             Some(s) => s.flatten_all()?.to_vec1::<f32>()?,
@@ -308,7 +330,8 @@ impl Qwen3_5Moe {
                 for j in 0..kk {
                     s += conv_w[c * kk + j] * input[(ti + j) * cd + c];
                 }
-                conv[ti * cd + c] = s / (1.0 + (-s).exp());
+                let s = rb(s);
+                conv[ti * cd + c] = rb(s / (1.0 + (-s).exp()));
             }
         }
         let conv_state = input[t * cd..].to_vec();
@@ -343,7 +366,7 @@ impl Qwen3_5Moe {
             for hv in 0..nv {
                 let (q, k) = (&qn[hv / rep], &kn[hv / rep]);
                 let v = &va[hv * dv..(hv + 1) * dv];
-                let beta = 1.0 / (1.0 + (-bb[ti][hv]).exp());
+                let beta = rb(1.0 / (1.0 + (-bb[ti][hv]).exp()));
                 let g = -a_log[hv].exp() * softplus(aa[ti][hv] + dt_bias[hv]);
                 let decay = g.exp();
                 let s = &mut state[hv * dk * dv..(hv + 1) * dk * dv];
@@ -370,17 +393,20 @@ impl Qwen3_5Moe {
                         *oj += sv * qi;
                     }
                 }
-                // Gated RMSNorm of this head: rms(o) * w * silu(z).
+                // Gated RMSNorm of this head on the rule's rounded output: rms(o) * w * silu(z)
+                // (`Qwen3_5MoeRMSNormGated`: the normalised row and its product with the weight
+                // in the activation dtype, the product with the f32 `silu(z)` rounded once).
+                o.iter_mut().for_each(|x| *x = rb(*x));
                 let var = o.iter().map(|x| x * x).sum::<f32>() / dv as f32;
                 let r = 1.0 / (var + eps).sqrt();
                 let zr = &z[ti][hv * dv..(hv + 1) * dv];
                 for ((oj, &wj), &zj) in o.iter_mut().zip(&norm_w).zip(zr) {
-                    *oj = wj * (*oj * r) * (zj / (1.0 + (-zj).exp()));
+                    *oj = rb(rb(wj * rb(*oj * r)) * (zj / (1.0 + (-zj).exp())));
                 }
             }
         }
         let core = Tensor::from_vec(out, (t, nv * dv), &Device::Cpu)?;
-        let y = w.linear(&format!("{a}.out_proj"), &core, d, nv * dv)?;
+        let y = cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?;
         let cache = LayerCache(vec![
             Tensor::from_vec(conv_state, (hist, cd), &Device::Cpu)?,
             Tensor::from_vec(state, (nv, dk, dv), &Device::Cpu)?,
@@ -400,32 +426,30 @@ impl Qwen3_5Moe {
         let a = format!("{p}.self_attn");
         let (nh, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let w = &*self.w;
+        let cm = self.compute;
         let eps = self.cfg.rms_norm_eps;
-        let qg = w
-            .linear(&format!("{a}.q_proj"), h, nh * hd * 2, d)?
-            .reshape((t, nh, 2 * hd))?;
+        let proj = |name: &str, out: usize| -> Result<Tensor, ModelError> {
+            Ok(cm.round(w.linear_in(&format!("{a}.{name}"), h, out, d, cm)?)?)
+        };
+        let qg = proj("q_proj", nh * hd * 2)?.reshape((t, nh, 2 * hd))?;
         let q = qg.narrow(2, 0, hd)?;
         let gate = qg.narrow(2, hd, hd)?.contiguous()?.reshape((t, nh * hd))?;
-        let q = ops::rms_norm_1p(&q, &w.tensor(&format!("{a}.q_norm.weight"))?, eps)?;
-        let k = w
-            .linear(&format!("{a}.k_proj"), h, kv * hd, d)?
-            .reshape((t, kv, hd))?;
-        let k = ops::rms_norm_1p(&k, &w.tensor(&format!("{a}.k_norm.weight"))?, eps)?;
-        let v = w
-            .linear(&format!("{a}.v_proj"), h, kv * hd, d)?
-            .reshape((t, kv, hd))?;
+        let q = ops::rms_norm_1p_in(&q, &w.tensor(&format!("{a}.q_norm.weight"))?, eps, cm)?;
+        let k = proj("k_proj", kv * hd)?.reshape((t, kv, hd))?;
+        let k = ops::rms_norm_1p_in(&k, &w.tensor(&format!("{a}.k_norm.weight"))?, eps, cm)?;
+        let v = proj("v_proj", kv * hd)?.reshape((t, kv, hd))?;
         let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, self.rot_dim, off, t)?;
-        let q = ops::rope_half(&q.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
-        let k = ops::rope_half(&k.transpose(0, 1)?.contiguous()?, &cos, &sin)?;
+        let q = ops::rope_half_in(&q.transpose(0, 1)?.contiguous()?, &cos, &sin, cm)?;
+        let k = ops::rope_half_in(&k.transpose(0, 1)?.contiguous()?, &cos, &sin, cm)?;
         let v = v.transpose(0, 1)?.contiguous()?;
         let (k, v) = match prev {
             [pk, pv] => (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?),
             _ => (k, v),
         };
         let mask = ops::causal_mask(t, off)?;
-        let y = ops::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref())?;
-        let y = (y * ops::sigmoid(&gate)?)?;
-        let y = w.linear(&format!("{a}.o_proj"), &y, d, nh * hd)?;
+        let y = ops::attention_in(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref(), cm)?;
+        let y = cm.round((y * cm.round(ops::sigmoid(&gate)?)?)?)?;
+        let y = cm.round(w.linear_in(&format!("{a}.o_proj"), &y, d, nh * hd, cm)?)?;
         Ok((y, LayerCache(vec![k, v])))
     }
 
@@ -433,19 +457,34 @@ impl Qwen3_5Moe {
         let d = self.cfg.hidden_size;
         let m = format!("{p}.mlp");
         let w = &*self.w;
+        let cm = self.compute;
         let router = w.matrix_t(&format!("{m}.gate"), self.experts, d)?;
-        // Qwen3.5-MoE always renormalises the chosen weights (no `norm_topk_prob` switch).
-        let choice = ops::softmax_top_k(&linear_t(h, &router)?, self.top_k, true)?;
-        let mut out = ops::moe_dispatch(h, &choice, |e, rows| {
-            ops::swiglu(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter)
+        // Qwen3.5-MoE always renormalises the chosen weights (no `norm_topk_prob` switch). The
+        // logits are in the activation dtype, softmax and renormalisation in f32, the weights
+        // then cast to the logits' dtype (`Qwen3_5MoeTopKRouter`); ties between bf16 logits
+        // are broken as torch's `topk` breaks them.
+        let logits = cm.round(linear_t(h, &router)?)?;
+        let mut choice = ops::softmax_top_k_in(&logits, self.top_k, true, cm)?;
+        for (_, wgt) in choice.iter_mut().flatten() {
+            *wgt = cm.round_f32(*wgt);
+        }
+        let mut out = ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
+            ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
         })?;
         if self.shared_inter > 0 {
-            let shared = ops::swiglu(w, &format!("{m}.shared_expert"), h, d, self.shared_inter)?;
-            let g = ops::sigmoid(&linear_t(
+            let shared = ops::swiglu_in(
+                w,
+                &format!("{m}.shared_expert"),
+                h,
+                d,
+                self.shared_inter,
+                cm,
+            )?;
+            let g = cm.round(ops::sigmoid(&cm.round(linear_t(
                 h,
                 &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
-            )?)?;
-            out = (out + shared.broadcast_mul(&g)?)?;
+            )?)?)?)?;
+            out = cm.round((out + cm.round(shared.broadcast_mul(&g)?)?)?)?;
         }
         Ok(out)
     }
@@ -473,35 +512,38 @@ impl Architecture for Qwen3_5Moe {
     ) -> Result<Tensor, ModelError> {
         let off = cache.len;
         let eps = self.cfg.rms_norm_eps;
-        let mut x = self.w.rows("model.embed_tokens.weight", ids)?;
+        let cm = self.compute;
+        let mut x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
         let mut new_cache = Vec::with_capacity(self.mixers.len());
         for (li, mixer) in self.mixers.iter().enumerate() {
             let p = format!("model.layers.{li}");
             let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
-            let h = ops::rms_norm_1p(
+            let h = ops::rms_norm_1p_in(
                 &x,
                 &self.w.tensor(&format!("{p}.input_layernorm.weight"))?,
                 eps,
+                cm,
             )?;
             let (y, lc) = match mixer {
                 Mixer::DeltaNet => self.delta_net(&p, &h, prev)?,
                 Mixer::Attention => self.attention(&p, &h, off, prev)?,
             };
             new_cache.push(lc);
-            x = (x + y)?;
-            let h = ops::rms_norm_1p(
+            x = cm.round((x + y)?)?;
+            let h = ops::rms_norm_1p_in(
                 &x,
                 &self
                     .w
                     .tensor(&format!("{p}.post_attention_layernorm.weight"))?,
                 eps,
+                cm,
             )?;
-            x = (&x + self.moe(&p, &h)?)?;
+            x = cm.round((&x + self.moe(&p, &h)?)?)?;
             if let Some(l) = layers.as_deref_mut() {
                 l.push(x.clone());
             }
         }
-        let out = ops::rms_norm_1p(&x, &self.w.tensor("model.norm.weight")?, eps)?;
+        let out = ops::rms_norm_1p_in(&x, &self.w.tensor("model.norm.weight")?, eps, cm)?;
         cache.layers = new_cache;
         cache.len = off + ids.len();
         Ok(out)

@@ -10,6 +10,15 @@
 //! Config: `num_experts` (v4) or `num_local_experts` (v5); `head_dim` defaults to
 //! `hidden_size / num_attention_heads`.
 //!
+//! With [`Compute::Bf16`] every module's output is rounded to bf16 where transformers' bf16
+//! model rounds it: `Qwen3MoeRMSNorm` rounds the normalised row, then its product with the
+//! weight ([`ops::rms_norm_in`]); each projection's output is rounded; RoPE uses bf16
+//! `cos`/`sin` and rounds each product and the sum ([`ops::rope_half_in`]); attention is a
+//! fused kernel's ([`ops::attention_in`]); the router's logits are bf16 (a bf16 `nn.Linear`),
+//! softmax and renormalisation f32 with torch's `topk` tie order, the weights rounded to
+//! bf16; routed experts as `grouped_mm` ([`ops::moe_dispatch_in`]); every residual add is
+//! rounded. Prefill and decode round at the same points, so they stay consistent.
+//!
 //! Cache per layer: `[k, v]`, each `[kv_heads, positions, head_dim]`.
 use std::sync::Arc;
 
@@ -179,13 +188,13 @@ impl Qwen3Moe {
         let d = self.cfg.hidden_size;
         let g = self
             .w
-            .projection_t(&format!("{module}.gate_proj"), inter, d)?;
+            .projection_t_in(&format!("{module}.gate_proj"), inter, d, c)?;
         let u = self
             .w
-            .projection_t(&format!("{module}.up_proj"), inter, d)?;
+            .projection_t_in(&format!("{module}.up_proj"), inter, d, c)?;
         let dn = self
             .w
-            .projection_t(&format!("{module}.down_proj"), d, inter)?;
+            .projection_t_in(&format!("{module}.down_proj"), d, inter, c)?;
         let g = c.round(ops::silu(&c.round(linear_t(x, &g)?)?)?)?;
         let u = c.round(linear_t(x, &u)?)?;
         Ok(c.round(linear_t(&c.round((g * u)?)?, &dn)?)?)
@@ -197,16 +206,18 @@ impl Qwen3Moe {
             return self.mlp(&p, x, self.intermediate);
         }
         let d = self.cfg.hidden_size;
+        let c = self.compute;
         let router = self.w.matrix_t(&format!("{p}.gate"), self.experts, d)?;
-        let mut choice =
-            ops::softmax_top_k(&linear_t(x, &router)?, self.top_k, self.norm_topk_prob)?;
+        // `Qwen3MoeTopKRouter`: logits in the activation dtype, softmax (and renormalisation)
+        // in f32, the weights cast back to the logits' dtype.
+        let logits = c.round(linear_t(x, &router)?)?;
+        let mut choice = ops::softmax_top_k_in(&logits, self.top_k, self.norm_topk_prob, c)?;
         for (_, wgt) in choice.iter_mut().flatten() {
-            *wgt = self.compute.round_f32(*wgt);
+            *wgt = c.round_f32(*wgt);
         }
-        let out = ops::moe_dispatch(x, &choice, |e, rows| {
+        ops::moe_dispatch_in(x, &choice, c, |e, rows| {
             self.mlp(&format!("{p}.experts.{e}"), rows, self.moe_inter)
-        })?;
-        Ok(self.compute.round(out)?)
+        })
     }
 }
 
@@ -231,7 +242,7 @@ impl Architecture for Qwen3Moe {
             self.cfg.hidden_size,
         );
         let eps = self.cfg.rms_norm_eps;
-        let mut x = self.w.rows("model.embed_tokens.weight", ids)?;
+        let mut x = c.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
         let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, hd, off, t)?;
         let mask = ops::causal_mask(t, off)?;
         let scale = 1.0 / (hd as f64).sqrt();
@@ -239,53 +250,45 @@ impl Architecture for Qwen3Moe {
         for li in 0..self.cfg.num_hidden_layers {
             let p = format!("model.layers.{li}");
             let ln1 = self.w.tensor(&format!("{p}.input_layernorm.weight"))?;
-            let xn = c.round(ops::rms_norm(&x, &ln1, eps)?)?;
+            let xn = ops::rms_norm_in(&x, &ln1, eps, c)?;
             let heads = |name: &str, n: usize, norm: Option<&str>| -> Result<Tensor, ModelError> {
                 let wt = self
                     .w
-                    .projection_t(&format!("{p}.self_attn.{name}"), n * hd, d)?;
+                    .projection_t_in(&format!("{p}.self_attn.{name}"), n * hd, d, c)?;
                 let y = c.round(linear_t(&xn, &wt)?)?.reshape((t, n, hd))?;
                 let y = match norm {
                     Some(nn) => {
                         let nw = self.w.tensor(&format!("{p}.self_attn.{nn}.weight"))?;
-                        c.round(ops::rms_norm(&y, &nw, eps)?)?
+                        ops::rms_norm_in(&y, &nw, eps, c)?
                     }
                     None => y,
                 };
                 Ok(y.transpose(0, 1)?.contiguous()?) // [n, t, hd]
             };
-            let q = c.round(ops::rope_half(
-                &heads("q_proj", h, Some("q_norm"))?,
-                &cos,
-                &sin,
-            )?)?;
-            let k = c.round(ops::rope_half(
-                &heads("k_proj", kv, Some("k_norm"))?,
-                &cos,
-                &sin,
-            )?)?;
+            let q = ops::rope_half_in(&heads("q_proj", h, Some("q_norm"))?, &cos, &sin, c)?;
+            let k = ops::rope_half_in(&heads("k_proj", kv, Some("k_norm"))?, &cos, &sin, c)?;
             let v = heads("v_proj", kv, None)?;
             let (k, v) = match cache.layers.get(li).map(|l| l.0.as_slice()) {
                 Some([pk, pv]) => (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?),
                 _ => (k, v),
             };
-            let y = c.round(ops::attention(&q, &k, &v, scale, mask.as_ref())?)?;
+            let y = ops::attention_in(&q, &k, &v, scale, mask.as_ref(), c)?;
             new_cache.push(LayerCache(vec![k, v]));
             let o = self
                 .w
-                .projection_t(&format!("{p}.self_attn.o_proj"), d, h * hd)?;
+                .projection_t_in(&format!("{p}.self_attn.o_proj"), d, h * hd, c)?;
             x = c.round((x + c.round(linear_t(&y, &o)?)?)?)?;
             let ln2 = self
                 .w
                 .tensor(&format!("{p}.post_attention_layernorm.weight"))?;
-            let xn = c.round(ops::rms_norm(&x, &ln2, eps)?)?;
+            let xn = ops::rms_norm_in(&x, &ln2, eps, c)?;
             x = c.round((&x + self.ffn(li, &xn)?)?)?;
             if let Some(l) = layers.as_deref_mut() {
                 l.push(x.clone());
             }
         }
         let norm = self.w.tensor("model.norm.weight")?;
-        let out = c.round(ops::rms_norm(&x, &norm, eps)?)?;
+        let out = ops::rms_norm_in(&x, &norm, eps, c)?;
         cache.layers = new_cache;
         cache.len = off + t;
         Ok(out)

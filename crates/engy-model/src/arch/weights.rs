@@ -25,6 +25,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::config::QuantConfig;
 use super::qlinear::QuantMatrix;
 use super::quant;
+use crate::Compute;
 use crate::{quantize_int4, ModelError, Precision};
 
 /// The most rows of `x` [`Weights::linear`] multiplies with the fused kernel
@@ -391,7 +392,17 @@ impl Weights {
     }
 
     fn get(&self, name: &str, want: Option<&[usize]>, cheat: bool) -> Result<Tensor, ModelError> {
-        self.get_as(name, want, cheat, false)
+        self.get_as(name, want, cheat, false, Compute::F32)
+    }
+
+    /// Whether `name`, decoded, needs rounding to be held in `compute`: only a bf16 recompute
+    /// of a tensor not stored as bf16 (block FP8, NVFP4, f32), which a bf16 model holds as the
+    /// bf16 rounding of its dequantised value.
+    fn rounds(&self, name: &str, compute: Compute) -> bool {
+        compute == Compute::Bf16
+            && self
+                .entry(name)
+                .is_none_or(|e| !matches!(e.dtype, Dtype::BF16))
     }
 
     fn get_as(
@@ -400,12 +411,15 @@ impl Weights {
         want: Option<&[usize]>,
         cheat: bool,
         transpose: bool,
+        compute: Compute,
     ) -> Result<Tensor, ModelError> {
         let cheat = cheat && matches!(self.precision, Precision::Int4 { .. });
+        let round = self.rounds(name, compute);
         let key = format!(
-            "{name}{}{}",
+            "{name}{}{}{}",
             if cheat { "#int4" } else { "" },
-            if transpose { "#t" } else { "" }
+            if transpose { "#t" } else { "" },
+            if round { "#bf16" } else { "" }
         );
         if self.residency == Residency::Resident {
             if let Some(t) = self.resident.read().ok().and_then(|m| m.get(&key).cloned()) {
@@ -419,6 +433,9 @@ impl Weights {
         check_shape(name, &shape, want)?;
         if let (true, Precision::Int4 { group_size }) = (cheat, self.precision) {
             quantize_int4(&mut v, shape.last().copied().unwrap_or(1), group_size);
+        }
+        if round {
+            v.iter_mut().for_each(|x| *x = compute.round_f32(*x));
         }
         let mut t = Tensor::from_vec(v, shape, &Device::Cpu)?;
         if transpose {
@@ -475,7 +492,30 @@ impl Weights {
     /// # Errors
     /// As [`Weights::tensor_shaped`].
     pub fn projection_t(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
-        self.get_as(&format!("{module}.weight"), Some(&[out, inp]), true, true)
+        self.projection_t_in(module, out, inp, Compute::F32)
+    }
+
+    /// [`Weights::projection_t`] as a model computing in `compute` holds it: with
+    /// [`Compute::Bf16`], a weight not stored as bf16 (block FP8, NVFP4, f32) is the bf16
+    /// rounding of its exact dequantised value, as when transformers loads dequantised weights
+    /// into a bf16 model.
+    ///
+    /// # Errors
+    /// As [`Weights::projection_t`].
+    pub fn projection_t_in(
+        &self,
+        module: &str,
+        out: usize,
+        inp: usize,
+        compute: Compute,
+    ) -> Result<Tensor, ModelError> {
+        self.get_as(
+            &format!("{module}.weight"),
+            Some(&[out, inp]),
+            true,
+            true,
+            compute,
+        )
     }
 
     /// `x · Wᵀ` for the projection `<module>.weight` `[out, in]`: `x` `[.., in]` →
@@ -499,12 +539,28 @@ impl Weights {
         out: usize,
         inp: usize,
     ) -> Result<Tensor, ModelError> {
+        self.linear_in(module, x, out, inp, Compute::F32)
+    }
+
+    /// [`Weights::linear`] with the weight as a model computing in `compute` holds it
+    /// ([`Weights::projection_t_in`]).
+    ///
+    /// # Errors
+    /// As [`Weights::linear`].
+    pub fn linear_in(
+        &self,
+        module: &str,
+        x: &Tensor,
+        out: usize,
+        inp: usize,
+        compute: Compute,
+    ) -> Result<Tensor, ModelError> {
         let cheat = matches!(self.precision, Precision::Int4 { .. });
-        if self.residency == Residency::Resident || cheat {
-            let wt = self.projection_t(module, out, inp)?;
+        let name = format!("{module}.weight");
+        if self.residency == Residency::Resident || cheat || self.rounds(&name, compute) {
+            let wt = self.projection_t_in(module, out, inp, compute)?;
             return Ok(x.matmul(&wt)?);
         }
-        let name = format!("{module}.weight");
         let mut dims = x.dims().to_vec();
         if dims.last() != Some(&inp) {
             return Err(ModelError::Shape {
@@ -544,7 +600,13 @@ impl Weights {
     /// # Errors
     /// As [`Weights::tensor_shaped`].
     pub fn matrix_t(&self, module: &str, out: usize, inp: usize) -> Result<Tensor, ModelError> {
-        self.get_as(&format!("{module}.weight"), Some(&[out, inp]), false, true)
+        self.get_as(
+            &format!("{module}.weight"),
+            Some(&[out, inp]),
+            false,
+            true,
+            Compute::F32,
+        )
     }
 
     /// Rows `ids` of the 2-D tensor `name` (an embedding) as `[ids.len(), cols]` f32. With

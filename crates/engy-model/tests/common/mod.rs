@@ -11,6 +11,7 @@ pub fn vectors_dir() -> PathBuf {
 }
 
 /// Every case folder (one holding `case.json`) of [`vectors_dir`], sorted.
+#[allow(dead_code)] // not every test crate that includes this module uses it
 pub fn cases() -> Vec<PathBuf> {
     let dir = vectors_dir();
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)

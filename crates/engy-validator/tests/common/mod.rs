@@ -173,3 +173,155 @@ pub fn max_upscale(ws: &[u16]) -> Vec<u16> {
         })
         .collect()
 }
+
+/// A long-running `engy-validator run` child whose stdout lines are read as they come.
+pub struct Running {
+    pub child: tokio::process::Child,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    /// Every line read so far.
+    pub seen: Vec<String>,
+}
+
+/// Bound on waiting for one log line of a running daemon.
+pub const LINE_LIMIT: std::time::Duration = std::time::Duration::from_secs(180);
+
+impl Running {
+    /// Starts `engy-validator <args>` in `env` (stdout piped and read line by line; stderr
+    /// inherited).
+    pub fn spawn(env: &Env, args: &[&str]) -> Running {
+        use tokio::io::AsyncBufReadExt;
+        let mut cmd = tokio::process::Command::new(bin());
+        cmd.args(args)
+            .env_clear()
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(path) = std::env::var_os("PATH") {
+            cmd.env("PATH", path);
+        }
+        for (k, v) in &env.vars {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut r = tokio::io::BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = r.next_line().await {
+                eprintln!("[validator] {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Running {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The next line matching `want` (within [`LINE_LIMIT`]); panics naming `what` when
+    /// the daemon exits or the limit passes first.
+    pub async fn wait_for(&mut self, what: &str, want: impl Fn(&str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + LINE_LIMIT;
+        loop {
+            match tokio::time::timeout_at(deadline, self.lines.recv()).await {
+                Ok(Some(line)) => {
+                    self.seen.push(line.clone());
+                    if want(&line) {
+                        return line;
+                    }
+                }
+                Ok(None) => panic!(
+                    "the validator exited before {what}:\n{}",
+                    self.seen.join("\n")
+                ),
+                Err(_) => panic!("no {what} within {LINE_LIMIT:?}:\n{}", self.seen.join("\n")),
+            }
+        }
+    }
+
+    /// SIGTERM, then the exit status.
+    pub async fn stop(mut self) -> std::process::ExitStatus {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        self.child.wait().await.unwrap()
+    }
+}
+
+/// GETs `url` with `accept` (when given): `(content-type, body)`.
+pub async fn scrape(url: &str, accept: Option<&str>) -> (String, String) {
+    let mut req = reqwest::Client::new().get(url);
+    if let Some(a) = accept {
+        req = req.header("accept", a);
+    }
+    let reply = req.send().await.unwrap();
+    assert_eq!(reply.status(), 200, "{url}");
+    let ct = reply
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    (ct, reply.text().await.unwrap())
+}
+
+/// Validates a scrape with tests/metrics/check_exposition.py (promtool for the 0.0.4 text
+/// format, prometheus_client's strict OpenMetrics parser): panics with the parser's words
+/// when it is invalid; prints the skip when a tool is missing and not required.
+pub fn check_exposition(format: &str, text: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("scrape");
+    std::fs::write(&file, text).unwrap();
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/metrics/check_exposition.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(format)
+        .arg(&file)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    match out.status.code() {
+        Some(0) => {}
+        Some(77) => println!("{}", said.trim()),
+        _ => panic!("{format} scrape is not valid: {said}\n{text}"),
+    }
+}
+
+/// The value of the sample `line_start` (e.g. `engy_validator_ticks_total{outcome="x"}`)
+/// in a scrape, `None` when absent.
+pub fn sample(text: &str, line_start: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start)?.strip_prefix(' '))
+        .and_then(|v| v.split(' ').next()?.parse().ok())
+}
+
+/// Every non-empty line of `text` parses as one JSON object (serde_json, and `jq -e .`
+/// when jq is installed, as an operator's log pipeline reads it).
+pub fn assert_json_lines(text: &str) {
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {line}\n--- all:\n{text}"));
+        assert!(v.is_object(), "{line}");
+    }
+    if let Ok(mut jq) = std::process::Command::new("jq")
+        .args(["-e", "."])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        use std::io::Write;
+        jq.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        let out = jq.wait_with_output().unwrap();
+        assert!(
+            out.status.success() || text.trim().is_empty(),
+            "jq: {}\n{text}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

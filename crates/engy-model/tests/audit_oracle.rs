@@ -1,0 +1,203 @@
+//! The auditor against an independent reference serve: every commitment of the audit oracle
+//! (`$ENGY_AUDIT_ORACLE_DIR`, default the shipped `tests/vectors/audit-oracle`; schema in its
+//! README) audited against its checkpoint with the auditor's default recompute
+//! ([`Recompute::Auto`]: bf16, then f32).
+//!
+//! The rule, from the oracle's README ("a correct auditor says"): every `honest_*` variant
+//! passes (an honest miner is never flagged), and `int4_g32` is caught on every checkpoint.
+//! `fp8_tensor` (every projection through FP8 with one scale per tensor, a 2–4% weight change)
+//! on a checkpoint not itself quantised must be caught in at least [`FP8_MIN_DETECTION`] of its
+//! commitments: on the smallest models a few of its batches stay within `toploc_v`
+//! (docs/AUDITOR.md "Small cheats"), and the auditor's thresholds are the model spec's, not
+//! tuned to catch them. Other variants (`fp8_tensor` re-quantising an FP8 checkpoint, a ~1%
+//! change; `tf_fp8_dequant_batched`; any variant this test does not know) are measured and
+//! printed, not asserted. The table it prints is the one in docs/AUDITOR.md
+//! "bf16 and f32 recomputes".
+//!
+//! Checkpoints: the oracle names its case folders after the arch oracle's; each case's
+//! checkpoint is the first of `<oracle>/<case>` (when it holds a `config.json`),
+//! `$ENGY_ARCH_VECTORS_DIR/<case>`, `<oracle>/../arch/<case>` and the shipped
+//! `tests/vectors/arch/<case>`. A commitment paired with the wrong checkpoint is `unproven`
+//! (another `model_root`), which fails the test.
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use engy_model::audit::{audit_with, AuditParams, Recompute, Verdict};
+use engy_model::{LoadOptions, Model, Residency};
+
+fn oracle_dir() -> PathBuf {
+    match std::env::var_os("ENGY_AUDIT_ORACLE_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/audit-oracle"),
+    }
+}
+
+fn checkpoint_for(oracle: &Path, case: &str) -> Option<PathBuf> {
+    let mut candidates = vec![oracle.join(case)];
+    if let Some(d) = std::env::var_os("ENGY_ARCH_VECTORS_DIR").filter(|d| !d.is_empty()) {
+        candidates.push(PathBuf::from(d).join(case));
+    }
+    candidates.push(oracle.join("..").join("arch").join(case));
+    candidates.push(common::vectors_dir().join(case));
+    candidates
+        .into_iter()
+        .find(|d| d.join("config.json").is_file())
+}
+
+/// The smallest fraction of `fp8_tensor` commitments on a bf16 checkpoint that must be caught.
+const FP8_MIN_DETECTION: f64 = 0.75;
+
+/// What a correct auditor says of `variant`, asserted per commitment: `Some(true)` pass,
+/// `Some(false)` cheat, `None` not asserted one by one.
+fn expected(variant: &str) -> Option<bool> {
+    if variant.starts_with("honest_") {
+        Some(true)
+    } else if variant == "int4_g32" {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+#[derive(Default)]
+struct Row {
+    n: usize,
+    pass: usize,
+    /// Per recompute (dtype, and the DSA tie order when it is not the first): (min, max) over
+    /// commitments of the largest batch mismatch count.
+    ranges: BTreeMap<String, (u64, u64)>,
+}
+
+#[test]
+fn honest_serves_pass_and_weight_swaps_are_caught() {
+    let oracle = oracle_dir();
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&oracle)
+        .unwrap_or_else(|e| panic!("{}: {e}", oracle.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    assert!(!cases.is_empty(), "no case folders in {}", oracle.display());
+    let params = AuditParams::default();
+    let mut failures = Vec::new();
+    let mut audited = 0;
+    for case_dir in &cases {
+        let case = case_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let ckpt = checkpoint_for(&oracle, &case)
+            .unwrap_or_else(|| panic!("{case}: no checkpoint folder with a config.json found"));
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
+        let quantised = config.get("quantization_config").is_some()
+            || config
+                .get("text_config")
+                .and_then(|t| t.get("quantization_config"))
+                .is_some();
+        let opts = LoadOptions {
+            residency: Residency::Resident,
+            ..LoadOptions::default()
+        };
+        let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
+        let root = engy_core::identity::model_root(&ckpt).unwrap();
+        let mut files: Vec<PathBuf> = std::fs::read_dir(case_dir)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension().is_some_and(|x| x == "json")
+                    && p.file_stem().is_some_and(|s| s != "meta")
+            })
+            .collect();
+        files.sort();
+        let mut table: BTreeMap<String, Row> = BTreeMap::new();
+        for f in &files {
+            let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+            // VARIANT_NN
+            let variant = stem.rsplit_once('_').map_or(stem, |(v, _)| v).to_string();
+            let value: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap();
+            let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
+                .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
+            audited += 1;
+            let row = table.entry(variant.clone()).or_default();
+            row.n += 1;
+            let passed = match &report.verdict {
+                Verdict::Pass => true,
+                Verdict::Cheat => false,
+                Verdict::Unproven { reason } => {
+                    failures.push(format!("{case}/{stem}: unproven ({reason})"));
+                    continue;
+                }
+            };
+            row.pass += usize::from(passed);
+            for o in &report.recomputes {
+                let key = match o.dsa_ties {
+                    engy_model::arch::TieOrder::LowerFirst => o.compute.label().to_string(),
+                    engy_model::arch::TieOrder::HigherFirst => {
+                        format!("{}/ties-higher-first", o.compute.label())
+                    }
+                };
+                let r = row.ranges.entry(key).or_insert((u64::MAX, 0));
+                r.0 = r.0.min(o.max_exp_mismatches);
+                r.1 = r.1.max(o.max_exp_mismatches);
+            }
+            if let Some(want) = expected(&variant) {
+                if want != passed {
+                    let tried: Vec<String> = report
+                        .recomputes
+                        .iter()
+                        .map(|o| format!("{} max {}", o.compute.label(), o.max_exp_mismatches))
+                        .collect();
+                    failures.push(format!(
+                        "{case}/{stem}: {} but a correct auditor says {} ({})",
+                        report.verdict.label(),
+                        if want { "pass" } else { "cheat" },
+                        tried.join(", ")
+                    ));
+                }
+            }
+        }
+        println!("{case} ({}):", ckpt.display());
+        for (variant, row) in &table {
+            let ranges: Vec<String> = row
+                .ranges
+                .iter()
+                .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
+                .collect();
+            let want = match expected(variant) {
+                Some(true) => "pass",
+                Some(false) => "cheat",
+                None if variant == "fp8_tensor" && !quantised => "mostly cheat",
+                None => "measured",
+            };
+            println!(
+                "  {variant:<28} {:>2}/{:<2} pass  (expected {want:<12})  {}",
+                row.pass,
+                row.n,
+                ranges.join("  ")
+            );
+        }
+        if let Some(row) = table.get("fp8_tensor").filter(|_| !quantised) {
+            let caught = (row.n - row.pass) as f64 / row.n.max(1) as f64;
+            if caught < FP8_MIN_DETECTION {
+                failures.push(format!(
+                    "{case}/fp8_tensor: caught in {} of {} commitments, fewer than {:.0}%",
+                    row.n - row.pass,
+                    row.n,
+                    FP8_MIN_DETECTION * 100.0
+                ));
+            }
+        }
+    }
+    assert!(audited > 0, "no commitments under {}", oracle.display());
+    assert!(
+        failures.is_empty(),
+        "{} of {audited} verdicts are wrong:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
