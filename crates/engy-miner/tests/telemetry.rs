@@ -135,7 +135,12 @@ async fn bad_metrics_and_log_settings_are_refused_naming_the_variable() {
         ("ENGY_METRICS_ADDR", "localhost-9464", "ENGY_METRICS_ADDR"),
         ("ENGY_METRICS_ADDR", taken.as_str(), "ENGY_METRICS_ADDR"),
         ("RUST_LOG", "garbage===", "RUST_LOG"),
-        ("ENGY_LOG_FORMAT", "xml", "--log-format"),
+        // the variable the operator set, not the flag clap knows (issue 21 item 5)
+        (
+            "ENGY_LOG_FORMAT",
+            "xml",
+            "invalid value 'xml' for ENGY_LOG_FORMAT",
+        ),
     ] {
         let mut m = fx.miner(&[(var, value)]);
         let status = m.child.wait().unwrap();
