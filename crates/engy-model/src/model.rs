@@ -163,13 +163,7 @@ impl Model {
     /// # Errors
     /// As [`arch::load`].
     pub fn open(dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
-        let cfg = TextConfig::read(dir)?;
-        let weights = Arc::new(Weights::open(
-            dir,
-            cfg.quantization.as_ref(),
-            opts.precision,
-            opts.residency,
-        )?);
+        let (cfg, weights) = arch::open(dir, opts)?;
         Ok(Self {
             arch: arch::load_with(cfg.clone(), weights.clone(), opts)?,
             opts: *opts,

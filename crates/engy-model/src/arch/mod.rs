@@ -162,6 +162,16 @@ pub trait Architecture: Send + Sync {
 /// for a recognised architecture without an implementation, and the errors of
 /// [`Weights::open`] and of the architecture's loader (missing or mis-shaped tensors).
 pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Architecture>, ModelError> {
+    let (cfg, weights) = open(dir, opts)?;
+    load_with(cfg, weights, opts)
+}
+
+/// The parsed `config.json` of `dir` and its weights opened with `opts`' precision and
+/// residency: what [`load_with`] builds an architecture from.
+///
+/// # Errors
+/// As [`load`], less the architecture's loader.
+pub fn open(dir: &Path, opts: &LoadOptions) -> Result<(TextConfig, Arc<Weights>), ModelError> {
     let cfg = TextConfig::read(dir)?;
     let weights = Arc::new(Weights::open(
         dir,
@@ -169,7 +179,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Architecture>, Mod
         opts.precision,
         opts.residency,
     )?);
-    load_with(cfg, weights, opts)
+    Ok((cfg, weights))
 }
 
 /// [`load`] from an already parsed config and opened weights.
