@@ -15,13 +15,19 @@ built in bf16 with ``from_config(..., dtype=torch.bfloat16)`` on CPU) it writes 
   and ``.expert_ids`` (the router's outputs), ``input_ids``;
 * ``case.json``: arch, the MoE layers, sequence length.
 
+A third case, ``sglang_shaped`` (tests/sglang_shaped.py), has sglang's module names and
+call signatures and gets the hooks from the ``--forward-hooks`` specs by sglang's
+registration rule; its checked request is a chunked prefill of two passes, and a pass that
+skips positions must leave an ``error`` in another spool's manifest.
+
 It checks in Python too: the hooks leave the model's logits unchanged, each cell's y and x are
 the bytes the block saw and returned, the manifest's root is the root of the cells.
 
-    PYTHONPATH=integrations/sglang/src ENGY_TF5_PYTHON... python capture_tiny.py --out DIR
+    PYTHONPATH=integrations/sglang/src $ENGY_CELLS_PYTHON capture_tiny.py --out DIR [--arch A]
 Exit status: 0 ok, 1 a check failed.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -32,6 +38,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engy_cells import format as fmt  # noqa: E402
 from engy_cells import hooks  # noqa: E402
 
@@ -120,21 +127,33 @@ def run(arch, out, seed):
     for h in handles:
         h.remove()
     ref["input_ids"] = ids.reshape(-1).clone()
-    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
-    json.dump(dict(arch=arch, moe_layers=sorted(moe_layers), n_positions=SEQ, hidden=cfg.hidden_size,
-                   n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok),
-              open(os.path.join(d, "case.json"), "w"), indent=1)
-
-    fails = []
     if not torch.equal(plain, hooked):
-        fails.append("the hooks changed the model's output")
+        return report(arch, ["the hooks changed the model's output"])
+    return finish(arch, d, ref, moe_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                  ids.reshape(-1), passes=1)
+
+
+def finish(arch, d, ref, moe_layers, hidden, n_experts, top_k, ids, passes):
+    """Saves the reference tensors and case.json, then checks the spool's latest request."""
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
+    json.dump(dict(arch=arch, moe_layers=sorted(moe_layers), n_positions=len(ids), hidden=hidden,
+                   n_experts=n_experts, top_k=top_k,
+                   checkpoint=os.path.isfile(os.path.join(d, "checkpoint", "config.json"))),
+              open(os.path.join(d, "case.json"), "w"), indent=1)
+    spool = os.path.join(d, "spool")
+    fails = []
     req = os.path.join(spool, open(os.path.join(spool, "latest")).read().strip())
     man = json.load(open(os.path.join(req, "manifest.json")))
     if man["error"]:
         fails.append(f"manifest error {man['error']}")
+    if man["passes"] != passes:
+        fails.append(f"{man['passes']} passes, want {passes}")
+    want_tokens = hashlib.sha256(ids.to(torch.int32).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    if man["tokens_sha256"] != want_tokens:
+        fails.append(f"tokens_sha256 {man['tokens_sha256']}, want {want_tokens}")
     cells = fmt.decode_all(open(os.path.join(req, "cells.bin"), "rb").read())
-    if len(cells) != SEQ * len(moe_layers):
-        fails.append(f"{len(cells)} cells, want {SEQ * len(moe_layers)}")
+    if len(cells) != len(ids) * len(moe_layers):
+        fails.append(f"{len(cells)} cells, want {len(ids) * len(moe_layers)}")
     raw = lambda t: t.contiguous().view(torch.uint8).numpy().tobytes()  # noqa: E731
     for c in cells:
         p, l = c["position"], c["layer"]
@@ -142,27 +161,99 @@ def run(arch, out, seed):
             fails.append(f"cell ({p}, {l}): y differs from the block's output")
         if c["x"] != raw(ref[f"layers.{l}.x"][p]):
             fails.append(f"cell ({p}, {l}): x differs from the block's input")
+        if c["logits"] != raw(ref[f"layers.{l}.router_logits"][p]):
+            fails.append(f"cell ({p}, {l}): router logits differ")
         if c["expert_ids"] != sorted(ref[f"layers.{l}.expert_ids"][p].tolist()):
             fails.append(f"cell ({p}, {l}): expert ids differ")
     leaves = [fmt.cell_leaf(fmt.encode_cell(c["position"], c["layer"], c["x"], c["logits"], c["logits_dtype"],
                                             c["expert_ids"], c["y"])) for c in cells]
     if fmt.cells_root(man["shape"], leaves).hex() != man["cells_root"]:
         fails.append("manifest cells_root is not the root of cells.bin")
-    print(f"{arch}: {len(cells)} cells, layers {sorted(moe_layers)}, root {man['cells_root'][:16]}…, "
-          f"{'ok' if not fails else 'FAILED'}")
+    print(f"{arch}: {len(cells)} cells, layers {sorted(moe_layers)}, root {man['cells_root'][:16]}…")
+    return report(arch, fails)
+
+
+def report(arch, fails):
+    print(f"{arch}: {'ok' if not fails else 'FAILED'}")
     for f in fails:
         print(f"  {f}")
     return not fails
+
+
+def run_sglang_shaped(out, seed):
+    """sglang's module names and signatures (tests/sglang_shaped.py), hooks registered from
+    the --forward-hooks specs: one 3-token request, then the checked 7-token request as a
+    chunked prefill (positions 0-3, then 4-6); then, on another spool, a pass that skips
+    positions must leave an error in the manifest."""
+    from sglang_shaped import CausalLMLike, register_like_sglang
+    arch = "sglang_shaped"
+    model = CausalLMLike(seed).eval()
+    cfg = model.config
+    d = os.path.join(out, arch)
+    os.makedirs(d, exist_ok=True)
+    g = torch.Generator().manual_seed(seed + 11)
+    warm = torch.randint(0, cfg["vocab"], (3,), generator=g)
+    ids = torch.randint(0, cfg["vocab"], (SEQ,), generator=g)
+    chunks = [(ids[:4], torch.arange(0, 4)), (ids[4:], torch.arange(4, SEQ))]
+    with torch.no_grad():
+        plain = [model(i, p) for i, p in chunks]
+
+    acc = {}
+    handles = []
+    for name, m in model.named_modules():
+        if name.endswith(".mlp") and hasattr(m, "experts"):
+            l = m.layer_id
+
+            def put(**kv):  # returns None: a forward hook's non-None result would replace the output
+                for k, t in kv.items():
+                    acc.setdefault(k, []).append(t.detach().clone())
+
+            handles += [
+                m.register_forward_hook(lambda mod, i, o, l=l: put(**{f"layers.{l}.x": i[0], f"layers.{l}.y": o})),
+                m.gate.register_forward_hook(lambda mod, i, o, l=l: put(**{f"layers.{l}.router_logits": o[0]})),
+                m.topk.register_forward_hook(
+                    lambda mod, i, o, l=l: put(**{f"layers.{l}.expert_ids": o.topk_ids.to(torch.int64)})),
+            ]
+    specs = hooks.sglang_forward_hooks(os.path.join(d, "spool"))
+    for s in specs:
+        s["config"]["strict"] = True
+    hook_handles = register_like_sglang(model, json.loads(json.dumps(specs)))
+    with torch.no_grad():
+        model(warm, torch.arange(3))
+        acc.clear()
+        hooked = [model(i, p) for i, p in chunks]
+    for h in handles + hook_handles:
+        h.remove()
+    if not all(torch.equal(a, b) for a, b in zip(plain, hooked)):
+        return report(arch, ["the hooks changed the model's output"])
+    ref = {k: torch.cat(v) for k, v in acc.items()}
+    ref["input_ids"] = ids
+    ok = finish(arch, d, ref, cfg["moe_layers"], cfg["hidden"], cfg["n_experts"], cfg["top_k"], ids, passes=2)
+
+    # A pass that does not continue the request (a prefix-cache hit would do this).
+    gap = os.path.join(d, "spool-gap")
+    hook_handles = register_like_sglang(model, json.loads(json.dumps(hooks.sglang_forward_hooks(gap))))
+    with torch.no_grad():
+        model(ids[:4], torch.arange(0, 4))
+        model(ids[5:], torch.arange(5, SEQ))
+    for h in hook_handles:
+        h.remove()
+    man = json.load(open(os.path.join(gap, "req-000001", "manifest.json")))
+    err = man["error"] or ""
+    print(f"{arch}: a pass starting at position 5 after 4 positions: error {err!r}")
+    return report(arch + " (gap)", [] if "position 5" in err else ["no error for a gap in the positions"]) and ok
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--arch", choices=[*ARCHS, "all"], default="all")
+    ap.add_argument("--arch", choices=[*ARCHS, "sglang_shaped", "all"], default="all")
     a = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    ok = all([run(arch, a.out, a.seed) for arch in (ARCHS if a.arch == "all" else [a.arch])])
+    archs = [*ARCHS, "sglang_shaped"] if a.arch == "all" else [a.arch]
+    ok = all([run_sglang_shaped(a.out, a.seed) if arch == "sglang_shaped" else run(arch, a.out, a.seed)
+              for arch in archs])
     return 0 if ok else 1
 
 
