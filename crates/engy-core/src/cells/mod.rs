@@ -84,7 +84,7 @@ pub enum CellError {
     /// A shape that commits nothing or is out of range.
     #[error("bad cell shape: {0}")]
     BadShape(String),
-    /// A leaf index outside the tree, or cells in another order than the shape's.
+    /// A leaf index outside the tree.
     #[error("no cell at index {index} of {n_cells}")]
     NoSuchCell {
         /// The index asked for.
