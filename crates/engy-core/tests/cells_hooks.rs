@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use engy_core::cells::{select, verify_opening, Cell, CellShape, CellTree, RouterLogits};
+use engy_core::cells::{select, spool, verify_opening, Cell, CellTree, RouterLogits};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
@@ -43,14 +43,15 @@ fn check_case(dir: &Path) {
     let case: Value =
         serde_json::from_slice(&std::fs::read(dir.join("case.json")).unwrap()).unwrap();
     let arch = case["arch"].as_str().unwrap().to_string();
-    let spool = dir.join("spool");
-    let latest = std::fs::read_to_string(spool.join("latest")).unwrap();
-    let req = spool.join(latest.trim());
+    let spool_dir = dir.join("spool");
+    let req = spool::latest(&spool_dir).unwrap();
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(req.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["scheme"], "engy-cells/v1", "{arch}");
-    assert!(manifest["error"].is_null(), "{arch}: {}", manifest["error"]);
-    let shape: CellShape = serde_json::from_value(manifest["shape"].clone()).unwrap();
+    // The miner's reading: decodes every cell, recomputes cells_root against the manifest.
+    let spooled = spool::read_request(&req).unwrap_or_else(|e| panic!("{arch}: {e}"));
+    let tree = spooled.tree.clone();
+    let shape = tree.shape().clone();
     let moe_layers: Vec<u32> = case["moe_layers"]
         .as_array()
         .unwrap()
@@ -68,21 +69,34 @@ fn check_case(dir: &Path) {
         case["n_experts"].as_u64().unwrap()
     );
     assert_eq!(u64::from(shape.top_k()), case["top_k"].as_u64().unwrap());
-
-    // Every cell decodes; the tree's root is the manifest's.
-    let bytes = std::fs::read(req.join("cells.bin")).unwrap();
-    let cells = engy_core::cells::decode_all(&bytes).unwrap();
-    let tree = CellTree::from_cells(shape.clone(), &cells).unwrap();
     assert_eq!(
         hex::encode(tree.root()),
         manifest["cells_root"],
         "{arch}: cells_root"
     );
+
+    let bytes = std::fs::read(req.join("cells.bin")).unwrap();
+    let cells = engy_core::cells::decode_all(&bytes).unwrap();
     assert_eq!(
-        hex::encode(tree.tree_root()),
-        manifest["tree_root"],
-        "{arch}"
+        CellTree::from_cells(shape.clone(), &cells).unwrap().root(),
+        tree.root()
     );
+
+    // A changed byte in the spool is refused.
+    let tampered = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        req.join("manifest.json"),
+        tampered.path().join("manifest.json"),
+    )
+    .unwrap();
+    let mut bad = bytes.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x04;
+    std::fs::write(tampered.path().join("cells.bin"), &bad).unwrap();
+    assert!(matches!(
+        spool::read_request(tampered.path()),
+        Err(spool::SpoolError::RootMismatch { .. })
+    ));
 
     // Each cell holds what the block saw and returned (independent hooks' tensors).
     let reference = std::fs::read(dir.join("reference.safetensors")).unwrap();
@@ -92,6 +106,14 @@ fn check_case(dir: &Path) {
         let t = |what: &str| rows(&st, &format!("layers.{l}.{what}"));
         tables.insert(l, [t("x"), t("y"), t("router_logits"), t("expert_ids")]);
     }
+    let input_ids = st.tensor("input_ids").unwrap();
+    let ids: Vec<u32> = input_ids
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect();
+    assert!(spooled.ran_tokens(&ids), "{arch}: tokens_sha256");
+    assert!(!spooled.ran_tokens(&ids[1..]));
     for c in &cells {
         let [x, y, logits, ids] = &tables[&c.layer()];
         let p = c.position() as usize;
@@ -177,4 +199,11 @@ fn sglang_hooks_on_transformers_models_verify_in_rust() {
         n += 1;
     }
     assert_eq!(n, 3);
+    // The pass that skipped positions: the hooks marked the request, the reader refuses it.
+    let gap = spool::latest(&out.join("sglang_shaped/spool-gap")).unwrap();
+    let err = spool::read_request(&gap).unwrap_err();
+    assert!(
+        matches!(&err, spool::SpoolError::CaptureFailed { error, .. } if error.contains("position 5")),
+        "{err}"
+    );
 }

@@ -12,7 +12,9 @@
 //!   [`Cell::decode_prefix`]) and [`cell_leaf`];
 //! * [`tree`]: [`CellShape`] (the shape leaf, leaf order), [`CellTree`], [`CellPath`],
 //!   [`verify_opening`];
-//! * [`challenge`]: [`select`], the seeded choice of distinct cells.
+//! * [`challenge`]: [`select`], the seeded choice of distinct cells;
+//! * [`spool`]: a request the sglang hook package (`integrations/sglang`) spooled, read back
+//!   and rechecked.
 //!
 //! Hashing reuses `engy-commit/v1`'s RFC 6962 primitives ([`crate::commit::tree`]).
 use half::bf16;
@@ -21,6 +23,7 @@ use sha2::{Digest as _, Sha256};
 use crate::commit::tree::{self as mtree, Digest};
 
 pub mod challenge;
+pub mod spool;
 pub mod tree;
 
 pub use challenge::select;

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use super::{cell_leaf, check_sizes, decode_all, Cell, CellError, LogitsDtype, SHAPE_TAG};
+use super::{cell_leaf, check_sizes, Cell, CellError, LogitsDtype, SHAPE_TAG};
 use crate::commit::spec::Hex;
 use crate::commit::tree::{self as mtree, Digest};
 
@@ -208,11 +208,32 @@ impl CellTree {
         Ok(Self::from_checked_leaves(shape, leaves))
     }
 
-    /// The tree over a spool file (cells back to back, in leaf order).
+    /// The tree over a spool file (cells back to back, in leaf order), one cell at a time
+    /// (memory: the leaves, not the cells).
     ///
     /// Errors: the first decoding error, then those of [`CellTree::from_cells`].
-    pub fn from_bytes(shape: CellShape, bytes: &[u8]) -> Result<Self, CellError> {
-        Self::from_cells(shape, &decode_all(bytes)?)
+    pub fn from_bytes(shape: CellShape, mut bytes: &[u8]) -> Result<Self, CellError> {
+        let n_cells = shape.n_cells();
+        let mut leaves = Vec::with_capacity(usize::try_from(n_cells).unwrap_or(0).min(1 << 24));
+        while !bytes.is_empty() {
+            let (cell, used) = Cell::decode_prefix(bytes)?;
+            let index = leaves.len() as u64;
+            if index >= n_cells {
+                return Err(CellError::ShapeMismatch(format!(
+                    "more than the shape's {n_cells} cells"
+                )));
+            }
+            shape.check_cell(index, &cell)?;
+            leaves.push(cell_leaf(&bytes[..used]));
+            bytes = &bytes[used..];
+        }
+        if leaves.len() as u64 != n_cells {
+            return Err(CellError::ShapeMismatch(format!(
+                "{} cells given, the shape has {n_cells}",
+                leaves.len()
+            )));
+        }
+        Ok(Self::from_checked_leaves(shape, leaves))
     }
 
     fn from_checked_leaves(shape: CellShape, leaves: Vec<Digest>) -> Self {
