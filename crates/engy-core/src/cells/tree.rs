@@ -182,7 +182,9 @@ pub struct CellPath {
 #[derive(Debug, Clone)]
 pub struct CellTree {
     shape: CellShape,
-    leaves: Vec<Digest>,
+    /// `levels[0]` the leaves, each next level the pairs' nodes (a lone last node carried
+    /// up), the last level the single tree root: paths in O(log n).
+    levels: Vec<Vec<Digest>>,
     tree_root: Digest,
     root: Digest,
 }
@@ -237,11 +239,28 @@ impl CellTree {
     }
 
     fn from_checked_leaves(shape: CellShape, leaves: Vec<Digest>) -> Self {
-        let tree_root = mtree::mth(&leaves);
+        // Level by level, pairing left to right, a lone last node carried up: the same
+        // tree as `MTH` (specs/SCHEME.md §1, checked in `commit::tree`'s tests).
+        let mut levels = vec![leaves];
+        while let Some(level) = levels.last().filter(|l| l.len() > 1) {
+            let next = level
+                .chunks(2)
+                .map(|c| match c {
+                    [l, r] => mtree::node(l, r),
+                    [one, ..] => *one,
+                    [] => mtree::empty_root(),
+                })
+                .collect();
+            levels.push(next);
+        }
+        let tree_root = match levels.last().map(|l| l.as_slice()) {
+            Some([one]) => *one,
+            _ => mtree::empty_root(),
+        };
         let root = mtree::node(&shape.leaf(), &tree_root);
         Self {
             shape,
-            leaves,
+            levels,
             tree_root,
             root,
         }
@@ -261,21 +280,26 @@ impl CellTree {
     }
     /// The cell leaves in leaf order.
     pub fn leaves(&self) -> &[Digest] {
-        &self.leaves
+        self.levels.first().map(|l| l.as_slice()).unwrap_or(&[])
     }
 
-    /// The inclusion path of leaf `index`. Errors: [`CellError::NoSuchCell`].
+    /// The inclusion path of leaf `index` (RFC 9162 §2.1.3.1: at each level the sibling,
+    /// none where the node is a lone last node carried up). Errors: [`CellError::NoSuchCell`].
     pub fn open(&self, index: u64) -> Result<CellPath, CellError> {
-        let none = CellError::NoSuchCell {
-            index,
-            n_cells: self.leaves.len() as u64,
-        };
-        let i = usize::try_from(index).map_err(|_| none.clone())?;
-        let path = mtree::inclusion_path(&self.leaves, i).ok_or(none)?;
-        Ok(CellPath {
-            index,
-            siblings: path.into_iter().map(Hex).collect(),
-        })
+        let n_cells = self.leaves().len() as u64;
+        if index >= n_cells {
+            return Err(CellError::NoSuchCell { index, n_cells });
+        }
+        let mut i = index as usize;
+        let mut siblings = Vec::new();
+        let below_root = self.levels.split_last().map_or(&[][..], |(_, b)| b);
+        for level in below_root {
+            if let Some(s) = level.get(i ^ 1) {
+                siblings.push(Hex(*s));
+            }
+            i >>= 1;
+        }
+        Ok(CellPath { index, siblings })
     }
 }
 
