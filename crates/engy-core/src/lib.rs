@@ -6,10 +6,13 @@
 //! * [`toploc`]: TOPLOC activation proofs, byte-compatible with PyPI `toploc` 0.1.6 (§5).
 //! * [`identity`]: the cheap checkpoint identity `model_root` (§4).
 //! * [`commit`]: Merkle weight commitments over safetensors checkpoints (specs/SCHEME.md).
+//! * [`cells`]: activation cells of the sampled MoE audit and their Merkle commitment
+//!   (specs/CELLS.md).
 //! * [`wire`]: the miner's typed wire messages: gateway frames both ways, `/generate` bodies,
 //!   the commitment (docs/PROTOCOL.md §2–§3).
 #![deny(unsafe_code)]
 
+pub mod cells;
 pub mod commit;
 pub mod heartbeat;
 pub mod identity;

@@ -1,0 +1,80 @@
+//! The challenge (specs/CELLS.md §5): a 32-byte seed that exists only after the
+//! commitment, mixed with `cells_root`, selects `n` distinct cells.
+//!
+//! Stream: block `i` (`i = 0, 1, …`) is `SHA-256(lp(CHALLENGE_TAG) || seed || cells_root ||
+//! u64le(i))`; each block gives four candidates, its bytes `8j..8j+8` read as `u64le`
+//! (`j = 0..4`). A candidate `v` is used only when `v < 2^64 − (2^64 mod n_cells)` (rejection
+//! sampling: every index is equally likely, no modulo bias); its index is `v mod n_cells`,
+//! skipped when already chosen. The first `n` distinct indices, in the order drawn, are
+//! the challenge.
+use sha2::{Digest as _, Sha256};
+
+use super::{CellError, CHALLENGE_TAG};
+use crate::commit::tree::{self as mtree, Digest};
+
+/// The index a candidate `v` gives among `n_cells >= 1`, or `None` when rejection
+/// sampling drops it (`v >= 2^64 − (2^64 mod n_cells)`).
+fn accept(v: u64, n_cells: u64) -> Option<u64> {
+    let limit = (1u128 << 64) - ((1u128 << 64) % u128::from(n_cells));
+    (u128::from(v) < limit).then(|| v % n_cells)
+}
+
+/// The `n` distinct leaf indices (each `< n_cells`) that `seed` selects in the tree of
+/// `cells_root`, in the order drawn. Deterministic: the same inputs give the same list.
+/// Map an index to (position, layer) with [`super::CellShape::cell_at`].
+///
+/// Errors: [`CellError::TooMany`] when `n > n_cells`.
+pub fn select(
+    seed: &[u8; 32],
+    cells_root: &Digest,
+    n_cells: u64,
+    n: u64,
+) -> Result<Vec<u64>, CellError> {
+    if n > n_cells {
+        return Err(CellError::TooMany { n, n_cells });
+    }
+    let mut chosen: Vec<u64> = Vec::with_capacity(n as usize);
+    let mut seen = std::collections::HashSet::with_capacity(n as usize);
+    let mut counter = 0u64;
+    while (chosen.len() as u64) < n {
+        let mut h = Sha256::new();
+        mtree::update_lp(&mut h, CHALLENGE_TAG.as_bytes());
+        h.update(seed);
+        h.update(cells_root);
+        h.update(counter.to_le_bytes());
+        let block: [u8; 32] = h.finalize().into();
+        counter += 1;
+        for c in block.chunks_exact(8) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            let Some(index) = accept(u64::from_le_bytes(b), n_cells) else {
+                continue;
+            };
+            if seen.insert(index) {
+                chosen.push(index);
+                if chosen.len() as u64 == n {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(chosen)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accept;
+
+    #[test]
+    fn rejection_drops_exactly_the_biased_tail() {
+        // 2^64 mod 3 = 1: only u64::MAX is dropped; 2^64 mod 2^k = 0: nothing is.
+        assert_eq!(accept(u64::MAX, 3), None);
+        assert_eq!(accept(u64::MAX - 1, 3), Some((u64::MAX - 1) % 3));
+        assert_eq!(accept(u64::MAX, 1 << 10), Some(1023));
+        // 2^64 mod 10 = 6: the last six values are dropped.
+        assert_eq!(accept(u64::MAX - 5, 10), None);
+        assert_eq!(accept(u64::MAX - 6, 10), Some(9));
+        assert_eq!(accept(0, 1), Some(0));
+        assert_eq!(accept(u64::MAX, 1), Some(0));
+    }
+}
