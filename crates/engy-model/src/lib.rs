@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 pub mod arch;
 pub mod audit;
+pub mod cells;
 pub mod config;
 pub mod corpus;
 mod gen;

@@ -1142,7 +1142,7 @@ impl GlmMoeDsa {
             .iter()
             .map(|ch| top_k(ch, c.num_experts_per_tok))
             .collect();
-        let used = probe.route(l, off, RouteScores::new(&choice), own);
+        let used = probe.route(l, off, &logits, RouteScores::new(&choice), own);
         let routes: Vec<Vec<(usize, f32)>> = used
             .iter()
             .zip(&s)
@@ -1170,7 +1170,9 @@ impl GlmMoeDsa {
                 e
             })
             .collect();
-        Ok((cm.round((routed + shared)?)?, experts))
+        let y = cm.round((routed + shared)?)?;
+        probe.push_block(l, off, h, &y);
+        Ok((y, experts))
     }
 }
 
@@ -1186,6 +1188,21 @@ impl Architecture for GlmMoeDsa {
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
         self.forward_probed(ids, cache, None, probe)
+    }
+
+    fn moe_block(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        first: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        if !self.cfg.sparse_mlp.get(layer).copied().unwrap_or(false) {
+            return Ok(None);
+        }
+        let x = self.compute.round(x.to_dtype(DType::F32)?)?;
+        let p = format!("model.layers.{layer}");
+        Ok(Some(self.moe(layer, &p, &x, first, probe)?.0))
     }
 
     fn routing_shape(&self) -> Option<RoutingShape> {

@@ -33,8 +33,8 @@ pub mod weights;
 
 pub use config::{ArchKind, QuantConfig, TextConfig};
 pub use routing::{
-    CommittedRouting, Divergence, LayerAgreement, Margin, Probe, RouteScores, RoutingCheck,
-    RoutingRecord, RoutingShape,
+    BlockIo, CommittedRouting, Divergence, LayerAgreement, Margin, Probe, RouteScores,
+    RoutingCheck, RoutingRecord, RoutingShape,
 };
 pub use weights::{Residency, Weights};
 
@@ -151,6 +151,22 @@ pub trait Architecture: Send + Sync {
 
     /// The shape of the model's routing trace, `None` for a model without MoE layers.
     fn routing_shape(&self) -> Option<RoutingShape>;
+
+    /// Only the MoE block of decoder layer `layer` on `x` `[rows, hidden]` f32 (the block's
+    /// input: the post-attention norm's output) for rows at positions `first..`: the block's
+    /// output `[rows, hidden]` (routed + shared experts), routing through `probe` as in
+    /// [`Architecture::forward`]. `None` when `layer` is dense or out of range. Reads only the
+    /// tensors the block uses: the router, the experts dispatched, the shared expert.
+    ///
+    /// # Errors
+    /// [`ModelError`] from weight decoding or a wrongly shaped `x`.
+    fn moe_block(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        first: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<Option<Tensor>, ModelError>;
 
     /// Logits `[rows, vocab_size]` of final hidden states `[rows, hidden_size]`.
     ///

@@ -477,7 +477,7 @@ impl Qwen3_5Moe {
         // are broken as torch's `topk` breaks them.
         let logits = cm.round(linear_t(h, &router)?)?;
         let (rank, probs, own) = ops::softmax_route_in(&logits, self.top_k, cm)?;
-        let used = probe.route(li, off, RouteScores::new(&rank), own);
+        let used = probe.route(li, off, &rank, RouteScores::new(&rank), own);
         let mut choice: Vec<Vec<(usize, f32)>> = used
             .iter()
             .zip(&probs)
@@ -504,6 +504,7 @@ impl Qwen3_5Moe {
             )?)?)?)?;
             out = cm.round((out + cm.round(shared.broadcast_mul(&g)?)?)?)?;
         }
+        probe.push_block(li, off, h, &out);
         Ok(out)
     }
 }
@@ -563,6 +564,21 @@ impl Architecture for Qwen3_5Moe {
         cache.layers = new_cache;
         cache.len = off + ids.len();
         Ok(out)
+    }
+
+    fn moe_block(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        first: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        if layer >= self.mixers.len() {
+            return Ok(None);
+        }
+        let x = self.compute.round(x.to_dtype(DType::F32)?)?;
+        let p = format!("model.layers.{layer}");
+        Ok(Some(self.moe(layer, &p, &x, first, probe)?))
     }
 
     fn routing_shape(&self) -> Option<RoutingShape> {

@@ -223,7 +223,7 @@ impl Qwen3Moe {
         // in f32, the weights cast back to the logits' dtype.
         let logits = c.round(linear_t(x, &router)?)?;
         let (rank, probs, own) = ops::softmax_route_in(&logits, self.top_k, c)?;
-        let used = probe.route(i, off, RouteScores::new(&rank), own);
+        let used = probe.route(i, off, &rank, RouteScores::new(&rank), own);
         let mut choice: Vec<Vec<(usize, f32)>> = used
             .iter()
             .zip(&probs)
@@ -232,9 +232,11 @@ impl Qwen3Moe {
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
         }
-        ops::moe_dispatch_in(x, &choice, c, |e, rows| {
+        let y = ops::moe_dispatch_in(x, &choice, c, |e, rows| {
             self.mlp(&format!("{p}.experts.{e}"), rows, self.moe_inter)
-        })
+        })?;
+        probe.push_block(i, off, x, &y);
+        Ok(y)
     }
 }
 
@@ -307,6 +309,20 @@ impl Architecture for Qwen3Moe {
         cache.layers = new_cache;
         cache.len = off + t;
         Ok(out)
+    }
+
+    fn moe_block(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        first: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        if layer >= self.cfg.num_hidden_layers || !self.is_moe_layer(layer) {
+            return Ok(None);
+        }
+        let x = self.compute.round(x.to_dtype(DType::F32)?)?;
+        Ok(Some(self.ffn(layer, &x, first, probe)?))
     }
 
     fn routing_shape(&self) -> Option<RoutingShape> {

@@ -275,11 +275,13 @@ impl RoutingCheck {
                 continue;
             }
             let gap = set_gap(rank, &committed);
+            // An id that is no expert, or repeats, is never a near-tie, whatever the margin.
+            let gap = if gap.is_finite() { gap } else { f32::INFINITY };
             let kth = mine
                 .iter()
                 .filter_map(|&e| rank.get(e).copied())
                 .fold(f32::INFINITY, f32::min);
-            if gap <= self.margin.at(kth) {
+            if gap.is_finite() && gap <= self.margin.at(kth) {
                 stats.near_tie += 1;
                 self.near_tie_gaps.push(gap);
                 if self.replay {
@@ -372,6 +374,25 @@ pub struct Probe<'a> {
     /// When given, each MoE layer's own choice is checked against a committed trace (and
     /// near-ties followed when the check replays).
     pub check: Option<&'a mut RoutingCheck>,
+    /// When given, each MoE layer's router logits (f32 widening of what the router computed)
+    /// by (absolute position, layer).
+    pub router_logits: Option<&'a mut BTreeMap<(usize, usize), Vec<f32>>>,
+    /// When given, each MoE block's input and output, in the order the layers ran.
+    pub blocks: Option<&'a mut Vec<BlockIo>>,
+}
+
+/// One MoE block's input and output over the rows of one forward call (the material of a
+/// sampled-audit cell, specs/CELLS.md §2).
+#[derive(Debug, Clone)]
+pub struct BlockIo {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Absolute position of the first row.
+    pub first: usize,
+    /// The block's input (post-attention norm output), `[rows, hidden]`.
+    pub x: Tensor,
+    /// The block's output (routed + shared experts), `[rows, hidden]`.
+    pub y: Tensor,
 }
 
 impl Probe<'_> {
@@ -380,6 +401,18 @@ impl Probe<'_> {
         Probe {
             layers,
             ..Probe::default()
+        }
+    }
+
+    /// Records an MoE block's input and output when asked to.
+    pub(crate) fn push_block(&mut self, layer: usize, first: usize, x: &Tensor, y: &Tensor) {
+        if let Some(b) = self.blocks.as_deref_mut() {
+            b.push(BlockIo {
+                layer,
+                first,
+                x: x.clone(),
+                y: y.clone(),
+            });
         }
     }
 
@@ -397,9 +430,15 @@ impl Probe<'_> {
         &mut self,
         layer: usize,
         first: usize,
+        logits: &[Vec<f32>],
         scores: RouteScores<'_>,
         own: Vec<Vec<usize>>,
     ) -> Vec<Vec<usize>> {
+        if let Some(rec) = self.router_logits.as_deref_mut() {
+            for (i, row) in logits.iter().enumerate() {
+                rec.insert((first + i, layer), row.clone());
+            }
+        }
         let used = match self.check.as_deref_mut() {
             Some(c) => c.decide(layer, first, &scores, own),
             None => own,
@@ -456,7 +495,7 @@ mod tests {
             check: Some(&mut check),
             ..Probe::default()
         };
-        let used = probe.route(0, 10, RouteScores::new(&scores), own);
+        let used = probe.route(0, 10, &scores, RouteScores::new(&scores), own);
         assert_eq!(used, vec![vec![0, 1], vec![0, 2], vec![0, 1]]);
         let l0 = check.layers()[0];
         assert_eq!(

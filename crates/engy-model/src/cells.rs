@@ -1,0 +1,386 @@
+//! The sampled cell audit's numeric check (specs/CELLS.md §4, last step; docs/AUDITOR.md
+//! "Cells"): one opened cell — an MoE block's input `x`, the router logits, the experts used,
+//! the block's output `y` — against the checkpoint's weights.
+//!
+//! 1. **Router logits**: the recompute `x · W_rᵀ` (f32 from the committed bf16 `x`) must equal
+//!    the committed logits within `|Δ| ≤ logits_abs + logits_rel · |ℓ̂|` per expert (a bf16
+//!    router's rounding plus GEMM accumulation order).
+//! 2. **Routing**: the committed expert set must be the architecture's own top-k of the
+//!    recomputed scores, or a near-tie within the routing margin ([`crate::arch::routing`]).
+//! 3. **Output**: the recomputed block output — the committed experts dispatched, weighted by
+//!    the rule from the recomputed router scores, plus the shared expert — must be within a
+//!    relative L2 distance `y_rel` of the committed `y`.
+//!
+//! Only the tensors the cell touches are read ([`crate::Architecture::moe_block`] on a model
+//! opened with [`crate::Residency::Streaming`]: the router, the experts dispatched and the
+//! shared expert of that layer; every other tensor stays an unread mmapped page).
+use std::collections::BTreeMap;
+
+use candle_core::{Device, Tensor};
+use engy_core::cells::Cell;
+use serde::Serialize;
+
+use crate::arch::{CommittedRouting, Margin, Probe, RoutingCheck, RoutingShape};
+use crate::audit::{default_routing_margin, ROUTING_MARGIN_REL};
+use crate::{Model, ModelError};
+
+/// Tolerances of the cell check (calibration: docs/AUDITOR.md "Cells").
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CellPolicy {
+    /// Absolute part of the router-logit tolerance.
+    pub logits_abs: f32,
+    /// Relative part of the router-logit tolerance (fraction of the recomputed logit).
+    pub logits_rel: f32,
+    /// Largest relative L2 distance `‖y − ŷ‖ / ‖ŷ‖` of a passing output.
+    pub y_rel: f32,
+    /// Absolute routing near-tie margin; `None`: the architecture's default
+    /// ([`default_routing_margin`]).
+    pub margin: Option<f32>,
+}
+
+impl Default for CellPolicy {
+    fn default() -> Self {
+        Self {
+            logits_abs: 1.0 / 64.0,
+            logits_rel: 1.0 / 64.0,
+            y_rel: 0.03,
+            margin: None,
+        }
+    }
+}
+
+/// How the committed experts compare with the recompute's own routing.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CellRouting {
+    /// The same set.
+    Agree,
+    /// Another set within the margin.
+    NearTie,
+    /// Another set outside the margin (or ids that are no expert).
+    Mismatch,
+}
+
+/// The check of one cell.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CellCheck {
+    /// Token position.
+    pub position: u32,
+    /// Decoder layer.
+    pub layer: u32,
+    /// Largest `|Δℓ| / (logits_abs + logits_rel · |ℓ̂|)` over experts (≤ 1 passes).
+    pub logits_err: f32,
+    /// The routing comparison.
+    pub routing: CellRouting,
+    /// `‖y − ŷ‖ / ‖ŷ‖`.
+    pub y_err: f32,
+    /// Every failed rule, in words (empty when the cell passes).
+    pub failures: Vec<String>,
+}
+
+impl CellCheck {
+    /// Whether every rule held.
+    pub fn pass(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// Checks `cell` against `model`'s weights (module docs). A cell that does not fit the model
+/// (a dense layer, other sizes) fails with the reason; it is never an error.
+///
+/// # Errors
+/// Only the verifier's own failures: weight decoding and tensor operations.
+pub fn verify_cell(
+    model: &Model,
+    cell: &Cell,
+    policy: &CellPolicy,
+) -> Result<CellCheck, ModelError> {
+    let (position, layer) = (cell.position(), cell.layer());
+    let mut check = CellCheck {
+        position,
+        layer,
+        logits_err: f32::INFINITY,
+        routing: CellRouting::Mismatch,
+        y_err: f32::INFINITY,
+        failures: Vec::new(),
+    };
+    let Some(shape) = model.routing_shape() else {
+        check.failures.push("the model has no MoE layers".into());
+        return Ok(check);
+    };
+    let hidden = model.config().hidden_size;
+    let sizes = (
+        cell.hidden() as usize,
+        cell.n_experts() as usize,
+        cell.top_k() as usize,
+    );
+    if sizes != (hidden, shape.experts, shape.top_k) || layer as usize >= shape.layers {
+        check.failures.push(format!(
+            "the cell is (hidden, experts, top_k) = {sizes:?} at layer {layer}; the model has \
+             ({hidden}, {}, {}) and {} layers",
+            shape.experts, shape.top_k, shape.layers
+        ));
+        return Ok(check);
+    }
+    let x: Vec<f32> = cell.x().iter().map(|v| v.to_f32()).collect();
+    let x = Tensor::from_vec(x, (1, hidden), &Device::Cpu)?;
+    let committed = committed_cell(shape, position as usize, layer as usize, cell.expert_ids());
+    let margin = Margin {
+        abs: policy
+            .margin
+            .unwrap_or_else(|| default_routing_margin(model.config().kind)),
+        rel: ROUTING_MARGIN_REL,
+    };
+    // Replay with an unbounded margin: the block dispatches the committed experts whatever
+    // the recompute's own choice; a second check with the real margin classifies the set.
+    let mut replay = RoutingCheck::new(
+        committed.clone(),
+        Margin {
+            abs: f32::INFINITY,
+            rel: 0.0,
+        },
+        true,
+    );
+    let mut logits = BTreeMap::new();
+    let out = model.arch().moe_block(
+        layer as usize,
+        &x,
+        position as usize,
+        &mut Probe {
+            check: Some(&mut replay),
+            router_logits: Some(&mut logits),
+            ..Probe::default()
+        },
+    )?;
+    let Some(y_hat) = out else {
+        check
+            .failures
+            .push(format!("layer {layer} is not an MoE layer of the model"));
+        return Ok(check);
+    };
+    // Routing, classified with the real margin against the recompute's own scores.
+    let mut classify = RoutingCheck::new(committed, margin, false);
+    model.arch().moe_block(
+        layer as usize,
+        &x,
+        position as usize,
+        &mut Probe {
+            check: Some(&mut classify),
+            ..Probe::default()
+        },
+    )?;
+    let t = classify.totals();
+    check.routing = if t.agree == 1 {
+        CellRouting::Agree
+    } else if t.near_tie == 1 {
+        CellRouting::NearTie
+    } else {
+        CellRouting::Mismatch
+    };
+    if check.routing == CellRouting::Mismatch {
+        check.failures.push(format!(
+            "the experts {:?} are not the router's top-{} within the margin",
+            cell.expert_ids(),
+            shape.top_k
+        ));
+    }
+    // Router logits.
+    let own = logits
+        .get(&(position as usize, layer as usize))
+        .cloned()
+        .unwrap_or_default();
+    let theirs = cell.router_logits().to_f32();
+    check.logits_err = own
+        .iter()
+        .zip(&theirs)
+        .map(|(&o, &t)| (t - o).abs() / (policy.logits_abs + policy.logits_rel * o.abs()))
+        .fold(0.0, f32::max);
+    if own.len() != theirs.len() || !check.logits_err.is_finite() || check.logits_err > 1.0 {
+        check.failures.push(format!(
+            "router logits differ from x·W_r by {:.2}× the tolerance",
+            check.logits_err
+        ));
+    }
+    // Output.
+    let y_hat = y_hat.flatten_all()?.to_vec1::<f32>()?;
+    let (mut num, mut den) = (0f64, 0f64);
+    for (a, b) in cell.y().iter().zip(&y_hat) {
+        let d = f64::from(a.to_f32()) - f64::from(*b);
+        num += d * d;
+        den += f64::from(*b) * f64::from(*b);
+    }
+    check.y_err = (num.sqrt() / den.sqrt().max(f64::MIN_POSITIVE)) as f32;
+    if !check.y_err.is_finite() || check.y_err > policy.y_rel {
+        check.failures.push(format!(
+            "the block output is {:.4} (relative L2) from the recompute, more than {}",
+            check.y_err, policy.y_rel
+        ));
+    }
+    Ok(check)
+}
+
+/// A one-cell trace: `ids` at (`position`, `layer`), the rest of the row 0.
+fn committed_cell(
+    shape: RoutingShape,
+    position: usize,
+    layer: usize,
+    ids: &[u32],
+) -> CommittedRouting {
+    let mut row = vec![0; shape.per_position()];
+    let at = layer * shape.top_k;
+    for (j, &e) in ids.iter().take(shape.top_k).enumerate() {
+        row[at + j] = e;
+    }
+    CommittedRouting {
+        start: position,
+        shape,
+        ids: row,
+    }
+}
+
+/// How a serve builds its cells ([`serve_cells`]): honestly, or with one of the cheats the
+/// sampled audit must catch where TOPLOC is weakest (docs/AUDITOR.md "Cells").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CellServe {
+    /// The block's true input, logits, experts and output.
+    Honest,
+    /// Computes only the top `k − 1` experts but reports all `k` ids.
+    TopKReduced,
+    /// Runs another expert's weights (the next id) in place of the last chosen one, reporting
+    /// the chosen ids.
+    ExpertSwap,
+    /// Reports the previous position's block output (a plausible `y` that was never computed
+    /// from this `x`).
+    FabricatedY,
+}
+
+/// The cells (specs/CELLS.md §2) of one teacher-forced pass of `model` over `ids` (every
+/// position, every MoE layer, in leaf order: position-major, then layer), built as `serve`
+/// builds them. The router logits are committed in the dtype the model computes them in
+/// (bf16 for a [`crate::Compute::Bf16`] Qwen router, f32 otherwise); `x` and `y` are rounded to
+/// bf16.
+///
+/// # Errors
+/// [`ModelError`] from the forward pass; [`ModelError::Config`] for a model without MoE layers
+/// or a cell the format refuses.
+pub fn serve_cells(model: &Model, ids: &[u32], serve: CellServe) -> Result<Vec<Cell>, ModelError> {
+    use engy_core::cells::RouterLogits;
+    use half::bf16;
+
+    let shape = model
+        .routing_shape()
+        .ok_or_else(|| ModelError::Config("the model has no MoE layers".into()))?;
+    let mut blocks = Vec::new();
+    let mut logits = BTreeMap::new();
+    let mut record = crate::arch::RoutingRecord::new(shape);
+    model.hidden_states_probed(
+        ids,
+        &mut Probe {
+            blocks: Some(&mut blocks),
+            router_logits: Some(&mut logits),
+            routing: Some(&mut record),
+            ..Probe::default()
+        },
+    )?;
+    let bf16_logits = model.compute() == crate::Compute::Bf16
+        && matches!(
+            model.config().kind,
+            crate::arch::ArchKind::Qwen3Moe | crate::arch::ArchKind::Qwen3_5Moe
+        );
+    let to_bf16 = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&f| bf16::from_f32(f)).collect() };
+    let mut by_cell: BTreeMap<(usize, usize), Cell> = BTreeMap::new();
+    let mut prev_y: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    for b in &blocks {
+        let xs = b.x.to_vec2::<f32>()?;
+        let ys = b.y.to_vec2::<f32>()?;
+        for (i, (x, y)) in xs.iter().zip(&ys).enumerate() {
+            let pos = b.first + i;
+            let own = record.ids(pos, pos + 1);
+            let mut chosen: Vec<u32> =
+                own[b.layer * shape.top_k..(b.layer + 1) * shape.top_k].to_vec();
+            let y = match serve {
+                CellServe::Honest => y.clone(),
+                CellServe::FabricatedY => prev_y
+                    .get(&b.layer)
+                    .cloned()
+                    .unwrap_or_else(|| y.iter().map(|v| -v).collect()),
+                CellServe::TopKReduced | CellServe::ExpertSwap => {
+                    let mut used = chosen.clone();
+                    if serve == CellServe::TopKReduced {
+                        used.pop();
+                    } else if let Some(last) = used.last_mut() {
+                        *last = (*last + 1) % shape.experts as u32;
+                        while chosen.contains(last) {
+                            *last = (*last + 1) % shape.experts as u32;
+                        }
+                    }
+                    forced_block(model, shape, b.layer, pos, x, &used)?
+                }
+            };
+            prev_y.insert(b.layer, ys[i].clone());
+            let l = logits.get(&(pos, b.layer)).cloned().unwrap_or_default();
+            let router = if bf16_logits {
+                RouterLogits::Bf16(to_bf16(&l))
+            } else {
+                RouterLogits::F32(l)
+            };
+            chosen.sort_unstable();
+            let cell = Cell::new(
+                pos as u32,
+                b.layer as u32,
+                to_bf16(x),
+                router,
+                chosen,
+                to_bf16(&y),
+            )
+            .map_err(|e| ModelError::Config(format!("cell ({pos}, {}): {e}", b.layer)))?;
+            by_cell.insert((pos, b.layer), cell);
+        }
+    }
+    Ok(by_cell.into_values().collect())
+}
+
+/// The block output of `layer` on one row `x` with the experts `used` dispatched (weighted by
+/// the rule over `used`).
+fn forced_block(
+    model: &Model,
+    shape: RoutingShape,
+    layer: usize,
+    position: usize,
+    x: &[f32],
+    used: &[u32],
+) -> Result<Vec<f32>, ModelError> {
+    let forced_shape = RoutingShape {
+        top_k: used.len(),
+        ..shape
+    };
+    let mut row = vec![0; forced_shape.per_position()];
+    row[layer * used.len()..(layer + 1) * used.len()].copy_from_slice(used);
+    let mut check = RoutingCheck::new(
+        CommittedRouting {
+            start: position,
+            shape: forced_shape,
+            ids: row,
+        },
+        Margin {
+            abs: f32::INFINITY,
+            rel: 0.0,
+        },
+        true,
+    );
+    let xt = Tensor::from_vec(x.to_vec(), (1, x.len()), &Device::Cpu)?;
+    let y = model
+        .arch()
+        .moe_block(
+            layer,
+            &xt,
+            position,
+            &mut Probe {
+                check: Some(&mut check),
+                ..Probe::default()
+            },
+        )?
+        .ok_or_else(|| ModelError::Config(format!("layer {layer} is not an MoE layer")))?;
+    Ok(y.flatten_all()?.to_vec1::<f32>()?)
+}
