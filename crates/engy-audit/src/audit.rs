@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict};
+use engy_model::audit::{
+    audit_with, AuditParams, AuditReport, Recompute, RoutingAudit, RoutingPolicy, Verdict,
+};
 use engy_model::{LoadOptions, Model, Residency};
 
 /// Arguments of `engy-audit audit`.
@@ -51,6 +53,23 @@ pub struct AuditArgs {
     /// (docs/AUDITOR.md "bf16 and f32 recomputes"); `bf16` or `f32` run only that one.
     #[arg(long, env = "ENGY_AUDIT_RECOMPUTE", value_enum, default_value_t = RecomputeArg::Auto)]
     pub recompute: RecomputeArg,
+    /// Absolute near-tie margin of the routing check, in the architecture's router score
+    /// units (default: the architecture's calibrated margin; docs/AUDITOR.md "Routing").
+    #[arg(long, env = "ENGY_AUDIT_ROUTING_MARGIN", value_name = "SCORE")]
+    pub routing_margin: Option<f32>,
+    /// Largest fraction of (position, MoE layer) cells whose committed experts are outside the
+    /// margin that still passes (0..=1).
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_MAX_ROUTING_MISMATCH",
+        value_name = "FRACTION",
+        default_value_t = engy_model::audit::DEFAULT_MAX_ROUTING_MISMATCH_RATE
+    )]
+    pub max_routing_mismatch: f64,
+    /// Check a committed routing trace without replaying its near-ties (the recompute then
+    /// always dispatches its own top-k).
+    #[arg(long)]
+    pub no_routing_replay: bool,
 }
 
 /// `--recompute` values.
@@ -125,6 +144,17 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
         args.toploc_p
     );
     anyhow::ensure!(args.toploc_k > 0, "--toploc-k must be at least 1");
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&args.max_routing_mismatch),
+        "--max-routing-mismatch (ENGY_AUDIT_MAX_ROUTING_MISMATCH) must be within 0..=1, got {}",
+        args.max_routing_mismatch
+    );
+    if let Some(m) = args.routing_margin {
+        anyhow::ensure!(
+            m.is_finite() && m >= 0.0,
+            "--routing-margin (ENGY_AUDIT_ROUTING_MARGIN) must be a finite score ≥ 0, got {m}"
+        );
+    }
     let text = if args.commitment.as_os_str() == "-" {
         std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")?
     } else {
@@ -135,6 +165,11 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
         toploc_k: args.toploc_k,
         toploc_v: args.toploc_v,
         toploc_p: args.toploc_p,
+        routing: RoutingPolicy {
+            margin: args.routing_margin,
+            max_mismatch_rate: args.max_routing_mismatch,
+            replay: !args.no_routing_replay,
+        },
     };
     let value: serde_json::Value = match serde_json::from_str(&text) {
         Ok(v) => v,
@@ -208,6 +243,36 @@ fn report_text(r: &AuditReport) -> String {
             c.label(),
             tried.join(", ")
         );
+    }
+    match &r.routing {
+        Some(RoutingAudit::Checked(g)) => {
+            let t = g.totals;
+            let _ = writeln!(
+                s,
+                "routing: {}/{} (position, MoE layer) cells agree, {} near-ties ({} replayed, \
+                 margin {} + {}·|score|), {} mismatches (rate {:.4}, at most {} passes)",
+                t.agree,
+                t.compared,
+                t.near_tie,
+                t.replayed,
+                g.margin.abs,
+                g.margin.rel,
+                t.mismatch,
+                g.mismatch_rate,
+                g.max_mismatch_rate
+            );
+            if let Some(d) = &g.first_divergence {
+                let _ = writeln!(
+                    s,
+                    "  first divergence: position {}, layer {}: committed {:?}, recomputed {:?}, gap {}",
+                    d.position, d.layer, d.committed, d.own, d.gap
+                );
+            }
+        }
+        Some(RoutingAudit::NotReplayed { reason }) => {
+            let _ = writeln!(s, "routing: not replayed ({reason})");
+        }
+        None => {}
     }
     let _ = writeln!(
         s,

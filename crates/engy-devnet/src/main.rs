@@ -217,6 +217,7 @@ async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
             toploc_k: a.toploc_k,
             toploc_v: a.toploc_v,
             toploc_p: a.toploc_p,
+            ..AuditParams::default()
         },
         request_timeout: Duration::from_secs_f64(a.request_timeout_s.clamp(1.0, 86_400.0)),
     };

@@ -145,7 +145,11 @@ fn run(
         {
             let mut step_layers = Vec::new();
             let h = model
-                .forward(chunk, &mut cache, Some(&mut step_layers))
+                .forward(
+                    chunk,
+                    &mut cache,
+                    &mut engy_model::arch::Probe::with_layers(Some(&mut step_layers)),
+                )
                 .map_err(|e| format!("sequence {k} (T={}), call {i}: {e}", ids.len()))?;
             hidden.push(h);
             for (l, r) in step_layers.into_iter().enumerate() {

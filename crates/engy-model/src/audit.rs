@@ -39,7 +39,9 @@ use serde::Serialize;
 use engy_core::toploc::{self, Dtype, Params, ProofPoly};
 use engy_core::wire::Commitment;
 
-use crate::arch::{self, TieOrder};
+use crate::arch::{
+    self, CommittedRouting, Divergence, LayerAgreement, Probe, RoutingCheck, TieOrder,
+};
 use crate::{Compute, Model, ModelError};
 
 /// Which recomputes the auditor runs ([`audit_with`]).
@@ -99,7 +101,8 @@ pub struct RecomputeOutcome {
     pub max_exp_mismatches: u64,
 }
 
-/// Thresholds of the model spec (PROTOCOL.md §4; defaults of `qwen3.6-35b-a3b`).
+/// Thresholds of the model spec (PROTOCOL.md §4; defaults of `qwen3.6-35b-a3b`) and the
+/// auditor's routing policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct AuditParams {
     /// Proof top-k the commitment must use (`toploc_k`, default 128).
@@ -108,6 +111,8 @@ pub struct AuditParams {
     pub toploc_v: u64,
     /// Smallest fraction of passing batches for a passing commitment (`toploc_p`, default 0.99).
     pub toploc_p: f64,
+    /// How a committed routing trace is checked and replayed.
+    pub routing: RoutingPolicy,
 }
 
 impl Default for AuditParams {
@@ -116,7 +121,132 @@ impl Default for AuditParams {
             toploc_k: 128,
             toploc_v: 40,
             toploc_p: 0.99,
+            routing: RoutingPolicy::default(),
         }
+    }
+}
+
+/// How the auditor treats a commitment's routing trace (module docs, step 7; docs/AUDITOR.md
+/// "Routing").
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RoutingPolicy {
+    /// Absolute part of the near-tie margin ([`arch::Margin`]) in the architecture's score
+    /// units (router logits for the Qwen MoEs, `sigmoid + e_score_correction_bias` for GLM);
+    /// `None`: the architecture's calibrated default ([`default_routing_margin`]). The relative
+    /// part is always [`ROUTING_MARGIN_REL`].
+    pub margin: Option<f32>,
+    /// Largest fraction of compared (position, MoE layer) cells outside the margin that still
+    /// passes; above it the verdict is cheat, whatever TOPLOC says.
+    pub max_mismatch_rate: f64,
+    /// Whether near-ties are replayed: the recompute dispatches the serve's committed experts
+    /// where its own scores put them within the margin.
+    pub replay: bool,
+}
+
+impl Default for RoutingPolicy {
+    fn default() -> Self {
+        Self {
+            margin: None,
+            max_mismatch_rate: DEFAULT_MAX_ROUTING_MISMATCH_RATE,
+            replay: true,
+        }
+    }
+}
+
+/// Default [`RoutingPolicy::max_mismatch_rate`] (calibration: docs/AUDITOR.md "Routing").
+pub const DEFAULT_MAX_ROUTING_MISMATCH_RATE: f64 = 0.01;
+
+/// The calibrated absolute near-tie margin of an architecture, in its score units
+/// (docs/AUDITOR.md "Routing": about twice the largest gap of an honest bf16 transformers serve
+/// under a replayed bf16 recompute, `tests/vectors/routing-oracle`).
+pub fn default_routing_margin(kind: arch::ArchKind) -> f32 {
+    match kind {
+        arch::ArchKind::Qwen3Moe => 0.1,
+        arch::ArchKind::Qwen3_5Moe => 0.125,
+        arch::ArchKind::GlmMoeDsa => 0.33,
+    }
+}
+
+/// The relative part of every near-tie margin: 1/64 of the boundary score's magnitude (four
+/// bf16 ulps), so that models with larger router scores get proportionally larger margins.
+pub const ROUTING_MARGIN_REL: f32 = 1.0 / 64.0;
+
+/// What the routing check found ([`AuditReport::routing`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "kebab-case")]
+pub enum RoutingAudit {
+    /// Routing could not be replayed: the commitment carries no trace (or none that fits the
+    /// model); `reason` says which. The verdict rests on TOPLOC alone.
+    NotReplayed {
+        /// Why.
+        reason: String,
+    },
+    /// The trace was checked (and near-ties replayed when the policy says so).
+    Checked(RoutingSummary),
+}
+
+/// The routing check of one recompute.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoutingSummary {
+    /// The near-tie margin used.
+    pub margin: arch::Margin,
+    /// Whether near-ties were replayed.
+    pub replay: bool,
+    /// Totals over all MoE layers.
+    #[serde(flatten)]
+    pub totals: LayerAgreement,
+    /// `mismatch / compared` (0 when nothing was compared).
+    pub mismatch_rate: f64,
+    /// The policy's largest passing rate.
+    pub max_mismatch_rate: f64,
+    /// The largest gap among the near-ties (0 when there were none): how close the serve came
+    /// to the margin.
+    pub max_near_tie_gap: f32,
+    /// Per MoE layer (layers with compared cells only).
+    pub layers: Vec<LayerRouting>,
+    /// The first mismatch in (position, layer) order.
+    pub first_divergence: Option<Divergence>,
+}
+
+/// One layer's row of [`RoutingSummary::layers`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LayerRouting {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// Its counts.
+    #[serde(flatten)]
+    pub agreement: LayerAgreement,
+}
+
+impl RoutingSummary {
+    fn of(check: &RoutingCheck, max_mismatch_rate: f64) -> Self {
+        let totals = check.totals();
+        let mismatch_rate = if totals.compared == 0 {
+            0.0
+        } else {
+            totals.mismatch as f64 / totals.compared as f64
+        };
+        Self {
+            margin: check.margin(),
+            replay: check.replay(),
+            totals,
+            mismatch_rate,
+            max_mismatch_rate,
+            max_near_tie_gap: check.near_tie_gaps().iter().copied().fold(0.0, f32::max),
+            layers: check
+                .layers()
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.compared > 0)
+                .map(|(layer, &agreement)| LayerRouting { layer, agreement })
+                .collect(),
+            first_divergence: check.first_divergence().cloned(),
+        }
+    }
+
+    /// Whether the mismatch rate is above the policy's threshold.
+    pub fn is_cheat(&self) -> bool {
+        self.mismatch_rate > self.max_mismatch_rate
     }
 }
 
@@ -204,6 +334,8 @@ pub struct AuditReport {
     pub dsa_ties: Option<TieOrder>,
     /// Every recompute run, in order ([`Recompute`]); empty when verification did not run.
     pub recomputes: Vec<RecomputeOutcome>,
+    /// The routing check of the reported recompute (`None` when verification did not run).
+    pub routing: Option<RoutingAudit>,
 }
 
 impl AuditReport {
@@ -224,6 +356,7 @@ impl AuditReport {
             compute: None,
             dsa_ties: None,
             recomputes: Vec::new(),
+            routing: None,
         }
     }
 }
@@ -254,6 +387,7 @@ pub fn audit(
         commitment,
         params,
         &[(o.compute, o.dsa_ties)],
+        None,
     )
 }
 
@@ -273,8 +407,25 @@ pub fn audit_with(
     params: &AuditParams,
     recompute: Recompute,
 ) -> Result<AuditReport, ModelError> {
+    audit_with_routing(model, model_root, commitment, params, recompute, None)
+}
+
+/// [`audit_with`] with the serve's routing given apart from the commitment (`routing`; when
+/// `None`, the commitment's own trace, if it carries one). Each recompute checks the trace
+/// and, per `params.routing`, replays its near-ties (module docs, step 7).
+///
+/// # Errors
+/// As [`audit_with`].
+pub fn audit_with_routing(
+    model: &Model,
+    model_root: &str,
+    commitment: &serde_json::Value,
+    params: &AuditParams,
+    recompute: Recompute,
+    routing: Option<CommittedRouting>,
+) -> Result<AuditReport, ModelError> {
     let plan = recompute.plan(arch::has_dsa(model.config().kind));
-    audit_computes(model, model_root, commitment, params, &plan)
+    audit_computes(model, model_root, commitment, params, &plan, routing)
 }
 
 fn audit_computes(
@@ -283,6 +434,7 @@ fn audit_computes(
     commitment: &serde_json::Value,
     params: &AuditParams,
     plan: &[(Compute, TieOrder)],
+    routing: Option<CommittedRouting>,
 ) -> Result<AuditReport, ModelError> {
     let p = *params;
     let value = match commitment.get("commitment") {
@@ -301,9 +453,13 @@ fn audit_computes(
             ))
         }
     };
-    let checked = match check_shape(model, model_root, &c, &p) {
+    let mut checked = match check_shape(model, model_root, &c, &p) {
         Ok(checked) => checked,
         Err(reason) => return Ok(AuditReport::unproven(reason, p)),
+    };
+    checked.routing = match routing {
+        Some(r) => fits_model(model, r),
+        None => committed_routing(model, &c),
     };
     let mut best: Option<AuditReport> = None;
     let mut outcomes = Vec::with_capacity(plan.len());
@@ -352,6 +508,35 @@ fn audit_computes(
     Ok(report)
 }
 
+/// The commitment's routing trace, checked against the model ([`fits_model`]), or why there is
+/// none to replay.
+fn committed_routing(model: &Model, c: &Commitment) -> Result<CommittedRouting, String> {
+    let _ = (model, c);
+    Err("the commitment carries no routing trace".into())
+}
+
+/// `r` when its shape is the model's routing shape, else why it cannot be replayed.
+fn fits_model(model: &Model, r: CommittedRouting) -> Result<CommittedRouting, String> {
+    let Some(shape) = model.routing_shape() else {
+        return Err("the model has no MoE layers".into());
+    };
+    if (r.shape.layers, r.shape.top_k) != (shape.layers, shape.top_k) {
+        return Err(format!(
+            "the trace is [rows, {}, {}], the model routes [rows, {}, {}]",
+            r.shape.layers, r.shape.top_k, shape.layers, shape.top_k
+        ));
+    }
+    if !r.ids.len().is_multiple_of(shape.per_position().max(1)) {
+        return Err(format!(
+            "the trace holds {} ids, not a whole number of [{}, {}] rows",
+            r.ids.len(),
+            shape.layers,
+            shape.top_k
+        ));
+    }
+    Ok(CommittedRouting { shape, ..r })
+}
+
 /// A commitment that passed the shape checks.
 struct Checked {
     prompt: Vec<u32>,
@@ -359,6 +544,8 @@ struct Checked {
     proofs: Vec<ProofPoly>,
     proof_bytes: usize,
     params: Params,
+    /// The serve's routing to check, or why there is none.
+    routing: Result<CommittedRouting, String>,
 }
 
 fn ids_in_vocab(ids: &[u32], vocab: usize, what: &str) -> Result<Vec<u32>, String> {
@@ -455,6 +642,7 @@ fn check_shape(
         proofs,
         proof_bytes,
         params: p.proof_params(dbs),
+        routing: Err("the commitment carries no routing trace".into()),
     })
 }
 
@@ -462,7 +650,34 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
     let n = c.output.len();
     let mut input = c.prompt.clone();
     input.extend(c.output.iter().take(n.saturating_sub(1)));
-    let hidden = model.hidden_states(&input)?;
+    let margin = arch::Margin {
+        abs: p
+            .routing
+            .margin
+            .unwrap_or_else(|| default_routing_margin(model.config().kind)),
+        rel: ROUTING_MARGIN_REL,
+    };
+    let mut check = c
+        .routing
+        .as_ref()
+        .ok()
+        .map(|r| RoutingCheck::new(r.clone(), margin, p.routing.replay));
+    let hidden = model.hidden_states_probed(
+        &input,
+        &mut Probe {
+            check: check.as_mut(),
+            ..Probe::default()
+        },
+    )?;
+    let routing = match (&check, &c.routing) {
+        (Some(ch), _) => RoutingAudit::Checked(RoutingSummary::of(ch, p.routing.max_mismatch_rate)),
+        (None, Err(reason)) => RoutingAudit::NotReplayed {
+            reason: reason.clone(),
+        },
+        (None, Ok(_)) => RoutingAudit::NotReplayed {
+            reason: "the routing check did not run".into(),
+        },
+    };
     let rows: Vec<Vec<u16>> = hidden
         .iter()
         .skip(c.prompt.len() - 1)
@@ -482,6 +697,7 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         compute: Some(model.compute()),
         dsa_ties: Some(model.options().dsa_ties),
         recomputes: Vec::new(),
+        routing: Some(routing),
     };
     let results = match toploc::verify_proofs(&elements, Dtype::Bf16, &c.proofs, &c.params) {
         Ok(r) => r,
@@ -516,7 +732,8 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
             / nb,
     );
     let ratio = report.passing_batches as f64 / nb;
-    report.verdict = if ratio >= p.toploc_p {
+    let routing_cheat = matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
+    report.verdict = if ratio >= p.toploc_p && !routing_cheat {
         Verdict::Pass
     } else {
         Verdict::Cheat

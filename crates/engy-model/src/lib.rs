@@ -19,7 +19,7 @@ mod model;
 mod rng;
 pub mod synth;
 
-pub use arch::{Architecture, LoadOptions, Residency, TextConfig};
+pub use arch::{Architecture, LoadOptions, Probe, Residency, RoutingShape, TextConfig};
 pub use config::Qwen3Config;
 pub use gen::{
     gen_model, GenArch, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use half::bf16;
 
-use crate::arch::{self, Architecture, Cache, LoadOptions, TextConfig, Weights};
+use crate::arch::{
+    self, Architecture, Cache, LoadOptions, Probe, RoutingRecord, RoutingShape, TextConfig, Weights,
+};
 use crate::ModelError;
 
 /// How the checkpoint's weights are turned into the weights the forward pass uses.
@@ -279,8 +281,27 @@ impl Model {
     /// [`ModelError::EmptyInput`], [`ModelError::TokenOutOfVocab`], [`ModelError::TooLong`];
     /// the cache is left unchanged on error.
     pub fn forward(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor, ModelError> {
+        self.forward_probed(ids, cache, &mut Probe::default())
+    }
+
+    /// [`Model::forward`] with a [`Probe`]: what the pass records (residual outputs, routing)
+    /// or checks (a committed routing trace) besides the hidden states.
+    ///
+    /// # Errors
+    /// As [`Model::forward`].
+    pub fn forward_probed(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
+        probe: &mut Probe<'_>,
+    ) -> Result<Tensor, ModelError> {
         self.check_ids(ids, cache.len)?;
-        self.arch.forward(ids, cache, None)
+        self.arch.forward(ids, cache, probe)
+    }
+
+    /// The shape of the model's routing trace (`None` without MoE layers).
+    pub fn routing_shape(&self) -> Option<RoutingShape> {
+        self.arch.routing_shape()
     }
 
     /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]`.
@@ -297,8 +318,20 @@ impl Model {
     /// # Errors
     /// As [`Model::forward`].
     pub fn hidden_states(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.hidden_states_probed(ids, &mut Probe::default())
+    }
+
+    /// [`Model::hidden_states`] with a [`Probe`] (routing record or check).
+    ///
+    /// # Errors
+    /// As [`Model::forward`].
+    pub fn hidden_states_probed(
+        &self,
+        ids: &[u32],
+        probe: &mut Probe<'_>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let mut cache = self.new_cache();
-        let h = self.forward(ids, &mut cache)?;
+        let h = self.forward_probed(ids, &mut cache, probe)?;
         Ok(h.to_vec2::<f32>()?)
     }
 
@@ -312,7 +345,9 @@ impl Model {
         self.check_ids(ids, 0)?;
         let mut cache = self.new_cache();
         let mut layers = Vec::new();
-        let h = self.arch.forward(ids, &mut cache, Some(&mut layers))?;
+        let h = self
+            .arch
+            .forward(ids, &mut cache, &mut Probe::with_layers(Some(&mut layers)))?;
         Ok((h, layers))
     }
 
@@ -359,6 +394,10 @@ pub struct Step {
     /// The final hidden states computed by this step's forward pass: every prompt position for
     /// the first step (its last row sampled `token_id`), one row afterwards (f32, not rounded).
     pub hidden: Vec<Vec<f32>>,
+    /// The experts each row of `hidden` was routed to, row-major
+    /// `[rows, num_hidden_layers, num_experts_per_tok]` in choice order, 0 for dense layers
+    /// (sglang's `routed_experts` layout); empty for a model without MoE layers.
+    pub routed_experts: Vec<u32>,
 }
 
 /// Step-by-step greedy decoding with a KV cache: each step feeds the tokens not yet seen (the
@@ -402,8 +441,20 @@ impl<M: std::ops::Deref<Target = Model>> Decoder<M> {
     /// # Errors
     /// [`ModelError::TooLong`] once the context is full; candle errors.
     pub fn step(&mut self) -> Result<Step, ModelError> {
-        let hidden = self.model.forward(&self.pending, &mut self.cache)?;
+        let first = self.cache.len;
+        let mut record = self.model.routing_shape().map(RoutingRecord::new);
+        let hidden = self.model.forward_probed(
+            &self.pending,
+            &mut self.cache,
+            &mut Probe {
+                routing: record.as_mut(),
+                ..Probe::default()
+            },
+        )?;
         let rows = hidden.dim(0)?;
+        let routed_experts = record
+            .map(|r| r.ids(first, first + rows))
+            .unwrap_or_default();
         let last = hidden.narrow(0, rows.saturating_sub(1), 1)?;
         let logits = self.model.logits(&last)?.squeeze(0)?;
         let lv = logits.to_vec1::<f32>()?;
@@ -424,6 +475,7 @@ impl<M: std::ops::Deref<Target = Model>> Decoder<M> {
             token_id,
             logprob: best_v - lse,
             hidden: hidden.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+            routed_experts,
         })
     }
 }

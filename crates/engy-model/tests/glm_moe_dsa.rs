@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use engy_model::arch::glm_moe_dsa::{GlmMoeDsa, GlmTrace};
-use engy_model::arch::Weights;
+use engy_model::arch::{Probe, Weights};
 use engy_model::{Architecture, LoadOptions, Precision, Residency, TextConfig};
 use safetensors::{Dtype, SafeTensors};
 
@@ -301,9 +301,11 @@ fn glm_row_blocking_changes_nothing() {
     let ids = r.ids(r.sequences() - 1);
     let whole = load(&case);
     let blocked = load(&case).with_score_budget(1);
-    let a = whole.forward(&ids, &mut whole.new_cache(), None).unwrap();
+    let a = whole
+        .forward(&ids, &mut whole.new_cache(), &mut Probe::default())
+        .unwrap();
     let b = blocked
-        .forward(&ids, &mut blocked.new_cache(), None)
+        .forward(&ids, &mut blocked.new_cache(), &mut Probe::default())
         .unwrap();
     let (a, b) = (a.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap());
     assert_eq!(a, b);

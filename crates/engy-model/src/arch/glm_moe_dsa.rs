@@ -50,7 +50,10 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
 use super::ops::{self, linear_t};
-use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
+use super::{
+    Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
+    TextConfig, Weights,
+};
 use crate::{Compute, ModelError};
 
 /// Epsilon of the MLA latent RMSNorms (`DeepseekV3RMSNorm(q_lora_rank)` and
@@ -521,13 +524,12 @@ fn rope_inplace(
     }
 }
 
-/// The routing of one token (transformers' `route_tokens_to_experts`): `s = sigmoid(logits)`,
-/// choice `s + bias`; with `n_group > 1` only the `topk_group` groups with the largest sum of
-/// their top-2 choices compete (the others are set to −inf); the top `num_experts_per_tok`
-/// experts by choice get weight `s` (not the choice), divided by the sum of the chosen `s`
-/// (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. Returns `(expert, weight)` in
-/// choice order.
-fn route(c: &GlmMoeDsaConfig, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)> {
+/// The routing rule of one token (transformers' `route_tokens_to_experts`), scoring half:
+/// `s = sigmoid(logits)` and the choice scores `s + bias`; with `n_group > 1` only the
+/// `topk_group` groups with the largest sum of their top-2 choices compete (the others' choice
+/// scores are set to −inf). Returns `(s, choice)`; the own top `num_experts_per_tok` by choice
+/// is `top_k(&choice, ..)`, and [`route_weights`] weights whichever experts are dispatched.
+fn route_scores(c: &GlmMoeDsaConfig, logits: &[f32], bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let per_group = c.n_routed_experts / c.n_group;
     let s: Vec<f32> = logits.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect();
     let mut choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
@@ -543,14 +545,30 @@ fn route(c: &GlmMoeDsaConfig, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)>
             }
         }
     }
-    let chosen = top_k(&choice, c.num_experts_per_tok);
-    let mut w: Vec<f32> = chosen.iter().map(|&e| s[e]).collect();
+    (s, choice)
+}
+
+/// The weighting half of the routing rule: the `chosen` experts (choice order) get weight `s`
+/// (not the choice score), divided by the sum of the chosen `s` (+1e-20) when
+/// `norm_topk_prob`, times `routed_scaling_factor`.
+fn route_weights(c: &GlmMoeDsaConfig, s: &[f32], chosen: &[usize]) -> Vec<(usize, f32)> {
+    let mut w: Vec<f32> = chosen
+        .iter()
+        .map(|&e| s.get(e).copied().unwrap_or(0.0))
+        .collect();
     if c.norm_topk_prob {
         let denom = w.iter().sum::<f32>() + 1e-20;
         w.iter_mut().for_each(|x| *x /= denom);
     }
     w.iter_mut().for_each(|x| *x *= c.routed_scaling_factor);
-    chosen.into_iter().zip(w).collect()
+    chosen.iter().copied().zip(w).collect()
+}
+
+/// Both halves of the routing rule: the own top `num_experts_per_tok` and their weights.
+#[cfg(test)]
+fn route(c: &GlmMoeDsaConfig, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)> {
+    let (s, choice) = route_scores(c, logits, bias);
+    route_weights(c, &s, &top_k(&choice, c.num_experts_per_tok))
 }
 
 impl GlmMoeDsa {
@@ -763,7 +781,18 @@ impl GlmMoeDsa {
         &self,
         ids: &[u32],
         cache: &mut Cache,
+        trace: Option<&mut GlmTrace>,
+    ) -> Result<Tensor, ModelError> {
+        self.forward_probed(ids, cache, trace, &mut Probe::default())
+    }
+
+    /// [`GlmMoeDsa::forward_traced`] with a [`Probe`] as well.
+    fn forward_probed(
+        &self,
+        ids: &[u32],
+        cache: &mut Cache,
         mut trace: Option<&mut GlmTrace>,
+        probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
         let c = &self.cfg;
         let off = cache.len;
@@ -790,7 +819,7 @@ impl GlmMoeDsa {
             let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
             let h2 = ops::rms_norm_in(&x, &ln2, c.rms_norm_eps, cm)?;
             let (mlp, experts) = if c.sparse_mlp[l] {
-                let (y, e) = self.moe(&p, &h2)?;
+                let (y, e) = self.moe(l, &p, &h2, off, probe)?;
                 (y, Some(e))
             } else {
                 let y = ops::swiglu_in(
@@ -804,6 +833,7 @@ impl GlmMoeDsa {
                 (y, None)
             };
             x = cm.round((x + mlp)?)?;
+            probe.push_layer(&x);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.residuals.push(x.clone());
                 tr.experts.push(experts);
@@ -1085,8 +1115,17 @@ impl GlmMoeDsa {
         Ok((sel, ki_all))
     }
 
-    /// The MoE block on `h [t, hidden]`: output and each row's experts (sorted ascending).
-    fn moe(&self, p: &str, h: &Tensor) -> Result<(Tensor, Vec<Vec<usize>>), ModelError> {
+    /// The MoE block of layer `l` (tensor prefix `p`) on `h [t, hidden]` at positions `off..`:
+    /// output and each row's dispatched experts (sorted ascending); the routing goes through
+    /// `probe` ([`Probe::route`]).
+    fn moe(
+        &self,
+        l: usize,
+        p: &str,
+        h: &Tensor,
+        off: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<(Tensor, Vec<Vec<usize>>), ModelError> {
         let c = &self.cfg;
         let hd = c.hidden_size;
         let (ne, mi) = (c.n_routed_experts, c.moe_intermediate_size);
@@ -1097,8 +1136,18 @@ impl GlmMoeDsa {
             .tensor_shaped(&format!("{m}.gate.e_score_correction_bias"), &[ne])?
             .to_vec1::<f32>()?;
         let logits = linear_t(h, &router)?.to_vec2::<f32>()?;
-        let routes: Vec<Vec<(usize, f32)>> =
-            logits.iter().map(|row| route(c, row, &bias)).collect();
+        let (s, choice): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+            logits.iter().map(|row| route_scores(c, row, &bias)).unzip();
+        let own = choice
+            .iter()
+            .map(|ch| top_k(ch, c.num_experts_per_tok))
+            .collect();
+        let used = probe.route(l, off, RouteScores::new(&choice), own);
+        let routes: Vec<Vec<(usize, f32)>> = used
+            .iter()
+            .zip(&s)
+            .map(|(u, s)| route_weights(c, s, u))
+            .collect();
         let cm = self.compute;
         // The weighted sum of the routed experts stays f32 and is rounded once (transformers'
         // grouped_mm experts: bf16 expert outputs times f32 weights, summed over top-k in f32).
@@ -1134,17 +1183,18 @@ impl Architecture for GlmMoeDsa {
         &self,
         ids: &[u32],
         cache: &mut Cache,
-        layers: Option<&mut Vec<Tensor>>,
+        probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
-        match layers {
-            None => self.forward_traced(ids, cache, None),
-            Some(out) => {
-                let mut tr = GlmTrace::default();
-                let h = self.forward_traced(ids, cache, Some(&mut tr))?;
-                out.extend(tr.residuals);
-                Ok(h)
-            }
-        }
+        self.forward_probed(ids, cache, None, probe)
+    }
+
+    fn routing_shape(&self) -> Option<RoutingShape> {
+        let c = &self.cfg;
+        c.sparse_mlp.iter().any(|&s| s).then_some(RoutingShape {
+            layers: c.num_hidden_layers,
+            top_k: c.num_experts_per_tok,
+            experts: c.n_routed_experts,
+        })
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {

@@ -28,9 +28,14 @@ pub mod qlinear;
 pub mod quant;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod routing;
 pub mod weights;
 
 pub use config::{ArchKind, QuantConfig, TextConfig};
+pub use routing::{
+    CommittedRouting, Divergence, LayerAgreement, Margin, Probe, RouteScores, RoutingCheck,
+    RoutingRecord, RoutingShape,
+};
 pub use weights::{Residency, Weights};
 
 /// Whether the architecture has a DSA indexer (a top-k key selection whose ties
@@ -130,8 +135,9 @@ pub trait Architecture: Send + Sync {
     /// Runs `ids` at positions `cache.len ..` (ids already checked against the vocabulary and
     /// `max_position_embeddings` by the caller), returns the final hidden states
     /// `[ids.len(), hidden_size]` f32 (the final norm's output, the LM head's input) and
-    /// advances `cache`. When `layers` is given, pushes each decoder layer's residual output
-    /// `[ids.len(), hidden_size]` (before the final norm) in layer order.
+    /// advances `cache`. `probe` says what else the pass records or follows ([`Probe`]: each
+    /// decoder layer's residual output, the routing of every MoE layer, a check of that
+    /// routing against a committed trace).
     ///
     /// # Errors
     /// [`ModelError`] from weight decoding or tensor operations; on error `cache` must be left
@@ -140,8 +146,11 @@ pub trait Architecture: Send + Sync {
         &self,
         ids: &[u32],
         cache: &mut Cache,
-        layers: Option<&mut Vec<Tensor>>,
+        probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError>;
+
+    /// The shape of the model's routing trace, `None` for a model without MoE layers.
+    fn routing_shape(&self) -> Option<RoutingShape>;
 
     /// Logits `[rows, vocab_size]` of final hidden states `[rows, hidden_size]`.
     ///

@@ -586,14 +586,42 @@ fn softmax_top_k_with(
     let probs = candle_nn::ops::softmax_last_dim(logits)?.to_vec2::<f32>()?;
     Ok(probs
         .iter()
-        .map(|row| {
-            let top = pick(row, k);
-            let sum: f32 = top.iter().map(|&e| row[e]).sum();
-            top.iter()
-                .map(|&e| (e, if renormalise { row[e] / sum } else { row[e] }))
-                .collect()
-        })
+        .map(|row| softmax_weights(row, &pick(row, k), renormalise))
         .collect())
+}
+
+/// The softmax top-k router of [`softmax_top_k_in`] in two halves, so that a routing check can
+/// stand between them ([`super::Probe::route`]): per row of `logits` `[T, experts]`, the
+/// logits themselves (the scores the rule ranks by), the f32 probabilities, and the own top `k`
+/// in choice order. [`softmax_weights`] then weights whichever choice is dispatched.
+///
+/// # Errors
+/// Candle errors only.
+#[allow(clippy::type_complexity)]
+pub fn softmax_route_in(
+    logits: &Tensor,
+    k: usize,
+    c: Compute,
+) -> candle_core::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<usize>>)> {
+    let pick: fn(&[f32], usize) -> Vec<usize> = match c {
+        Compute::F32 => topk_indices,
+        Compute::Bf16 => torch_topk_indices,
+    };
+    let rank = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let probs = candle_nn::ops::softmax_last_dim(logits)?.to_vec2::<f32>()?;
+    let own = probs.iter().map(|row| pick(row, k)).collect();
+    Ok((rank, probs, own))
+}
+
+/// The weights of the experts `chosen` (in that order) from one row's probabilities `probs`:
+/// `probs[e]`, divided by their sum (taken in `chosen` order, f32) when `renormalise`.
+pub fn softmax_weights(probs: &[f32], chosen: &[usize], renormalise: bool) -> Vec<(usize, f32)> {
+    let p = |e: usize| probs.get(e).copied().unwrap_or(0.0);
+    let sum: f32 = chosen.iter().map(|&e| p(e)).sum();
+    chosen
+        .iter()
+        .map(|&e| (e, if renormalise { p(e) / sum } else { p(e) }))
+        .collect()
 }
 
 /// Routed-expert dispatch: for each expert hit by `choice` (`[T]` lists of `(expert, weight)`),

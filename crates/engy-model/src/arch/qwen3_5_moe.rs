@@ -52,7 +52,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::ops::{self, linear_t};
-use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
+use super::{
+    Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
+    TextConfig, Weights,
+};
 use crate::{Compute, ModelError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -453,7 +456,16 @@ impl Qwen3_5Moe {
         Ok((y, LayerCache(vec![k, v])))
     }
 
-    fn moe(&self, p: &str, h: &Tensor) -> Result<Tensor, ModelError> {
+    /// The MoE block of layer `li` (tensor prefix `p`) on `h` `[t, hidden]` at positions
+    /// `off..`; the routing goes through `probe` ([`Probe::route`]).
+    fn moe(
+        &self,
+        li: usize,
+        p: &str,
+        h: &Tensor,
+        off: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<Tensor, ModelError> {
         let d = self.cfg.hidden_size;
         let m = format!("{p}.mlp");
         let w = &*self.w;
@@ -464,7 +476,13 @@ impl Qwen3_5Moe {
         // then cast to the logits' dtype (`Qwen3_5MoeTopKRouter`); ties between bf16 logits
         // are broken as torch's `topk` breaks them.
         let logits = cm.round(linear_t(h, &router)?)?;
-        let mut choice = ops::softmax_top_k_in(&logits, self.top_k, true, cm)?;
+        let (rank, probs, own) = ops::softmax_route_in(&logits, self.top_k, cm)?;
+        let used = probe.route(li, off, RouteScores::new(&rank), own);
+        let mut choice: Vec<Vec<(usize, f32)>> = used
+            .iter()
+            .zip(&probs)
+            .map(|(u, p)| ops::softmax_weights(p, u, true))
+            .collect();
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = cm.round_f32(*wgt);
         }
@@ -508,7 +526,7 @@ impl Architecture for Qwen3_5Moe {
         &self,
         ids: &[u32],
         cache: &mut Cache,
-        mut layers: Option<&mut Vec<Tensor>>,
+        probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
         let off = cache.len;
         let eps = self.cfg.rms_norm_eps;
@@ -538,15 +556,21 @@ impl Architecture for Qwen3_5Moe {
                 eps,
                 cm,
             )?;
-            x = cm.round((&x + self.moe(&p, &h)?)?)?;
-            if let Some(l) = layers.as_deref_mut() {
-                l.push(x.clone());
-            }
+            x = cm.round((&x + self.moe(li, &p, &h, off, probe)?)?)?;
+            probe.push_layer(&x);
         }
         let out = ops::rms_norm_1p_in(&x, &self.w.tensor("model.norm.weight")?, eps, cm)?;
         cache.layers = new_cache;
         cache.len = off + ids.len();
         Ok(out)
+    }
+
+    fn routing_shape(&self) -> Option<RoutingShape> {
+        Some(RoutingShape {
+            layers: self.mixers.len(),
+            top_k: self.top_k,
+            experts: self.experts,
+        })
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {

@@ -25,7 +25,10 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use super::ops::{self, linear_t};
-use super::{Architecture, Cache, LayerCache, LoadOptions, Residency, TextConfig, Weights};
+use super::{
+    Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
+    TextConfig, Weights,
+};
 use crate::{Compute, ModelError};
 
 /// The loaded Qwen3(-MoE) model.
@@ -200,7 +203,15 @@ impl Qwen3Moe {
         Ok(c.round(linear_t(&c.round((g * u)?)?, &dn)?)?)
     }
 
-    fn ffn(&self, i: usize, x: &Tensor) -> Result<Tensor, ModelError> {
+    /// The MLP of layer `i` on `x` `[t, hidden]` (rows at positions `off..`); an MoE layer's
+    /// routing goes through `probe` ([`Probe::route`]).
+    fn ffn(
+        &self,
+        i: usize,
+        x: &Tensor,
+        off: usize,
+        probe: &mut Probe<'_>,
+    ) -> Result<Tensor, ModelError> {
         let p = format!("model.layers.{i}.mlp");
         if !self.is_moe_layer(i) {
             return self.mlp(&p, x, self.intermediate);
@@ -211,7 +222,13 @@ impl Qwen3Moe {
         // `Qwen3MoeTopKRouter`: logits in the activation dtype, softmax (and renormalisation)
         // in f32, the weights cast back to the logits' dtype.
         let logits = c.round(linear_t(x, &router)?)?;
-        let mut choice = ops::softmax_top_k_in(&logits, self.top_k, self.norm_topk_prob, c)?;
+        let (rank, probs, own) = ops::softmax_route_in(&logits, self.top_k, c)?;
+        let used = probe.route(i, off, RouteScores::new(&rank), own);
+        let mut choice: Vec<Vec<(usize, f32)>> = used
+            .iter()
+            .zip(&probs)
+            .map(|(u, p)| ops::softmax_weights(p, u, self.norm_topk_prob))
+            .collect();
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
         }
@@ -230,7 +247,7 @@ impl Architecture for Qwen3Moe {
         &self,
         ids: &[u32],
         cache: &mut Cache,
-        mut layers: Option<&mut Vec<Tensor>>,
+        probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
         let c = self.compute;
         let t = ids.len();
@@ -282,16 +299,22 @@ impl Architecture for Qwen3Moe {
                 .w
                 .tensor(&format!("{p}.post_attention_layernorm.weight"))?;
             let xn = ops::rms_norm_in(&x, &ln2, eps, c)?;
-            x = c.round((&x + self.ffn(li, &xn)?)?)?;
-            if let Some(l) = layers.as_deref_mut() {
-                l.push(x.clone());
-            }
+            x = c.round((&x + self.ffn(li, &xn, off, probe)?)?)?;
+            probe.push_layer(&x);
         }
         let norm = self.w.tensor("model.norm.weight")?;
         let out = ops::rms_norm_in(&x, &norm, eps, c)?;
         cache.layers = new_cache;
         cache.len = off + t;
         Ok(out)
+    }
+
+    fn routing_shape(&self) -> Option<RoutingShape> {
+        (self.experts > 0).then_some(RoutingShape {
+            layers: self.cfg.num_hidden_layers,
+            top_k: self.top_k,
+            experts: self.experts,
+        })
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor, ModelError> {
