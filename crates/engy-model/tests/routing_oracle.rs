@@ -119,7 +119,11 @@ fn honest_traces_pass_and_cheat_traces_are_caught_by_routing() {
                 let t = read_trace(f, &model);
                 n += 1;
                 if variant == "honest_bf16" {
-                    let stem = f.file_name().unwrap().to_string_lossy().replace(".routing", "");
+                    let stem = f
+                        .file_name()
+                        .unwrap()
+                        .to_string_lossy()
+                        .replace(".routing", "");
                     let cpath = audit_oracle_dir().join(&name).join(&stem);
                     let c: serde_json::Value =
                         serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
