@@ -366,6 +366,22 @@ fn cells_out_of_order_or_misfit_are_refused() {
     assert!(CellShape::new(0, vec![1], 2, 4, 1, LogitsDtype::Bf16).is_err());
     assert!(CellShape::new(1, vec![3, 1], 2, 4, 1, LogitsDtype::Bf16).is_err());
     assert!(CellShape::new(1, vec![1], 2, 4, 5, LogitsDtype::Bf16).is_err());
+    // Deserialising validates the same way.
+    let json = serde_json::to_value(&shape).unwrap();
+    assert_eq!(
+        serde_json::from_value::<CellShape>(json.clone()).unwrap(),
+        shape
+    );
+    for (k, v) in [
+        ("n_positions", serde_json::json!(0)),
+        ("layers", serde_json::json!([3, 1])),
+        ("logits_dtype", serde_json::json!(7)),
+        ("top_k", serde_json::json!(9)),
+    ] {
+        let mut bad = json.clone();
+        bad[k] = v;
+        assert!(serde_json::from_value::<CellShape>(bad).is_err(), "{k}");
+    }
 }
 
 #[test]

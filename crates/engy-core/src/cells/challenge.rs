@@ -33,8 +33,9 @@ pub fn select(
     if n > n_cells {
         return Err(CellError::TooMany { n, n_cells });
     }
-    let mut chosen: Vec<u64> = Vec::with_capacity(n as usize);
-    let mut seen = std::collections::HashSet::with_capacity(n as usize);
+    let cap = usize::try_from(n).unwrap_or(usize::MAX).min(1 << 16);
+    let mut chosen: Vec<u64> = Vec::with_capacity(cap);
+    let mut seen = std::collections::HashSet::with_capacity(cap);
     let mut counter = 0u64;
     while (chosen.len() as u64) < n {
         let mut h = Sha256::new();

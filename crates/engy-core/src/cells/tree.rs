@@ -15,7 +15,11 @@ use crate::commit::tree::{self as mtree, Digest};
 /// teacher-forced sequence (prompt + output), the MoE layers (ascending decoder-layer
 /// indices), and the per-cell sizes every cell must carry. Its [`CellShape::leaf`] is
 /// the left child of `cells_root`, so leaf positions are never ambiguous.
+///
+/// JSON (the spool manifest's `shape`): the six fields by name, `logits_dtype` as its code;
+/// deserialising validates like [`CellShape::new`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawShape")]
 pub struct CellShape {
     n_positions: u32,
     layers: Vec<u32>,
@@ -23,6 +27,32 @@ pub struct CellShape {
     n_experts: u32,
     top_k: u32,
     logits_dtype: u32,
+}
+
+#[derive(Deserialize)]
+struct RawShape {
+    n_positions: u32,
+    layers: Vec<u32>,
+    hidden: u32,
+    n_experts: u32,
+    top_k: u32,
+    logits_dtype: u32,
+}
+
+impl TryFrom<RawShape> for CellShape {
+    type Error = CellError;
+    fn try_from(r: RawShape) -> Result<Self, CellError> {
+        let dtype = LogitsDtype::from_code(r.logits_dtype)
+            .map_err(|e| CellError::BadShape(e.to_string()))?;
+        Self::new(
+            r.n_positions,
+            r.layers,
+            r.hidden,
+            r.n_experts,
+            r.top_k,
+            dtype,
+        )
+    }
 }
 
 impl CellShape {
