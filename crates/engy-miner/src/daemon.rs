@@ -211,8 +211,12 @@ async fn serve(
         async move { check::probe_serves(&serves).await }
     });
     // Which serves offer the traces this miner collects (docs/PROTOCOL.md §3.10).
+    let shape = |s: Option<serve::trace::Shape>| match s {
+        Some(s) => format!("{}x{} ids per token", s.layers, s.width),
+        None => "not collected".to_string(),
+    };
     tracing::info!(
-        routing = ?traces.routing, indexer = ?traces.indexer,
+        routing = %shape(traces.routing), indexer = %shape(traces.indexer),
         "traces collected when a serve offers them (ENGY_ROUTING_TRACE, ENGY_INDEXER_TRACE × config.json)"
     );
     tokio::spawn({

@@ -249,6 +249,10 @@ async fn a_broken_field_never_fails_a_request() {
         "{log}"
     );
     assert!(!log.contains("panicked"), "{log}");
+    // Operator text, not Rust debug output.
+    for p in ["Some(", "None", "TraceText"] {
+        assert!(!log.contains(p), "{p} in {log}");
+    }
     // After a missing field the serve's flags are read again; a healthy reply then
     // carries the trace.
     let c = commitment(&fx, leg, "healthy", 10, false).await;
