@@ -10,6 +10,7 @@
 //!   (specs/CELLS.md).
 //! * [`wire`]: the miner's typed wire messages: gateway frames both ways, `/generate` bodies,
 //!   the commitment (docs/PROTOCOL.md §2–§3).
+//! * [`trace`]: the compact MoE routing / DSA index traces a commitment may carry (§3.10).
 #![deny(unsafe_code)]
 
 pub mod cells;
@@ -19,4 +20,5 @@ pub mod identity;
 pub mod keys;
 pub mod payload;
 pub mod toploc;
+pub mod trace;
 pub mod wire;

@@ -254,6 +254,16 @@ pub struct Commitment {
     pub output_token_ids: Vec<u32>,
     /// The TOPLOC proof and what it was built over.
     pub toploc: ToplocCommitment,
+    /// The serve's MoE routing of every position `[0, len(prompt_ids) + n_tokens − 1)`
+    /// (docs/PROTOCOL.md §3.10): `layers = num_hidden_layers`, `width =
+    /// num_experts_per_tok`. Absent when it was not collected (the key is then not
+    /// written, so commitments without it are byte-identical to before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<crate::trace::Trace>,
+    /// The DSA indexer's top-k key positions over the same positions (`padded`: unused
+    /// slots are sglang's -1). Absent when not collected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indexer_topk: Option<crate::trace::Trace>,
 }
 
 /// `commitment.toploc`.
@@ -536,6 +546,20 @@ pub struct GenerateRequest {
     /// SSE when the gateway asked for streaming.
     #[serde(default)]
     pub stream: bool,
+    /// Ask for `meta_info.routed_experts` (docs/PROTOCOL.md §3.10); sent only when true.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub return_routed_experts: bool,
+    /// The first position whose routing the reply covers (sglang: `[start, seqlen − 1)`,
+    /// in `[0, len(input_ids)]`); sent only with `return_routed_experts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_experts_start_len: Option<u64>,
+    /// Ask for `meta_info.indexer_topk` (always from position 0); sent only when true.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub return_indexer_topk: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// The body of `/abort_request`.

@@ -48,6 +48,7 @@ async fn main() -> anyhow::Result<()> {
         &CheckpointSpec {
             hidden_size: 64,
             vocab_size: 500,
+            ..Default::default()
         },
     )?;
     let backend = SyntheticBackend::from_checkpoint(&ckpt, SyntheticConfig::default())?;

@@ -62,6 +62,9 @@ impl CandleBackend {
             vocab_size: cfg.vocab_size,
             eos_token_ids: stop,
             context_length: cfg.max_position_embeddings,
+            // Not yet: engy_model::Decoder does not return its routing.
+            routing: None,
+            indexer: None,
         };
         Ok(Self {
             model: Arc::new(ck.model),
@@ -104,6 +107,8 @@ impl Session for CandleSession {
             token_id: s.token_id,
             logprob: s.logprob,
             rows,
+            routing: None,
+            indexer_topk: None,
         })
     }
 }

@@ -67,6 +67,10 @@ enum Cmd {
         /// Listen port.
         #[arg(long, default_value_t = 8000)]
         port: u16,
+        /// As sglang's flag: answer `return_routed_experts` with `meta_info.routed_experts`
+        /// (docs/PROTOCOL.md §3.10), when the model records its routing.
+        #[arg(long)]
+        enable_return_routed_experts: bool,
     },
 }
 
@@ -191,7 +195,19 @@ fn main() -> ExitCode {
                 compute,
                 host,
                 port,
-            } => serve_cmd(checkpoint, quantize, group_size, compute.into(), host, port).await,
+                enable_return_routed_experts,
+            } => {
+                let addr = (host, port);
+                serve_cmd(
+                    checkpoint,
+                    quantize,
+                    group_size,
+                    compute.into(),
+                    addr,
+                    enable_return_routed_experts,
+                )
+                .await
+            }
         }
     });
     match result {
@@ -247,8 +263,8 @@ async fn serve_cmd(
     quantize: Option<Quantize>,
     group_size: usize,
     compute: Compute,
-    host: String,
-    port: u16,
+    (host, port): (String, u16),
+    routed_experts: bool,
 ) -> anyhow::Result<ExitCode> {
     let precision = match quantize {
         Some(Quantize::Int4) => Precision::Int4 { group_size },
@@ -264,7 +280,8 @@ async fn serve_cmd(
     let cfg = SglangConfig {
         record: false,
         ..SglangConfig::default()
-    };
+    }
+    .with_routed_experts(routed_experts);
     let serve =
         SglangDouble::start_on(listener, Arc::new(backend), cfg).context("starting the serve")?;
     eprintln!(

@@ -15,6 +15,7 @@ async fn double(dir: &std::path::Path, cfg: SglangConfig) -> SglangDouble {
         &CheckpointSpec {
             hidden_size: 16,
             vocab_size: 400,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -251,6 +252,7 @@ async fn eos_finishes_with_stop_and_duplicate_rids_are_refused() {
         &CheckpointSpec {
             hidden_size: 16,
             vocab_size: 400,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -366,4 +368,149 @@ async fn recording_off_keeps_nothing_and_serves_the_same() {
     assert_eq!(on.aborts().len(), 1);
     assert!(off.generate_log().is_empty());
     assert!(off.aborts().is_empty());
+}
+
+/// A double over a synthetic MoE checkpoint (4 layers, the first dense, 16 experts, top-2).
+async fn moe_double(dir: &std::path::Path, cfg: SglangConfig) -> SglangDouble {
+    write_checkpoint(
+        dir,
+        &CheckpointSpec {
+            hidden_size: 16,
+            vocab_size: 400,
+            routing: Some(engy_devnet::sglang::RoutingShape {
+                num_hidden_layers: 4,
+                num_experts_per_tok: 2,
+                num_experts: 16,
+                first_k_dense: 1,
+            }),
+            indexer: None,
+        },
+    )
+    .unwrap();
+    let b = SyntheticBackend::from_checkpoint(dir, SyntheticConfig::default()).unwrap();
+    SglangDouble::start(Arc::new(b), cfg).await.unwrap()
+}
+
+fn routed(meta: &Value) -> Option<Vec<i32>> {
+    let b64 = meta.get("routed_experts")?.as_str().unwrap();
+    Some(engy_core::trace::sglang_int32(b64, 4, 2).unwrap())
+}
+
+/// sglang's `routed_experts` (state_capturer/base.py `get_topk`, batch_result_processor.py
+/// `_maybe_collect_routed_experts`): rows `[start_len, prompt + output − 1)`, on the final
+/// reply only, after `hidden_states`; the same rows whatever the radix cache held; dense
+/// layers 0; the flag in server info; without the server flag no key and no error.
+#[tokio::test]
+async fn routed_experts_as_sglang_returns_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = moe_double(
+        dir.path(),
+        SglangConfig::default().with_routed_experts(true),
+    )
+    .await;
+    let c = reqwest::Client::new();
+    let info: Value = c
+        .get(format!("{}/server_info", d.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["enable_return_routed_experts"], true);
+    assert_eq!(info["enable_return_indexer_topk"], false);
+    let prompt = [5u32, 6, 7, 8, 9];
+    let mut b = body(&prompt, 6, "a", false);
+    b["return_routed_experts"] = json!(true);
+    let raw = c
+        .post(format!("{}/generate", d.url()))
+        .json(&b)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let r: Value = serde_json::from_str(&raw).unwrap();
+    let full = routed(&r["meta_info"]).expect("routed_experts");
+    // 5 prompt + 6 output − 1 rows of 4 × 2.
+    assert_eq!(full.len(), 10 * 8);
+    for row in full.chunks(8) {
+        assert_eq!(&row[..2], &[0, 0], "dense layer 0");
+        assert!(row[2..].iter().all(|e| (0..16).contains(e)));
+        assert_ne!(row[2], row[3]);
+    }
+    // sglang's key order: after hidden_states, before dp_rank.
+    let at = |k: &str| raw.find(&format!("\"{k}\":")).unwrap();
+    assert!(at("hidden_states") < at("routed_experts") && at("routed_experts") < at("dp_rank"));
+    // The same sequence again from a start: a radix-cache hit, the rows from there on.
+    let out: Vec<u32> = r["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let mut seq = prompt.to_vec();
+    seq.extend(&out[..5]);
+    let mut b = body(&seq, 1, "b", false);
+    b["return_routed_experts"] = json!(true);
+    b["routed_experts_start_len"] = json!(7);
+    let r = post(&c, &d.url(), &b).await;
+    assert!(r["meta_info"]["cached_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(routed(&r["meta_info"]).unwrap(), full[7 * 8..]);
+    // A start past the sequence is clamped to seqlen − 1 (no rows); a negative one refused.
+    b["routed_experts_start_len"] = json!(99);
+    b["rid"] = json!("c");
+    assert_eq!(
+        routed(&post(&c, &d.url(), &b).await["meta_info"]).unwrap(),
+        Vec::<i32>::new()
+    );
+    b["routed_experts_start_len"] = json!(-1);
+    b["rid"] = json!("d");
+    let r = c
+        .post(format!("{}/generate", d.url()))
+        .json(&b)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // Streaming: intermediate events have no routed_experts, the final one has them all.
+    let mut b = body(&prompt, 4, "s", true);
+    b["return_routed_experts"] = json!(true);
+    let text = c
+        .post(format!("{}/generate", d.url()))
+        .json(&b)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (last, rest) = events.split_last().unwrap();
+    assert!(rest
+        .iter()
+        .all(|e| e["meta_info"].get("routed_experts").is_none()));
+    assert_eq!(routed(&last["meta_info"]).unwrap(), full[..8 * 8]);
+
+    // Without --enable-return-routed-experts: the request succeeds, without the key.
+    let dir2 = tempfile::tempdir().unwrap();
+    let d2 = moe_double(dir2.path(), SglangConfig::default()).await;
+    let mut b = body(&prompt, 3, "e", false);
+    b["return_routed_experts"] = json!(true);
+    let r = c
+        .post(format!("{}/generate", d2.url()))
+        .json(&b)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r: Value = r.json().await.unwrap();
+    assert!(r["meta_info"].get("routed_experts").is_none(), "{r}");
+    assert_eq!(r["output_ids"].as_array().unwrap().len(), 3);
 }

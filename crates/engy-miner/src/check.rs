@@ -1,7 +1,9 @@
 //! `engy-miner check`: the operator's preflight. Prints one `ok`/`FAIL` line per check, each
 //! FAIL with its fix, and a summary line; exits 1 if anything failed. Under `--log-format
 //! json` it prints one JSON object instead (docs/MINER.md "Preflight"):
-//! `{"passed": bool, "failed": n, "checks": [{"check", "ok", "detail", "fix"?}], "build"}`.
+//! `{"passed": bool, "failed": n, "checks": [{"check", "ok", "detail", "fix"?, "warn"?}],
+//! "build"}`. A `warn` line (an optional feature the serve lacks, such as the routing
+//! trace) is not a failure.
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +14,8 @@ use serde_json::{json, Value};
 
 use crate::config::Opts;
 use crate::scan::{scan_reply, HiddenMode};
+use crate::serve::offers;
+use crate::serve::trace::TraceShapes;
 
 /// The checks so far: printed as they come in text mode, collected for one object in JSON.
 struct Report {
@@ -34,6 +38,15 @@ impl Report {
             LogFormat::Json => self
                 .checks
                 .push(json!({"check": what, "ok": true, "detail": detail.to_string()})),
+        }
+    }
+    /// Something optional is missing: printed with its fix, not counted as a failure.
+    fn warn(&mut self, what: &str, detail: impl std::fmt::Display, fix: &str) {
+        match self.format {
+            LogFormat::Text => println!("warn {what}: {detail}\n     fix: {fix}"),
+            LogFormat::Json => self.checks.push(
+                json!({"check": what, "ok": true, "warn": true, "detail": detail.to_string(), "fix": fix}),
+            ),
         }
     }
     fn fail(&mut self, what: &str, detail: impl std::fmt::Display, fix: &str) {
@@ -226,6 +239,71 @@ pub async fn probe_serves(serves: &[String]) -> Vec<(String, String)> {
     down
 }
 
+/// One line per trace kind: collected and offered, off, not applicable, or missing on the
+/// serve (a `warn`, with the flag to add). docs/PROTOCOL.md §3.10.
+async fn check_traces(r: &mut Report, client: &reqwest::Client, serve: &str, opts: &Opts) {
+    let Some(dir) = opts.checkpoint.as_deref() else {
+        return;
+    };
+    let shapes = TraceShapes::from_checkpoint(dir, true, true);
+    let offers = offers::fetch(client, serve).await;
+    let kinds = [
+        (
+            "routing trace",
+            shapes.routing,
+            opts.routing_trace.is_on(),
+            offers.as_ref().map(|o| o.routing),
+            "routed experts",
+            "--enable-return-routed-experts",
+            "ENGY_ROUTING_TRACE",
+        ),
+        (
+            "indexer trace",
+            shapes.indexer,
+            opts.indexer_trace.is_on(),
+            offers.as_ref().map(|o| o.indexer),
+            "the indexer top-k",
+            "--enable-return-indexer-topk",
+            "ENGY_INDEXER_TRACE",
+        ),
+    ];
+    for (what, shape, on, offered, name, flag, var) in kinds {
+        let what = format!("serve {serve} {what}");
+        let Some(shape) = shape else {
+            if what.ends_with("routing trace") {
+                r.ok(&what, "not collected: config.json names no MoE routing (num_hidden_layers, num_experts_per_tok, an expert count)");
+            }
+            continue;
+        };
+        match offered {
+            Ok(true) if on => r.ok(
+                &what,
+                format!(
+                    "serve offers {name} ({flag}): commitments carry a trace of {} × {} ids per token",
+                    shape.layers, shape.width
+                ),
+            ),
+            Ok(o) if !on => r.ok(
+                &what,
+                format!(
+                    "off ({var}=off); the serve {} {name}",
+                    if o { "offers" } else { "does not offer" }
+                ),
+            ),
+            Ok(_) => r.warn(
+                &what,
+                format!("serve does not offer {name}: commitments carry no such trace"),
+                &format!("start sglang with {flag}, or set {var}=off"),
+            ),
+            Err(e) => r.warn(
+                &what,
+                format!("cannot read the serve's server info ({e}): no trace is asked until it answers"),
+                "check that /server_info (or /get_server_info) answers",
+            ),
+        }
+    }
+}
+
 async fn check_serve(
     r: &mut Report,
     client: &reqwest::Client,
@@ -249,6 +327,7 @@ async fn check_serve(
                     v.get("model_path").cloned().unwrap_or(Value::Null)
                 ),
             );
+            check_traces(r, client, serve, opts).await;
         }
         Ok(resp) => {
             r.fail(

@@ -169,6 +169,31 @@ pub struct Opts {
     /// unset). No authentication: bind it to 127.0.0.1 or a private interface.
     #[arg(long = "metrics-addr", env = "ENGY_METRICS_ADDR", global = true)]
     pub metrics_addr: Option<String>,
+    /// MoE routing trace on every commitment (docs/PROTOCOL.md §3.10): `on` asks the
+    /// serve for `routed_experts` when its server info says it was started with
+    /// `--enable-return-routed-experts` and config.json names an MoE model; `off` never
+    /// asks. A serve without the flag, or a broken field, never fails a request: the
+    /// commitment then carries no trace.
+    #[arg(
+        long = "routing-trace",
+        env = "ENGY_ROUTING_TRACE",
+        value_enum,
+        default_value_t = TraceSetting::On,
+        global = true
+    )]
+    pub routing_trace: TraceSetting,
+    /// DSA indexer top-k trace (`--enable-return-indexer-topk`, GLM-5): off by default,
+    /// because it is `num_hidden_layers × index_topk` ids per token (78 × 2048 for GLM-5:
+    /// about 624 KiB per token as sglang sends it, 312–624 KiB in the commitment) and sglang
+    /// re-sends it from position 0 on every generation chunk (docs/PROTOCOL.md §3.10).
+    #[arg(
+        long = "indexer-trace",
+        env = "ENGY_INDEXER_TRACE",
+        value_enum,
+        default_value_t = TraceSetting::Off,
+        global = true
+    )]
+    pub indexer_trace: TraceSetting,
     /// Log line format: `text` (human) or `json` (one object per line). The filter is RUST_LOG.
     #[arg(
         long = "log-format",
@@ -221,6 +246,23 @@ impl Opts {
             .saturating_mul(hidden.max(1))
             .saturating_mul(24)
             .saturating_add(64 << 20)
+    }
+}
+
+/// `ENGY_ROUTING_TRACE` / `ENGY_INDEXER_TRACE`: collect a trace when the serve offers it
+/// (`on`) or never (`off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceSetting {
+    /// Never ask the serve.
+    Off,
+    /// Ask when the serve offers it and the checkpoint has its shape.
+    On,
+}
+
+impl TraceSetting {
+    /// True for `on`.
+    pub fn is_on(self) -> bool {
+        self == TraceSetting::On
     }
 }
 

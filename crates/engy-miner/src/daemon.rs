@@ -183,6 +183,11 @@ async fn serve(
     } = ckpt;
     let prompter = Arc::new(prompter);
     let reply_cap = opts.reply_cap(hidden);
+    let traces = serve::trace::TraceShapes::from_checkpoint(
+        checkpoint,
+        opts.routing_trace.is_on(),
+        opts.indexer_trace.is_on(),
+    );
     let engine = Arc::new(serve::Engine::new(
         serve::EngineConfig {
             model_root: model_root.clone(),
@@ -194,6 +199,7 @@ async fn serve(
             serve_timeout: opts.serve_timeout(),
             hidden_size: Some(hidden),
             reply_cap,
+            traces,
         },
         prompter,
         &opts.serve_urls(),
@@ -203,6 +209,19 @@ async fn serve(
     tokio::spawn({
         let serves = opts.serve_urls();
         async move { check::probe_serves(&serves).await }
+    });
+    // Which serves offer the traces this miner collects (docs/PROTOCOL.md §3.10).
+    let shape = |s: Option<serve::trace::Shape>| match s {
+        Some(s) => format!("{}x{} ids per token", s.layers, s.width),
+        None => "not collected".to_string(),
+    };
+    tracing::info!(
+        routing = %shape(traces.routing), indexer = %shape(traces.indexer),
+        "traces collected when a serve offers them (ENGY_ROUTING_TRACE, ENGY_INDEXER_TRACE × config.json)"
+    );
+    tokio::spawn({
+        let engine = Arc::clone(&engine);
+        async move { engine.probe_offers().await }
     });
     let hw = hw::detect().await;
     let worker_name = worker_name(&opts);

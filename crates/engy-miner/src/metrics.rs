@@ -10,6 +10,11 @@
 //! * `engy_miner_inflight`: requests being served, all legs;
 //! * `engy_miner_legs_connected`: legs whose session is up (HELLO sent);
 //! * `engy_miner_reconnects_total`: re-dials after a session ended or a dial failed;
+//! * `engy_miner_traces_total{trace,outcome}`: per completed request and collected trace
+//!   (`trace` = `routing` | `indexer`, docs/PROTOCOL.md §3.10), whether it was `attached`,
+//!   or why not: `not_offered` (the serve lacks the flag), `missing` (asked, no field),
+//!   `malformed`, `rows` (rows that do not line up); only kinds the settings and the
+//!   checkpoint collect are counted;
 //! * `engy_miner_build_info{version,commit,dirty}`: always 1, the running build
 //!   ([`engy_telemetry::build_info`]).
 use std::sync::Arc;
@@ -50,6 +55,13 @@ impl Outcome {
 }
 
 type Labels = [(&'static str, &'static str); 1];
+type TraceLabels = [(&'static str, &'static str); 2];
+
+/// The `trace` label values of `engy_miner_traces_total`.
+pub const TRACE_KINDS: [&str; 2] = ["routing", "indexer"];
+
+/// The `outcome` label values of `engy_miner_traces_total`.
+pub const TRACE_OUTCOMES: [&str; 5] = ["attached", "not_offered", "missing", "malformed", "rows"];
 
 /// Every metric of the miner, registered in one [`Registry`] (prefix `engy_miner`).
 #[derive(Debug)]
@@ -60,6 +72,7 @@ pub struct Metrics {
     inflight: Gauge,
     legs_connected: Gauge,
     reconnects: Counter,
+    traces: Family<TraceLabels, Counter>,
     registry: Arc<Registry>,
 }
 
@@ -80,6 +93,7 @@ impl Metrics {
         let inflight = Gauge::default();
         let legs_connected = Gauge::default();
         let reconnects = Counter::default();
+        let traces = Family::<TraceLabels, Counter>::default();
         let mut r = Registry::with_prefix("engy_miner");
         engy_telemetry::build_info::register(&mut r, &engy_telemetry::build_info::BUILD);
         r.register(
@@ -108,6 +122,16 @@ impl Metrics {
             "Gateway re-dials after a session ended or a dial failed",
             reconnects.clone(),
         );
+        r.register(
+            "traces",
+            "Completed requests by collected trace and whether it was attached (else why not)",
+            traces.clone(),
+        );
+        for t in TRACE_KINDS {
+            for o in TRACE_OUTCOMES {
+                let _ = traces.get_or_create(&[("trace", t), ("outcome", o)]);
+            }
+        }
         for o in [
             Outcome::Completed,
             Outcome::Failed,
@@ -125,6 +149,7 @@ impl Metrics {
             inflight,
             legs_connected,
             reconnects,
+            traces,
             registry: Arc::new(r),
         }
     }
@@ -162,6 +187,17 @@ impl Metrics {
             self.legs_connected.inc();
         } else {
             self.legs_connected.dec();
+        }
+    }
+
+    /// A completed request's `trace` (a [`TRACE_KINDS`] value) ended with `outcome` (a
+    /// [`TRACE_OUTCOMES`] value; anything else is not counted, so the label set stays
+    /// closed).
+    pub fn trace(&self, trace: &'static str, outcome: &'static str) {
+        if TRACE_KINDS.contains(&trace) && TRACE_OUTCOMES.contains(&outcome) {
+            self.traces
+                .get_or_create(&[("trace", trace), ("outcome", outcome)])
+                .inc();
         }
     }
 

@@ -30,6 +30,7 @@ fn prompt_ids_match_transformers_apply_chat_template() {
         &CheckpointSpec {
             hidden_size: 64,
             vocab_size: 500,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -87,6 +88,7 @@ fn template_errors_are_reported_not_panics() {
         &CheckpointSpec {
             hidden_size: 64,
             vocab_size: 500,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -157,6 +159,7 @@ fn content_as_a_list_of_parts_renders_as_transformers_renders_it() {
             &CheckpointSpec {
                 hidden_size: 64,
                 vocab_size: 500,
+                ..Default::default()
             },
         )
         .unwrap();

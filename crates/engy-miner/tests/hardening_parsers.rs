@@ -260,6 +260,7 @@ fn write_chat_checkpoints(root: &Path) -> [PathBuf; 2] {
         &engy_devnet::sglang::synthetic::CheckpointSpec {
             hidden_size: 64,
             vocab_size: 500,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -543,6 +544,7 @@ async fn write_fuzz_seeds() {
         &CheckpointSpec {
             hidden_size: 8,
             vocab_size: 500,
+            ..Default::default()
         },
     )
     .unwrap();

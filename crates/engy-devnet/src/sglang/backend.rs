@@ -45,6 +45,40 @@ pub struct ModelFacts {
     /// Maximum prompt + output tokens; the double rejects longer requests with a 400 as
     /// sglang does (§2.1).
     pub context_length: usize,
+    /// The MoE routing the model records for `--enable-return-routed-experts`; `None` for
+    /// a dense model, or a backend that records none (the double then never sends
+    /// `routed_experts`).
+    pub routing: Option<RoutingShape>,
+    /// The DSA indexer's top-k for `--enable-return-indexer-topk`; `None` without an
+    /// indexer.
+    pub indexer: Option<IndexerShape>,
+}
+
+/// The shape of sglang's `routed_experts` rows (`python/sglang/srt/state_capturer/
+/// routed_experts.py`): every row has `num_hidden_layers × num_experts_per_tok` logical
+/// expert ids; the rows of dense (non-MoE) layers are 0 (the capture buffers are
+/// zero-initialised and indexed by layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutingShape {
+    /// HF `num_hidden_layers` (dense layers included).
+    pub num_hidden_layers: usize,
+    /// HF `num_experts_per_tok` (top-k).
+    pub num_experts_per_tok: usize,
+    /// Routed experts per MoE layer (ids are below it).
+    pub num_experts: usize,
+    /// HF `first_k_dense_replace`: the leading dense layers, whose rows are 0.
+    pub first_k_dense: usize,
+}
+
+/// The shape of sglang's `indexer_topk` rows (`python/sglang/srt/state_capturer/
+/// indexer_topk.py`): `layers × index_topk` key positions per row, `-1` in the slots of a
+/// position with fewer than `index_topk` keys (`layers/attention/nsa/topk.py`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexerShape {
+    /// Indexer layers (`num_hidden_layers` for DSA models).
+    pub layers: usize,
+    /// HF `index_topk`.
+    pub index_topk: usize,
 }
 
 /// A backend failure. The double turns it into a scheduler-side abort
@@ -73,6 +107,16 @@ pub struct Step {
     /// (`input_ids[cached_prefix..]`, at least one row); every later step returns exactly
     /// one row (the position of the previously sampled token).
     pub rows: Vec<f32>,
+    /// The routed experts of the positions this step ran, sglang's int32 row-major
+    /// `[n, num_hidden_layers, num_experts_per_tok]` ([`RoutingShape`]). The first step
+    /// returns a row for EVERY input position, the cached prefix included (sglang returns
+    /// the routing recorded when a cached prefix was computed, which for a model that is a
+    /// pure function of the context is the same); every later step returns one row.
+    /// `None` when the backend records no routing.
+    pub routing: Option<Vec<i32>>,
+    /// The indexer top-k of the same positions as `routing`, `[n, layers, index_topk]`
+    /// ([`IndexerShape`]), `-1` padded; `None` without an indexer.
+    pub indexer_topk: Option<Vec<i32>>,
 }
 
 /// A model that the sglang double serves. Implementations must be cheap to share

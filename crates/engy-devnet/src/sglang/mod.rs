@@ -51,7 +51,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Notify};
 
-pub use backend::{Backend, BackendError, ModelFacts, Session, Step};
+pub use backend::{Backend, BackendError, IndexerShape, ModelFacts, RoutingShape, Session, Step};
 
 /// A fault injected into `/generate` replies (see [`SglangDouble::push_fault`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -92,10 +92,30 @@ pub enum Fault {
     StallBody,
     /// On abort, tear the connection down with no body (engy's live observation, §3).
     TornOnAbort,
+    /// `meta_info.routed_experts` of the final reply is broken this way (the request asked
+    /// for it on a serve that offers it).
+    RoutedExperts(TraceFault),
+    /// `meta_info.indexer_topk` of the final reply is broken this way.
+    IndexerTopk(TraceFault),
     /// A 200 whose body is exactly these bytes (`application/json` without `stream`,
     /// `text/event-stream` with it; the caller writes any SSE framing): garbage, cut or
     /// wrongly shaped JSON from a broken serve or a proxy in front of it. Nothing runs.
     Raw(Vec<u8>),
+}
+
+/// How [`Fault::RoutedExperts`] / [`Fault::IndexerTopk`] break a trace field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceFault {
+    /// The key is absent (a serve whose capture path was bypassed, or a proxy that drops it).
+    Missing,
+    /// The value is not base64.
+    NotBase64,
+    /// The last row is missing (whole int32 values, one row short).
+    OneRowShort,
+    /// Two bytes short: not a whole number of int32 values.
+    CutMidValue,
+    /// The value is a JSON number, not a string.
+    NotAString,
 }
 
 /// Static behaviour of a double.
@@ -118,6 +138,30 @@ pub struct SglangConfig {
     /// is kept per request, so memory stays bounded; both logs then stay empty and
     /// [`SglangDouble::wait_until`] sees no records.
     pub record: bool,
+    /// `--enable-return-routed-experts` (sglang's default: off). With it, a request with
+    /// `return_routed_experts: true` gets `meta_info.routed_experts` on its final reply
+    /// (when the backend records routing). Without it such a request still succeeds,
+    /// without the key, as sglang's does (its scheduler skips the collection when no
+    /// capturer exists; the tokenizer manager does not refuse the field).
+    pub routed_experts: bool,
+    /// `--enable-return-indexer-topk` (default off): `meta_info.indexer_topk` on the final
+    /// reply of a request with `return_indexer_topk: true` (when the backend has an
+    /// indexer).
+    pub indexer_topk: bool,
+}
+
+impl SglangConfig {
+    /// This config with `--enable-return-routed-experts` on or off.
+    pub fn with_routed_experts(mut self, on: bool) -> Self {
+        self.routed_experts = on;
+        self
+    }
+
+    /// This config with `--enable-return-indexer-topk` on or off.
+    pub fn with_indexer_topk(mut self, on: bool) -> Self {
+        self.indexer_topk = on;
+        self
+    }
 }
 
 impl Default for SglangConfig {
@@ -128,6 +172,8 @@ impl Default for SglangConfig {
             engy_trimmed: false,
             model_path: None,
             record: true,
+            routed_experts: false,
+            indexer_topk: false,
         }
     }
 }
@@ -478,6 +524,8 @@ async fn server_info(State(st): State<Arc<Inner>>) -> Response {
         StatusCode::OK,
         json!({"model_path": path, "tp_size": 1, "dp_size": 1, "chunked_prefill_size": 8192,
                "enable_return_hidden_states": st.cfg.enable_hidden_states,
+               "enable_return_routed_experts": st.cfg.routed_experts,
+               "enable_return_indexer_topk": st.cfg.indexer_topk,
                "disable_radix_cache": !st.cfg.radix_cache, "speculative_algorithm": null,
                "context_length": f.context_length, "stream_interval": 1,
                "status": "ready", "max_total_num_tokens": f.context_length,
@@ -527,6 +575,10 @@ struct GenReq {
     stream: bool,
     hidden: bool,
     logprob: bool,
+    routed_experts: bool,
+    /// `routed_experts_start_len` (absolute start position, default 0).
+    routed_start: usize,
+    indexer_topk: bool,
 }
 
 fn parse_req(v: &Value) -> Result<GenReq, String> {
@@ -573,6 +625,23 @@ fn parse_req(v: &Value) -> Result<GenReq, String> {
             .unwrap_or(false),
         logprob: v
             .get("return_logprob")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        routed_experts: v
+            .get("return_routed_experts")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        routed_start: match v.get("routed_experts_start_len") {
+            None | Some(Value::Null) => 0,
+            Some(n) => match n.as_i64() {
+                // sglang's `get_topk` raises this ValueError for a negative start.
+                Some(i) if i < 0 => return Err(format!("start_len={i} must be non-negative")),
+                Some(i) => usize::try_from(i).unwrap_or(usize::MAX),
+                None => return Err("routed_experts_start_len must be an integer".into()),
+            },
+        },
+        indexer_topk: v
+            .get("return_indexer_topk")
             .and_then(Value::as_bool)
             .unwrap_or(false),
     })
@@ -774,6 +843,11 @@ struct Acc {
     output_ids: Vec<u32>,
     logprobs: Vec<f32>,
     elements: Vec<Element>,
+    /// Routed experts of every position run so far (all input positions, then one per
+    /// decode step), int32 row-major.
+    routing: Vec<i32>,
+    /// Indexer top-k of the same positions.
+    indexer: Vec<i32>,
 }
 
 impl Generation {
@@ -828,6 +902,8 @@ impl Generation {
             output_ids: Vec::new(),
             logprobs: Vec::new(),
             elements: Vec::new(),
+            routing: Vec::new(),
+            indexer: Vec::new(),
         };
         let backend = Arc::clone(&self.st.backend);
         let ids = self.req.input_ids.clone();
@@ -871,6 +947,8 @@ impl Generation {
                 acc.elements
                     .push(Element::Row(rows.into_iter().next().unwrap_or_default()));
             }
+            acc.routing.extend(step.routing.unwrap_or_default());
+            acc.indexer.extend(step.indexer_topk.unwrap_or_default());
             acc.output_ids.push(step.token_id);
             acc.logprobs.push(step.logprob);
             let n = acc.output_ids.len();
@@ -1072,6 +1150,87 @@ impl Generation {
         }
     }
 
+    /// The routing rows of the final reply, with the fault to apply, when they are sent:
+    /// `[routed_experts_start_len, seqlen − 1)` with `seqlen` = prompt + output tokens and
+    /// the start clamped to `seqlen − 1` (sglang's `BaseTopkCapturer.get_topk`).
+    fn routed_rows(&self, acc: &Acc) -> Option<(Vec<i32>, Option<TraceFault>)> {
+        let shape = self.st.backend.facts().routing?;
+        if !(self.req.routed_experts && self.st.cfg.routed_experts) || acc.routing.is_empty() {
+            return None;
+        }
+        let row = shape.num_hidden_layers * shape.num_experts_per_tok;
+        let seqlen = self.req.input_ids.len() + acc.output_ids.len();
+        let start = self.req.routed_start.min(seqlen - 1);
+        let rows = acc
+            .routing
+            .get(start * row..(seqlen - 1) * row)
+            .unwrap_or_default()
+            .to_vec();
+        let fault = match self.fault {
+            Some(Fault::RoutedExperts(f)) => Some(f),
+            _ => None,
+        };
+        Some((rows, fault))
+    }
+
+    /// The indexer rows of the final reply: always `[0, seqlen − 1)` (sglang's
+    /// `_maybe_collect_indexer_topk` passes no start).
+    fn indexer_rows(&self, acc: &Acc) -> Option<(Vec<i32>, Option<TraceFault>)> {
+        let shape = self.st.backend.facts().indexer?;
+        if !(self.req.indexer_topk && self.st.cfg.indexer_topk) || acc.indexer.is_empty() {
+            return None;
+        }
+        let row = shape.layers * shape.index_topk;
+        let seqlen = self.req.input_ids.len() + acc.output_ids.len();
+        let rows = acc
+            .indexer
+            .get(..(seqlen - 1) * row)
+            .unwrap_or_default()
+            .to_vec();
+        let fault = match self.fault {
+            Some(Fault::IndexerTopk(f)) => Some(f),
+            _ => None,
+        };
+        Some((rows, fault))
+    }
+
+    /// `,"<key>":"<base64 of LE int32>"` (sglang's detokenizer encoding), broken by `fault`.
+    fn push_trace(&self, s: &mut String, key: &str, rows: Option<(Vec<i32>, Option<TraceFault>)>) {
+        let Some((rows, fault)) = rows else { return };
+        let row_len = match key {
+            "routed_experts" => self
+                .st
+                .backend
+                .facts()
+                .routing
+                .map(|r| r.num_hidden_layers * r.num_experts_per_tok),
+            _ => self
+                .st
+                .backend
+                .facts()
+                .indexer
+                .map(|i| i.layers * i.index_topk),
+        }
+        .unwrap_or(1);
+        let value = match fault {
+            None => Value::String(engy_core::trace::sglang_int32_base64(&rows)),
+            Some(TraceFault::Missing) => return,
+            Some(TraceFault::NotBase64) => Value::String("!not base64!".into()),
+            Some(TraceFault::NotAString) => json!(12345),
+            Some(TraceFault::OneRowShort) => {
+                let keep = rows.len().saturating_sub(row_len);
+                Value::String(engy_core::trace::sglang_int32_base64(&rows[..keep]))
+            }
+            Some(TraceFault::CutMidValue) => {
+                let mut bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+                bytes.truncate(bytes.len().saturating_sub(2));
+                use base64::Engine as _;
+                Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
+            }
+        };
+        s.push_str(&format!(",\"{key}\":{value}"));
+    }
+
     /// The cumulative text of an event: on a streamed event before the last, trailing
     /// U+FFFD (an incomplete UTF-8 sequence of the last tokens) is held back until the
     /// bytes complete, as sglang's incremental detokenizer does (sglang-native-api.md
@@ -1136,6 +1295,12 @@ impl Generation {
             } else {
                 push_elements(&mut s, &acc.elements);
             }
+        }
+        if last {
+            // Collected when the request finishes (sglang's `_maybe_collect_routed_experts`):
+            // the final reply only, after `hidden_states`.
+            self.push_trace(&mut s, "routed_experts", self.routed_rows(acc));
+            self.push_trace(&mut s, "indexer_topk", self.indexer_rows(acc));
         }
         s.push_str(",\"dp_rank\":null");
         if last {

@@ -19,7 +19,9 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
-use super::backend::{Backend, BackendError, ModelFacts, Session, Step};
+use super::backend::{
+    Backend, BackendError, IndexerShape, ModelFacts, RoutingShape, Session, Step,
+};
 
 /// The ChatML template written by [`write_checkpoint`] (Qwen2-style, with a default system
 /// prompt only when the first message is not a system message).
@@ -36,6 +38,12 @@ pub struct CheckpointSpec {
     /// Target BPE vocabulary size (special tokens and the 256-symbol byte alphabet
     /// included).
     pub vocab_size: usize,
+    /// An MoE model: `config.json` gets `num_hidden_layers`, `num_experts`,
+    /// `num_experts_per_tok` and `first_k_dense_replace`, and the backend records routing.
+    pub routing: Option<RoutingShape>,
+    /// A DSA indexer: `config.json` gets `index_topk` (and `num_hidden_layers` when
+    /// `routing` is `None`), and the backend records the indexer's top-k.
+    pub indexer: Option<IndexerShape>,
 }
 
 impl Default for CheckpointSpec {
@@ -43,6 +51,8 @@ impl Default for CheckpointSpec {
         Self {
             hidden_size: 64,
             vocab_size: 600,
+            routing: None,
+            indexer: None,
         }
     }
 }
@@ -144,7 +154,7 @@ pub fn write_checkpoint(dir: &Path, spec: &CheckpointSpec) -> Result<(), Checkpo
         "chat_template": CHATML_TEMPLATE,
     });
     write_json(&dir.join("tokenizer_config.json"), &tc)?;
-    let cfg = serde_json::json!({
+    let mut cfg = serde_json::json!({
         "architectures": ["EngySyntheticForCausalLM"],
         "model_type": "engy-synthetic",
         "hidden_size": spec.hidden_size,
@@ -153,6 +163,16 @@ pub fn write_checkpoint(dir: &Path, spec: &CheckpointSpec) -> Result<(), Checkpo
         "max_position_embeddings": 1 << 20,
         "torch_dtype": "bfloat16",
     });
+    if let Some(ix) = spec.indexer {
+        cfg["num_hidden_layers"] = ix.layers.into();
+        cfg["index_topk"] = ix.index_topk.into();
+    }
+    if let Some(r) = spec.routing {
+        cfg["num_hidden_layers"] = r.num_hidden_layers.into();
+        cfg["num_experts"] = r.num_experts.into();
+        cfg["num_experts_per_tok"] = r.num_experts_per_tok.into();
+        cfg["first_k_dense_replace"] = r.first_k_dense.into();
+    }
     write_json(&dir.join("config.json"), &cfg)?;
     // One tiny shard so `model_root` (docs/PROTOCOL.md §4) covers a file name and size.
     let seed = [0u8, 1, 2, 3, 4, 5, 6, 7];
@@ -268,6 +288,8 @@ impl SyntheticBackend {
             vocab_size: tokenizer.get_vocab_size(true),
             eos_token_ids: eos,
             context_length: 1 << 20,
+            routing: routing_shape(&v),
+            indexer: indexer_shape(&v),
         };
         Ok(Self {
             inner: Arc::new(Inner {
@@ -280,7 +302,80 @@ impl SyntheticBackend {
     }
 }
 
+/// `config.json` field `k` as a positive usize.
+fn cfg_usize(v: &serde_json::Value, k: &str) -> Option<usize> {
+    v.get(k)
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|x| usize::try_from(x).ok())
+}
+
+/// The routing shape a [`write_checkpoint`] `config.json` declares (all four fields, top-k
+/// at most the expert count).
+fn routing_shape(v: &serde_json::Value) -> Option<RoutingShape> {
+    let r = RoutingShape {
+        num_hidden_layers: cfg_usize(v, "num_hidden_layers")?,
+        num_experts_per_tok: cfg_usize(v, "num_experts_per_tok")?,
+        num_experts: cfg_usize(v, "num_experts")?,
+        first_k_dense: cfg_usize(v, "first_k_dense_replace").unwrap_or(0),
+    };
+    (r.num_hidden_layers > 0 && r.num_experts_per_tok > 0 && r.num_experts_per_tok <= r.num_experts)
+        .then_some(r)
+}
+
+/// The indexer shape a `config.json` declares (`index_topk` and `num_hidden_layers`).
+fn indexer_shape(v: &serde_json::Value) -> Option<IndexerShape> {
+    let ix = IndexerShape {
+        layers: cfg_usize(v, "num_hidden_layers")?,
+        index_topk: cfg_usize(v, "index_topk")?,
+    };
+    (ix.layers > 0 && ix.index_topk > 0).then_some(ix)
+}
+
 impl Inner {
+    /// Routed experts of the position whose context hash is `h`: per layer, `top-k`
+    /// distinct ids below `num_experts` drawn from the hash (0s for the dense layers).
+    fn route(&self, r: &RoutingShape, h: u64, out: &mut Vec<i32>) {
+        for layer in 0..r.num_hidden_layers {
+            if layer < r.first_k_dense {
+                out.extend(std::iter::repeat_n(0, r.num_experts_per_tok));
+                continue;
+            }
+            let mut s = h ^ (0x726f_7574_6500_0000 | layer as u64);
+            let from = out.len();
+            while out.len() - from < r.num_experts_per_tok {
+                let e = (splitmix(&mut s) % r.num_experts as u64) as i32;
+                if !out[from..].contains(&e) {
+                    out.push(e);
+                }
+            }
+        }
+    }
+
+    /// Indexer top-k of position `pos` (context hashes `hashes[..=pos]`): every earlier
+    /// key position when there are at most `index_topk` of them, then `-1`; else the
+    /// `index_topk` positions with the highest hash score, highest first.
+    fn index(&self, ix: &IndexerShape, hashes: &[u64], pos: usize, out: &mut Vec<i32>) {
+        let h = hashes.get(pos).copied().unwrap_or_default();
+        for layer in 0..ix.layers {
+            let n_keys = pos + 1;
+            if n_keys <= ix.index_topk {
+                out.extend((0..n_keys).map(|j| j as i32));
+                out.extend(std::iter::repeat_n(-1, ix.index_topk - n_keys));
+                continue;
+            }
+            let mut scored: Vec<(u64, usize)> = (0..n_keys)
+                .map(|j| {
+                    let mut s = h
+                        ^ hashes.get(j).copied().unwrap_or_default()
+                        ^ (layer as u64).wrapping_mul(0x9e37);
+                    (splitmix(&mut s), j)
+                })
+                .collect();
+            scored.sort_unstable_by(|a, b| b.cmp(a));
+            out.extend(scored.iter().take(ix.index_topk).map(|&(_, j)| j as i32));
+        }
+    }
+
     /// The hidden row at the position whose rolling context hash is `h`.
     fn row(&self, h: u64, out: &mut Vec<f32>) {
         let mut s = h ^ 0x5151_5151;
@@ -353,7 +448,8 @@ impl Backend for SyntheticBackend {
         let from = cached_prefix.min(input_ids.len() - 1);
         Ok(Box::new(SyntheticSession {
             inner: Arc::clone(&self.inner),
-            prefill: Some((hashes, from)),
+            prefill: Some(from),
+            hashes,
             h,
             last: None,
         }))
@@ -368,8 +464,10 @@ impl Backend for SyntheticBackend {
 
 struct SyntheticSession {
     inner: Arc<Inner>,
-    /// Context hashes of every input position and the first computed position.
-    prefill: Option<(Vec<u64>, usize)>,
+    /// The first computed position, until the prefill step ran.
+    prefill: Option<usize>,
+    /// Context hash of every position so far (input, then each fed token).
+    hashes: Vec<u64>,
     /// Context hash of the last position fed.
     h: u64,
     /// The token sampled by the previous step (fed by the next one).
@@ -380,26 +478,52 @@ impl Session for SyntheticSession {
     fn step(&mut self) -> Result<Step, BackendError> {
         let hidden = self.inner.facts.hidden_size;
         let mut rows = Vec::new();
-        if let Some((hashes, from)) = self.prefill.take() {
-            let computed = hashes.get(from..).unwrap_or(&[]);
+        // Positions this step ran: all input positions on the prefill step (routing and
+        // index of the cached prefix included), then the one fed token.
+        let ran = if let Some(from) = self.prefill.take() {
+            let computed = self.hashes.get(from..).unwrap_or(&[]);
             rows.reserve(computed.len() * hidden);
             for &h in computed {
                 self.inner.row(h, &mut rows);
             }
+            0..self.hashes.len()
         } else {
             let t = self
                 .last
                 .ok_or_else(|| BackendError("session stepped before prefill".into()))?;
             self.h = roll(self.h, t);
+            self.hashes.push(self.h);
             rows.reserve(hidden);
             self.inner.row(self.h, &mut rows);
-        }
+            self.hashes.len() - 1..self.hashes.len()
+        };
+        let routing = self.inner.facts.routing.map(|r| {
+            let mut out =
+                Vec::with_capacity(ran.len() * r.num_hidden_layers * r.num_experts_per_tok);
+            for p in ran.clone() {
+                self.inner.route(
+                    &r,
+                    self.hashes.get(p).copied().unwrap_or_default(),
+                    &mut out,
+                );
+            }
+            out
+        });
+        let indexer_topk = self.inner.facts.indexer.map(|ix| {
+            let mut out = Vec::with_capacity(ran.len() * ix.layers * ix.index_topk);
+            for p in ran.clone() {
+                self.inner.index(&ix, &self.hashes, p, &mut out);
+            }
+            out
+        });
         let (token_id, logprob) = self.inner.sample(self.h);
         self.last = Some(token_id);
         Ok(Step {
             token_id,
             logprob,
             rows,
+            routing,
+            indexer_topk,
         })
     }
 }

@@ -39,6 +39,7 @@ impl Doubles {
             &CheckpointSpec {
                 hidden_size: hidden,
                 vocab_size: 500,
+                ..Default::default()
             },
         )?;
         let backend = SyntheticBackend::from_checkpoint(&ckpt, SyntheticConfig::default())?;

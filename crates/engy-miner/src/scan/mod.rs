@@ -187,6 +187,21 @@ pub struct Reply {
     /// sglang error envelope message (`{"error":{"message"}}`, `{"error":"…"}`, or
     /// `{"object":"error","message"}`).
     pub error: Option<String>,
+    /// `meta_info.routed_experts` (read where `hidden_states` would be: a non-stream
+    /// body, or the final SSE event), as sent.
+    pub routed_experts: Option<TraceText>,
+    /// `meta_info.indexer_topk`, likewise.
+    pub indexer_topk: Option<TraceText>,
+}
+
+/// A trace field of `meta_info` as sent (docs/PROTOCOL.md §3.10): its string (base64,
+/// decoded later), or a value that is no string (a malformed field, never a failed reply).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TraceText {
+    /// The string.
+    Text(String),
+    /// Not a string (skipped).
+    NotText,
 }
 
 /// When to parse `hidden_states`.
@@ -371,6 +386,23 @@ async fn scan_meta<S: ReplySource>(
                 // this, a streamed reply costs O(tokens²) parsing.
                 if hidden == HiddenMode::IfFinished && r.finish.is_none() && c.line_mode {
                     return Ok(Meta::Abandoned);
+                }
+            }
+            "routed_experts" | "indexer_topk"
+                if hidden == HiddenMode::Always
+                    || (hidden == HiddenMode::IfFinished && r.finish.is_some()) =>
+            {
+                c.ws().await?;
+                let t = if c.peek().await? == Some(b'"') {
+                    TraceText::Text(c.string().await?)
+                } else {
+                    c.skip_value().await?;
+                    TraceText::NotText
+                };
+                if key == "routed_experts" {
+                    r.routed_experts = Some(t);
+                } else {
+                    r.indexer_topk = Some(t);
                 }
             }
             "prompt_tokens" => r.prompt_tokens = c.opt_u64().await?,
@@ -640,6 +672,19 @@ mod tests {
             false
         )
         .is_err());
+    }
+
+    #[test]
+    fn trace_fields_are_read_with_the_hidden_states() {
+        let s = br#"{"meta_info":{"finish_reason":{"type":"length"},"hidden_states":[[1]],"routed_experts":"AQAAAA==","indexer_topk":7,"dp_rank":null}}"#;
+        let r = scan_reply(s, HiddenMode::Always, false).unwrap();
+        assert_eq!(r.routed_experts, Some(TraceText::Text("AQAAAA==".into())));
+        assert_eq!(r.indexer_topk, Some(TraceText::NotText));
+        let r = scan_reply(s, HiddenMode::Skip, false).unwrap();
+        assert_eq!((r.routed_experts, r.indexer_topk), (None, None));
+        let unfinished = br#"{"meta_info":{"finish_reason":null,"routed_experts":"AQAAAA=="}}"#;
+        let r = scan_reply(unfinished, HiddenMode::IfFinished, false).unwrap();
+        assert_eq!(r.routed_experts, None);
     }
 
     #[test]

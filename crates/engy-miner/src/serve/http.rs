@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use engy_core::wire;
 
-use super::{CallOut, Engine, StreamEvent, StreamSink};
+use super::{Ask, CallOut, Engine, StreamEvent, StreamSink};
 use crate::chat::Prompter;
 use crate::job::{fail, Job, JobError};
 use crate::proof::ProofAcc;
@@ -44,7 +44,7 @@ fn probe(serve: &str, input_ids: &str) -> String {
 impl Engine {
     /// One `/generate` call with hidden states (§3.4), streamed or not; validates the rows.
     /// The kept rows go to `proofs` as they are parsed (element 0's row is the overlap
-    /// token's, already kept, when `skip_first`).
+    /// token's, already kept, when `skip_first`). `ask` adds the trace fields (§3.10).
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn call(
         self: &Arc<Self>,
@@ -55,6 +55,7 @@ impl Engine {
         skip_first: bool,
         job: &Arc<Job>,
         proofs: &mut ProofAcc,
+        ask: Ask,
     ) -> Result<CallOut, JobError> {
         let rid = format!("engy-{}", uuid::Uuid::new_v4().simple());
         let body = wire::GenerateRequest {
@@ -67,7 +68,13 @@ impl Engine {
             return_hidden_states: true,
             return_logprob: true,
             stream: stream.is_some(),
+            return_routed_experts: ask.routing_start.is_some(),
+            routed_experts_start_len: ask.routing_start,
+            return_indexer_topk: ask.indexer,
         };
+        // The hidden-state cap, plus what the asked traces may take (never a failure of
+        // their own making, §3.10).
+        let cap = self.cfg.reply_cap.saturating_add(ask.extra_bytes);
         job.add_rid(serve, &rid)?;
         let mut stream = stream;
         if let Some(s) = stream.as_deref_mut() {
@@ -75,7 +82,7 @@ impl Engine {
         }
         let mut rows = CallRows { proofs, skip_first };
         let res = tokio::select! {
-            r = self.http_call(serve, &body, stream, skip_first, &mut rows) => r,
+            r = self.http_call(serve, &body, stream, skip_first, &mut rows, cap) => r,
             _ = job.cancelled() => Err(JobError::Cancelled),
         };
         job.remove_rid(&rid);
@@ -100,6 +107,7 @@ impl Engine {
         stream: Option<&mut StreamSink<'_>>,
         skip_first: bool,
         rows: &mut dyn RowSink,
+        cap: usize,
     ) -> Result<Reply, JobError> {
         let url = format!("{serve}/generate");
         let resp = self
@@ -133,7 +141,6 @@ impl Engine {
                 status.as_u16()
             )));
         }
-        let cap = self.cfg.reply_cap;
         match stream {
             None => {
                 if let Some(len) = resp.content_length() {
@@ -243,6 +250,8 @@ impl Engine {
             rows,
             finish,
             cached: r.cached_tokens,
+            routed_experts: r.routed_experts,
+            indexer_topk: r.indexer_topk,
         })
     }
 }

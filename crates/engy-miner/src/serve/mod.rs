@@ -1,7 +1,8 @@
 //! Serving one request on the sglang serves (docs/PROTOCOL.md §3), top to bottom in
 //! [`Engine::process`]: prompt, serve choice ([`pool`]), chunked generation with the
 //! one-token overlap ([`Engine::generate_chunked`]), each call ([`http`]), the proof
-//! ([`crate::proof`]), then `output` and `commitment`.
+//! ([`crate::proof`]), the routing / indexer traces ([`trace`], asked of serves that
+//! [`offers`] says have them), then `output` and `commitment`.
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,9 @@ use engy_core::wire;
 use serde_json::Value;
 
 mod http;
+pub mod offers;
 pub mod pool;
+pub mod trace;
 
 pub use http::PROBE_TEXT;
 use pool::Pool;
@@ -19,7 +22,9 @@ use crate::chat::Prompter;
 use crate::job::{fail, Job, JobError};
 use crate::metrics::Metrics;
 use crate::proof::ProofAcc;
-use crate::scan::{Finish, Rows};
+use crate::scan::{Finish, Rows, TraceText};
+use offers::OfferCache;
+use trace::{Kind, TraceAcc, TraceShapes};
 
 /// Settings of the request path.
 #[derive(Debug, Clone)]
@@ -40,8 +45,10 @@ pub struct EngineConfig {
     pub serve_timeout: Duration,
     /// `hidden_size` from config.json, when known: every row must have it.
     pub hidden_size: Option<usize>,
-    /// Cap on one reply (body or SSE line), bytes.
+    /// Cap on one reply (body or SSE line), bytes, before the traces' allowance.
     pub reply_cap: usize,
+    /// The traces to collect (settings × config.json), docs/PROTOCOL.md §3.10.
+    pub traces: TraceShapes,
 }
 
 /// The request path, shared by every leg.
@@ -52,6 +59,8 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     gen_client: reqwest::Client,
     abort_client: reqwest::Client,
+    /// What each serve offers (server info), for the traces.
+    offers: OfferCache,
     /// `input_ids` of the curl probe in misalignment errors: [`PROBE_TEXT`] in the
     /// checkpoint's own tokenizer, so the operator can paste it against this serve.
     probe_ids: String,
@@ -108,6 +117,19 @@ struct CallOut {
     rows: Rows,
     finish: Finish,
     cached: u64,
+    routed_experts: Option<TraceText>,
+    indexer_topk: Option<TraceText>,
+}
+
+/// The trace fields one call asks for (§3.10).
+#[derive(Debug, Clone, Copy, Default)]
+struct Ask {
+    /// `routed_experts_start_len` when routing is asked.
+    routing_start: Option<u64>,
+    /// `return_indexer_topk`.
+    indexer: bool,
+    /// Bytes the asked fields may add to the reply.
+    extra_bytes: usize,
 }
 
 impl Engine {
@@ -143,6 +165,7 @@ impl Engine {
             pool: Pool::new(serve_urls),
             gen_client,
             abort_client,
+            offers: OfferCache::default(),
         })
     }
 
@@ -170,6 +193,19 @@ impl Engine {
                 }
             });
         }
+    }
+
+    /// Start-up: read every serve's server info and log which traces it offers (INFO) or
+    /// why its commitments will lack one (WARN). Nothing is read when no trace is
+    /// collected.
+    pub async fn probe_offers(self: &Arc<Self>) {
+        let want = (
+            self.cfg.traces.routing.is_some(),
+            self.cfg.traces.indexer.is_some(),
+        );
+        self.offers
+            .probe_all(&self.abort_client, &self.pool.urls(), want)
+            .await;
     }
 
     /// Serve one gateway request end to end; `stream` receives text deltas when the
@@ -253,6 +289,10 @@ impl Engine {
         prompt_full.extend_from_slice(&gen.prompt_extra);
         let n_prompt = prompt_full.len() as u64;
         let n_tokens = n_rows as u64;
+        // Positions with a forward pass: all but the last output token (§3.10).
+        let positions = (n_prompt + n_tokens).saturating_sub(1);
+        let routing = self.finish_trace(gen.routing, positions, &serve);
+        let indexer_topk = self.finish_trace(gen.indexer, positions, &serve);
         let usage = wire::Usage {
             prompt_tokens: n_prompt,
             completion_tokens: n_tokens,
@@ -273,6 +313,8 @@ impl Engine {
                 n_tokens,
                 prompt_ids: prompt_full,
             },
+            routing,
+            indexer_topk,
         };
         tracing::info!(
             serve = %serve, prompt_tokens = n_prompt, completion_tokens = n_rows,
@@ -280,6 +322,55 @@ impl Engine {
             "generated and proved"
         );
         Ok((commitment, output))
+    }
+
+    /// A request's trace of one kind, or `None` with the reason counted (and logged at
+    /// WARN when the serve offered it: the request still succeeds, §3.10).
+    fn finish_trace(
+        &self,
+        acc: Option<TraceAcc>,
+        positions: u64,
+        serve: &str,
+    ) -> Option<engy_core::trace::Trace> {
+        let acc = acc?;
+        let kind = acc.kind();
+        match acc.finish(positions) {
+            Ok(t) => {
+                self.metrics.trace(kind.label(), "attached");
+                Some(t)
+            }
+            Err(d) => {
+                self.metrics.trace(kind.label(), d.label());
+                if d == trace::Dropped::NotOffered {
+                    tracing::debug!(%serve, trace = kind.label(), "the serve does not offer this trace; the commitment goes out without it");
+                } else {
+                    tracing::warn!(%serve, trace = kind.label(), reason = d.label(), "no {} trace for this request: {d}; the commitment goes out without it", kind.field());
+                }
+                None
+            }
+        }
+    }
+
+    /// The traces this request collects on `serve`: one accumulator per kind the settings
+    /// and checkpoint ask for, marked not offered when the serve's server info lacks it.
+    async fn trace_accs(&self, serve: &str) -> (Option<TraceAcc>, Option<TraceAcc>) {
+        let shapes = self.cfg.traces;
+        if shapes.routing.is_none() && shapes.indexer.is_none() {
+            return (None, None);
+        }
+        let offers = self
+            .offers
+            .get(&self.abort_client, serve)
+            .await
+            .unwrap_or_default();
+        (
+            shapes
+                .routing
+                .map(|s| TraceAcc::new(Kind::Routing, s, offers.routing)),
+            shapes
+                .indexer
+                .map(|s| TraceAcc::new(Kind::Indexer, s, offers.indexer)),
+        )
     }
 
     /// §3.4–§3.5: chunks of at most GEN_CHUNK tokens, one-token overlap on continuations.
@@ -292,8 +383,11 @@ impl Engine {
         job: &Arc<Job>,
         params: Params,
     ) -> Result<Generated, JobError> {
+        let (routing, indexer) = self.trace_accs(serve).await;
         let mut g = Generated {
             proofs: ProofAcc::new(params),
+            routing,
+            indexer,
             ..Generated::default()
         };
         let chunk = self.cfg.gen_chunk.max(1);
@@ -305,6 +399,7 @@ impl Engine {
             let produced;
             let finish;
             if g.output_ids.is_empty() {
+                let ask = g.ask(prompt_ids.len(), want);
                 let out = self
                     .call(
                         serve,
@@ -314,9 +409,11 @@ impl Engine {
                         false,
                         job,
                         &mut g.proofs,
+                        ask,
                     )
                     .await?;
                 g.calls += 1;
+                self.take_traces(&mut g, &out, prompt_ids.len(), serve);
                 g.cached = out.cached;
                 let offset = out.rows.offset;
                 let mut oids = out.output_ids;
@@ -346,6 +443,7 @@ impl Engine {
                         own.trim_end_matches('\u{fffd}').len()
                     };
                 }
+                let ask = g.ask(input.len(), want + 1);
                 let out = self
                     .call(
                         serve,
@@ -355,9 +453,11 @@ impl Engine {
                         true,
                         job,
                         &mut g.proofs,
+                        ask,
                     )
                     .await?;
                 g.calls += 1;
+                self.take_traces(&mut g, &out, input.len(), serve);
                 if out.rows.offset > 1 {
                     return Err(fail(format!(
                         "serve returned {} empty leading hidden-state elements on a continuation; rows misaligned",
@@ -401,6 +501,25 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Hand one call's trace fields to the accumulators that asked for them; a field
+    /// missing where the serve said it offers it makes that serve's offers unknown again.
+    fn take_traces(&self, g: &mut Generated, out: &CallOut, n_input: usize, serve: &str) {
+        let n_out = out.output_ids.len() as u64;
+        for (acc, field) in [
+            (g.routing.as_mut(), &out.routed_experts),
+            (g.indexer.as_mut(), &out.indexer_topk),
+        ] {
+            if let Some(acc) = acc.filter(|a| a.asking()) {
+                if field.is_none() {
+                    self.offers.forget(serve);
+                }
+                acc.add_call(field.clone(), n_input as u64, n_out);
+            }
+        }
+    }
+}
+
 /// Ids collected across calls; the rows went to the proof accumulator.
 #[derive(Default)]
 struct Generated {
@@ -410,9 +529,28 @@ struct Generated {
     width: usize,
     cached: u64,
     calls: usize,
+    routing: Option<TraceAcc>,
+    indexer: Option<TraceAcc>,
 }
 
 impl Generated {
+    /// The trace fields the next call over `n_input` tokens (up to `max_new` more) asks for.
+    fn ask(&self, n_input: usize, max_new: usize) -> Ask {
+        let (n, m) = (n_input as u64, max_new as u64);
+        let mut ask = Ask::default();
+        let mut extra = 0u64;
+        if let Some(acc) = self.routing.as_ref().filter(|a| a.asking()) {
+            ask.routing_start = Some(acc.covered());
+            extra = extra.saturating_add(acc.reply_bytes(n, m));
+        }
+        if let Some(acc) = self.indexer.as_ref().filter(|a| a.asking()) {
+            ask.indexer = true;
+            extra = extra.saturating_add(acc.reply_bytes(n, m));
+        }
+        ask.extra_bytes = usize::try_from(extra).unwrap_or(usize::MAX);
+        ask
+    }
+
     /// Check that a call's rows `start .. start + n` are the rows its sink kept (count and
     /// width).
     fn check_rows(&mut self, rows: &Rows, start: usize, n: usize) -> Result<(), JobError> {

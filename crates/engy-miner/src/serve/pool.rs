@@ -50,6 +50,11 @@ impl Pool {
         }
     }
 
+    /// Every serve's base URL, in configuration order.
+    pub fn urls(&self) -> Vec<String> {
+        self.slots.iter().map(|s| s.url.clone()).collect()
+    }
+
     /// Least-in-flight serve (§3.3); the guard releases it. `None` for an empty pool.
     pub fn pick(&self) -> Option<SlotGuard<'_>> {
         let _g = self.pick.lock().unwrap_or_else(|p| p.into_inner());

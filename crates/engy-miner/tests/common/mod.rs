@@ -66,15 +66,18 @@ pub struct Fixture {
 
 impl Fixture {
     pub async fn new(hidden: usize, workers: usize, cfg: SglangConfig) -> Self {
+        let spec = CheckpointSpec {
+            hidden_size: hidden,
+            vocab_size: 500,
+            ..CheckpointSpec::default()
+        };
+        Self::with_spec(&spec, workers, cfg).await
+    }
+
+    /// A fixture over a checkpoint of `spec` (an MoE or DSA model for the traces).
+    pub async fn with_spec(spec: &CheckpointSpec, workers: usize, cfg: SglangConfig) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        write_checkpoint(
-            &dir.path().join("ckpt"),
-            &CheckpointSpec {
-                hidden_size: hidden,
-                vocab_size: 500,
-            },
-        )
-        .unwrap();
+        write_checkpoint(&dir.path().join("ckpt"), spec).unwrap();
         let b =
             SyntheticBackend::from_checkpoint(&dir.path().join("ckpt"), SyntheticConfig::default())
                 .unwrap();
