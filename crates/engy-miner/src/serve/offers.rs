@@ -6,9 +6,10 @@
 //!
 //! [`OfferCache`] keeps the answer per serve: probed at start-up in the background
 //! ([`OfferCache::probe_all`]), or before the first request to a serve whose answer is not
-//! known; a failed probe is retried after [`RETRY`]; a reply that lacks an offered field
-//! makes the serve unknown again ([`OfferCache::forget`]: it may have restarted without the
-//! flag).
+//! known; a failed probe is retried after [`RETRY`]; an answer that lacks a flag is read
+//! again after [`RECHECK`] (the serve may have been restarted with it); a reply that lacks
+//! an offered field makes the serve unknown again ([`OfferCache::forget`]: it may have
+//! restarted without the flag).
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -29,6 +30,9 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// After a failed probe, the serve is asked again no sooner than this.
 pub const RETRY: Duration = Duration::from_secs(30);
+
+/// An answer without every flag is read again after this long.
+pub const RECHECK: Duration = Duration::from_secs(300);
 
 /// Read `serve`'s server info: `/server_info`, then `/get_server_info` when that path is
 /// not served (404/405).
@@ -76,7 +80,7 @@ pub fn from_server_info(v: &Value) -> Offers {
 }
 
 enum Entry {
-    Known(Offers),
+    Known(Offers, Instant),
     Failed(Instant),
 }
 
@@ -95,7 +99,9 @@ impl OfferCache {
     /// `None` when the serve did not say (probe failed now or within [`RETRY`]).
     pub async fn get(&self, client: &reqwest::Client, serve: &str) -> Option<Offers> {
         match self.lock().get(serve) {
-            Some(Entry::Known(o)) => return Some(*o),
+            Some(Entry::Known(o, at)) if (o.routing && o.indexer) || at.elapsed() < RECHECK => {
+                return Some(*o)
+            }
             Some(Entry::Failed(at)) if at.elapsed() < RETRY => return None,
             _ => {}
         }
@@ -109,7 +115,7 @@ impl OfferCache {
     pub async fn probe(&self, client: &reqwest::Client, serve: &str) -> Result<Offers, String> {
         let r = fetch(client, serve).await;
         let entry = match &r {
-            Ok(o) => Entry::Known(*o),
+            Ok(o) => Entry::Known(*o, Instant::now()),
             Err(_) => Entry::Failed(Instant::now()),
         };
         self.lock().insert(serve.to_string(), entry);
@@ -148,5 +154,26 @@ impl OfferCache {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn flags_are_read_from_server_args() {
+        let v = json!({"enable_return_hidden_states": true, "enable_return_routed_experts": true});
+        assert_eq!(
+            from_server_info(&v),
+            Offers {
+                routing: true,
+                indexer: false
+            }
+        );
+        let odd = json!({"enable_return_routed_experts": "true", "enable_return_indexer_topk": 1});
+        assert_eq!(from_server_info(&odd), Offers::default());
+        assert_eq!(from_server_info(&json!({})), Offers::default());
     }
 }
