@@ -297,6 +297,8 @@ async fn phase(
     ));
     let backend = CandleBackend::open_with(dir, precision, opts.serve_compute)
         .with_context(|| format!("loading {} for the serve", dir.display()))?;
+    // As a serve started with --enable-return-routed-experts: the miner attaches the
+    // routing to every commitment (docs/PROTOCOL.md §3.10).
     let serve = SglangDouble::start(
         Arc::new(backend),
         SglangConfig::default().with_routed_experts(true),

@@ -5,13 +5,16 @@
 //! hidden states (post final RMSNorm, the LM-head input, sglang-native-api.md §2.6.1) rounded
 //! to bf16 as a bf16 serve emits them (§2.6.2). The model computes in f32 and the prefill and
 //! decode paths give bit-identical rows for the same context (tested in `engy-model`), so the
-//! backend contract "a pure function of the context" holds.
+//! backend contract "a pure function of the context" holds. Each step also returns the
+//! experts the model routed every position it ran to ([`engy_model::Step::routed_experts`]):
+//! the first step runs the whole input, so its routing covers the cached prefix too, as
+//! sglang returns it (docs/PROTOCOL.md §3.10).
 use std::path::Path;
 use std::sync::Arc;
 
 use engy_model::{round_to_bf16, Checkpoint, Compute, Decoder, Model, ModelError, Precision};
 
-use crate::sglang::{Backend, BackendError, ModelFacts, Session, Step};
+use crate::sglang::{Backend, BackendError, ModelFacts, RoutingShape, Session, Step};
 
 /// The devnet model served by the sglang double.
 pub struct CandleBackend {
@@ -62,8 +65,13 @@ impl CandleBackend {
             vocab_size: cfg.vocab_size,
             eos_token_ids: stop,
             context_length: cfg.max_position_embeddings,
-            // Not yet: engy_model::Decoder does not return its routing.
-            routing: None,
+            routing: ck.model.routing_shape().map(|r| RoutingShape {
+                num_hidden_layers: r.layers,
+                num_experts_per_tok: r.top_k,
+                num_experts: r.experts,
+                // The model's own routing already has 0 rows for dense layers.
+                first_k_dense: 0,
+            }),
             indexer: None,
         };
         Ok(Self {
@@ -103,11 +111,18 @@ impl Session for CandleSession {
             .skip(skip)
             .flat_map(|r| round_to_bf16(r))
             .collect();
+        // Expert ids are below the expert count (a few hundred at most): they fit int32.
+        let routing = (!s.routed_experts.is_empty()).then(|| {
+            s.routed_experts
+                .iter()
+                .map(|&e| i32::try_from(e).unwrap_or(i32::MAX))
+                .collect()
+        });
         Ok(Step {
             token_id: s.token_id,
             logprob: s.logprob,
             rows,
-            routing: None,
+            routing,
             indexer_topk: None,
         })
     }

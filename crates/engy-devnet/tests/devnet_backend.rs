@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use engy_core::toploc::{self, Dtype, Params};
 use engy_devnet::devnet_backend::CandleBackend;
-use engy_devnet::sglang::{SglangConfig, SglangDouble};
+use engy_devnet::sglang::{Backend, SglangConfig, SglangDouble};
 use engy_model::audit::{audit, AuditParams, Verdict};
 use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
 use serde_json::{json, Value};
@@ -146,4 +146,60 @@ async fn served_rows_are_the_model_rows_and_audit_as_expected() {
         eprintln!("{precision}: score {:?} verdict {:?}", r.score, r.verdict);
         assert_eq!(r.verdict, want);
     }
+}
+
+/// The candle model's routing through the double (docs/PROTOCOL.md §3.10): `routed_experts`
+/// of one long call covers `[0, prompt + output − 1)` and equals what the model routes over
+/// that sequence in one pass; a continuation asked from its input length returns the tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_routing_is_the_models_routing() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    gen_model(&dir, 5, &GenConfig::default()).unwrap();
+    let auditor = Checkpoint::open(&dir, Precision::Bf16).unwrap();
+    let shape = auditor
+        .model
+        .routing_shape()
+        .expect("the devnet model is MoE");
+    let per = shape.per_position();
+    let backend = CandleBackend::open(&dir, Precision::Bf16).unwrap();
+    assert!(backend.facts().routing.is_some());
+    let d = SglangDouble::start(
+        Arc::new(backend),
+        SglangConfig::default().with_routed_experts(true),
+    )
+    .await
+    .unwrap();
+    let c = reqwest::Client::new();
+    let prompt: Vec<u32> = (10..30).collect();
+    let mut b = body(&prompt, 12, "long");
+    b["return_routed_experts"] = json!(true);
+    let long = generate(&c, &d.url(), &b).await;
+    let (out, _) = rows_and_ids(&long);
+    let routed = |r: &Value| {
+        engy_core::trace::sglang_int32(
+            r["meta_info"]["routed_experts"]
+                .as_str()
+                .expect("routed_experts"),
+            shape.layers as u64,
+            shape.top_k as u64,
+        )
+        .unwrap()
+    };
+    let all = routed(&long);
+    assert_eq!(all.len(), (prompt.len() + out.len() - 1) * per);
+    assert!(all.iter().all(|e| (0..shape.experts as i32).contains(e)));
+    let mut seq = prompt.clone();
+    seq.extend(&out[..out.len() - 1]);
+    let one_pass = auditor.model.decoder(&seq).unwrap().step().unwrap();
+    let want: Vec<i32> = one_pass.routed_experts.iter().map(|&e| e as i32).collect();
+    assert_eq!(all, want);
+    // A continuation over prompt + 5 outputs, asked from its input length.
+    let mut input = prompt.clone();
+    input.extend(&out[..5]);
+    let mut b = body(&input, 7, "cont");
+    b["return_routed_experts"] = json!(true);
+    b["routed_experts_start_len"] = json!(input.len());
+    let cont = generate(&c, &d.url(), &b).await;
+    assert_eq!(routed(&cont), all[input.len() * per..].to_vec());
 }

@@ -66,7 +66,8 @@ pub struct RoutingShape {
     pub num_experts_per_tok: usize,
     /// Routed experts per MoE layer (ids are below it).
     pub num_experts: usize,
-    /// HF `first_k_dense_replace`: the leading dense layers, whose rows are 0.
+    /// HF `first_k_dense_replace`: the leading dense layers, whose rows are 0 (the
+    /// synthetic backend writes them as 0; a real model's routing already has them 0).
     pub first_k_dense: usize,
 }
 
