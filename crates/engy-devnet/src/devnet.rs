@@ -12,16 +12,32 @@
 //!    longer than `TOPLOC_GEN_CHUNK`), each commitment audited by [`engy_model::audit`] against
 //!    the bf16 checkpoint.
 //!
-//! It prints one table row per request and exits non-zero if an honest proof does not pass or
-//! a cheat is not caught (an `unproven` counts as a failure in both phases).
+//! A third phase, **fabricated cells**, serves the honest weights (its TOPLOC proofs pass) but
+//! commits activation cells it never computed (a `y` taken from the previous position): the
+//! cheat only the sampled cell audit sees.
+//!
+//! Every commitment carries the serve's routing trace (the double runs with
+//! `--enable-return-routed-experts`, the miner asks for it), which the audit checks and
+//! replays. After each audit the auditor plays the sampled cell audit (issue 23 part B, in
+//! the devnet without the miner's retention store): the phase serve's cells of the request's
+//! sequence are committed in an `engy-cells/v1` tree ([`engy_model::cells::serve_cells`]), the
+//! auditor draws a seed, selects [`CELLS_PER_REQUEST`] cells, checks each opening against the
+//! root and each cell against the weights ([`engy_model::cells::verify_cell`]).
+//!
+//! It prints one table row per request, then the summary lines `honest: …`, `int4 cheat: …`,
+//! `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
+//! failed` per phase, and exits non-zero if an honest proof does not pass, a cheat is not
+//! caught (an `unproven` counts as a failure in every phase), or an honest cell fails.
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use engy_model::audit::{audit_with, AuditParams, Recompute, Verdict};
-use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Precision};
+use engy_core::cells::{select, verify_opening, CellShape, CellTree};
+use engy_model::audit::{audit_with, AuditParams, Recompute, RoutingAudit, Verdict};
+use engy_model::cells::{serve_cells, verify_cell, CellPolicy, CellServe};
+use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Model, Precision};
 use serde_json::{json, Value};
 
 use crate::devnet_backend::CandleBackend;
@@ -51,6 +67,9 @@ pub struct DevnetOptions {
     /// Longest wait for one request's response.
     pub request_timeout: Duration,
 }
+
+/// Cells the auditor opens per request (at most the request's cell count).
+pub const CELLS_PER_REQUEST: u64 = 16;
 
 /// One request of the devnet's fixed set.
 #[derive(Debug, Clone)]
@@ -121,6 +140,11 @@ pub struct DevnetRow {
     pub score: Option<f64>,
     /// `pass`, `cheat`, `unproven: …` or `error: …`.
     pub verdict: String,
+    /// Token positions whose routing agrees in every MoE layer, near-tie positions, and
+    /// positions compared (`None` when the commitment carried no trace).
+    pub routing: Option<(usize, usize, usize)>,
+    /// Opened cells that failed, and cells opened (`None` when the cell audit did not run).
+    pub cells: Option<(usize, usize)>,
     /// Whether this row is what the phase expects.
     pub ok: bool,
 }
@@ -250,7 +274,12 @@ fn tail(path: &Path, lines: usize) -> String {
 struct PhaseSpec {
     name: &'static str,
     precision: Precision,
+    /// The audit verdict the phase's commitments must get.
     expect: Verdict,
+    /// How the phase's serve builds its cells.
+    cells: CellServe,
+    /// Whether the phase's opened cells must all pass (else at least one must fail).
+    cells_pass: bool,
 }
 
 async fn phase(
@@ -276,6 +305,10 @@ async fn phase(
     )
     .await
     .context("starting the reference serve")?;
+    let cell_serve = Arc::new(
+        Model::load_with(dir, precision, opts.serve_compute)
+            .with_context(|| format!("loading {} for the phase's cells", dir.display()))?,
+    );
     let gateway = GatewayDouble::start(GatewayConfig::default())
         .await
         .context("starting the gateway double")?;
@@ -370,20 +403,17 @@ async fn phase(
                 latency,
                 score: None,
                 verdict: format!("error: {err}"),
+                routing: None,
+                cells: None,
                 ok: false,
             }
         } else {
             let commitment = resp.get("commitment").cloned().unwrap_or(Value::Null);
             let ck = Arc::clone(auditor);
             let params = opts.audit;
+            let c = commitment.clone();
             let report = tokio::task::spawn_blocking(move || {
-                audit_with(
-                    &ck.model,
-                    &ck.model_root,
-                    &commitment,
-                    &params,
-                    Recompute::Auto,
-                )
+                audit_with(&ck.model, &ck.model_root, &c, &params, Recompute::Auto)
             })
             .await
             .context("audit task")?
@@ -391,6 +421,23 @@ async fn phase(
             let verdict = match &report.verdict {
                 Verdict::Unproven { reason } => format!("unproven: {reason}"),
                 v => v.label().to_string(),
+            };
+            let routing = match &report.routing {
+                Some(RoutingAudit::Checked(s)) => {
+                    Some((s.tokens.agree, s.tokens.near_tie, s.tokens.compared))
+                }
+                _ => None,
+            };
+            let (ck, serve_model, how) = (Arc::clone(auditor), Arc::clone(&cell_serve), spec.cells);
+            let cells = tokio::task::spawn_blocking(move || {
+                cell_audit(&ck.model, &serve_model, &commitment, how)
+            })
+            .await
+            .context("cell audit task")?
+            .context("cell audit")?;
+            let cells_ok = match cells {
+                Some((failed, _)) => (failed == 0) == spec.cells_pass,
+                None => false,
             };
             DevnetRow {
                 phase: name,
@@ -402,8 +449,10 @@ async fn phase(
                 proof_bytes: report.proof_bytes,
                 latency,
                 score: report.score,
-                ok: &report.verdict == expect,
+                ok: &report.verdict == expect && cells_ok && routing.is_some(),
                 verdict,
+                routing,
+                cells,
             }
         };
         progress.done(&format!(
@@ -417,6 +466,61 @@ async fn phase(
     }
     miner.stop().await.context("stopping engy-miner")?;
     Ok(rows)
+}
+
+/// The sampled cell audit of one commitment (module docs): the cells `serve` commits for the
+/// commitment's sequence (`prompt_ids` + `output_token_ids`) as `how` builds them, a tree over
+/// them, a seed the auditor draws, [`CELLS_PER_REQUEST`] openings checked against the root and
+/// then against `auditor`'s weights. Returns (failed, opened), `None` for a commitment without
+/// ids.
+fn cell_audit(
+    auditor: &Model,
+    serve: &Model,
+    commitment: &Value,
+    how: CellServe,
+) -> anyhow::Result<Option<(usize, usize)>> {
+    let ids = |p: &str| -> Option<Vec<u32>> {
+        serde_json::from_value(commitment.pointer(p)?.clone()).ok()
+    };
+    let (Some(mut seq), Some(out)) = (ids("/toploc/prompt_ids"), ids("/output_token_ids")) else {
+        return Ok(None);
+    };
+    seq.extend(out);
+    let cells = serve_cells(serve, &seq, how)?;
+    let Some(first) = cells.first() else {
+        return Ok(None);
+    };
+    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
+    layers.sort_unstable();
+    layers.dedup();
+    let shape = CellShape::new(
+        seq.len() as u32,
+        layers,
+        first.hidden(),
+        first.n_experts(),
+        first.top_k(),
+        first.router_logits().dtype(),
+    )?;
+    let tree = CellTree::from_cells(shape.clone(), &cells)?;
+    let root = tree.root();
+    // The miner has committed `root`; only now does the auditor draw its seed.
+    let seed: [u8; 32] = rand::random();
+    let n = CELLS_PER_REQUEST.min(shape.n_cells());
+    let policy = CellPolicy::default();
+    let mut failed = 0;
+    for index in select(&seed, &root, shape.n_cells(), n)? {
+        let bytes = cells
+            .get(index as usize)
+            .map(|c| c.encode())
+            .unwrap_or_default();
+        let path = tree.open(index)?;
+        let pass = match verify_opening(&shape, &root, &bytes, &path) {
+            Ok(cell) => verify_cell(auditor, &cell, &policy)?.pass(),
+            Err(_) => false,
+        };
+        failed += usize::from(!pass);
+    }
+    Ok(Some((failed, n as usize)))
 }
 
 /// Runs the devnet and returns every row (print them with [`render_table`]).
@@ -464,28 +568,46 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
         Checkpoint::open(&dir, Precision::Bf16).context("loading the auditor's checkpoint")?,
     );
     progress.done(&format!("model_root {}", auditor.model_root));
-    let honest = PhaseSpec {
-        name: "honest",
-        precision: Precision::Bf16,
-        expect: Verdict::Pass,
-    };
-    let cheat = PhaseSpec {
-        name: "int4 cheat",
-        precision: Precision::Int4 {
-            group_size: opts.int4_group,
+    let phases = [
+        PhaseSpec {
+            name: "honest",
+            precision: Precision::Bf16,
+            expect: Verdict::Pass,
+            cells: CellServe::Honest,
+            cells_pass: true,
         },
-        expect: Verdict::Cheat,
-    };
-    let mut rows = phase(&honest, &dir, work.path(), &auditor, opts, &progress).await?;
-    rows.extend(phase(&cheat, &dir, work.path(), &auditor, opts, &progress).await?);
+        PhaseSpec {
+            name: "int4 cheat",
+            precision: Precision::Int4 {
+                group_size: opts.int4_group,
+            },
+            expect: Verdict::Cheat,
+            cells: CellServe::Honest,
+            cells_pass: false,
+        },
+        PhaseSpec {
+            name: FABRICATED,
+            precision: Precision::Bf16,
+            expect: Verdict::Pass,
+            cells: CellServe::FabricatedY,
+            cells_pass: false,
+        },
+    ];
+    let mut rows = Vec::new();
+    for spec in &phases {
+        rows.extend(phase(spec, &dir, work.path(), &auditor, opts, &progress).await?);
+    }
     Ok(rows)
 }
+
+/// The phase whose TOPLOC proofs pass but whose cells are fabricated.
+pub const FABRICATED: &str = "fabricated cells";
 
 /// The result table, then one summary line per phase.
 pub fn render_table(rows: &[DevnetRow]) -> String {
     let mut s = String::new();
     let header = format!(
-        "{:<11} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>8} {:>6}  {}\n",
+        "{:<16} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>8} {:>6} {:>9} {:>6}  {}\n",
         "phase",
         "request",
         "mode",
@@ -495,6 +617,8 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
         "proofB",
         "latency",
         "score",
+        "routing",
+        "cellsF",
         "verdict"
     );
     s.push_str(&header);
@@ -502,7 +626,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
     s.push('\n');
     for r in rows {
         s.push_str(&format!(
-            "{:<11} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>7.2}s {:>6}  {}{}\n",
+            "{:<16} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>7.2}s {:>6} {:>9} {:>6}  {}{}\n",
             r.phase,
             r.request,
             if r.stream { "stream" } else { "non-stream" },
@@ -512,11 +636,21 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
             r.proof_bytes,
             r.latency.as_secs_f64(),
             r.score.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
+            r.routing
+                .map(|(a, _, n)| format!("{a}/{n}"))
+                .unwrap_or("-".into()),
+            r.cells
+                .map(|(f, n)| format!("{f}/{n}"))
+                .unwrap_or("-".into()),
             r.verdict,
             if r.ok { "" } else { "   <-- UNEXPECTED" }
         ));
     }
-    for (phase, want) in [("honest", "pass"), ("int4 cheat", "cheat")] {
+    for (phase, want) in [
+        ("honest", "pass"),
+        ("int4 cheat", "cheat"),
+        (FABRICATED, "pass"),
+    ] {
         let of: Vec<&DevnetRow> = rows.iter().filter(|r| r.phase == phase).collect();
         let ok = of.iter().filter(|r| r.ok).count();
         let scores: Vec<f64> = of.iter().filter_map(|r| r.score).collect();
@@ -533,6 +667,27 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
             } else {
                 format!("{lo:.3}..{hi:.3}")
             }
+        ));
+    }
+    let honest_routing = rows
+        .iter()
+        .filter(|r| r.phase == "honest")
+        .filter_map(|r| r.routing)
+        .fold((0, 0, 0), |(a, n, b), (ra, rn, rb)| {
+            (a + ra, n + rn, b + rb)
+        });
+    s.push_str(&format!(
+        "routing: honest {}/{} tokens agree (near-ties {})\n",
+        honest_routing.0, honest_routing.2, honest_routing.1
+    ));
+    for phase in ["honest", "int4 cheat", FABRICATED] {
+        let (failed, opened) = rows
+            .iter()
+            .filter(|r| r.phase == phase)
+            .filter_map(|r| r.cells)
+            .fold((0, 0), |(f, n), (rf, rn)| (f + rf, n + rn));
+        s.push_str(&format!(
+            "cells: {phase} {failed}/{opened} opened cells failed\n"
         ));
     }
     s

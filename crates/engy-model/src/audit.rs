@@ -192,9 +192,11 @@ pub struct RoutingSummary {
     pub margin: arch::Margin,
     /// Whether near-ties were replayed.
     pub replay: bool,
-    /// Totals over all MoE layers.
+    /// Totals over all MoE layers, per (position, layer) cell.
     #[serde(flatten)]
     pub totals: LayerAgreement,
+    /// Per token position (over its MoE layers).
+    pub tokens: arch::TokenAgreement,
     /// `mismatch / compared` (0 when nothing was compared).
     pub mismatch_rate: f64,
     /// The policy's largest passing rate.
@@ -230,6 +232,7 @@ impl RoutingSummary {
             margin: check.margin(),
             replay: check.replay(),
             totals,
+            tokens: check.tokens(),
             mismatch_rate,
             max_mismatch_rate,
             max_near_tie_gap: check.near_tie_gaps().iter().copied().fold(0.0, f32::max),
@@ -511,8 +514,36 @@ fn audit_computes(
 /// The commitment's routing trace, checked against the model ([`fits_model`]), or why there is
 /// none to replay.
 fn committed_routing(model: &Model, c: &Commitment) -> Result<CommittedRouting, String> {
-    let _ = (model, c);
-    Err("the commitment carries no routing trace".into())
+    let Some(trace) = &c.routing else {
+        return Err("the commitment carries no routing trace".into());
+    };
+    if trace.padded {
+        return Err("the routing trace is padded (unused slots); routing has none".into());
+    }
+    let d = trace
+        .decode()
+        .map_err(|e| format!("the routing trace cannot be read: {e}"))?;
+    let Some(shape) = model.routing_shape() else {
+        return Err("the model has no MoE layers".into());
+    };
+    let ids = d
+        .ids
+        .iter()
+        .map(|&e| u32::try_from(e).unwrap_or(u32::MAX))
+        .collect();
+    let start = usize::try_from(d.start).map_err(|_| "the trace starts past usize".to_string())?;
+    fits_model(
+        model,
+        CommittedRouting {
+            start,
+            shape: crate::arch::RoutingShape {
+                layers: d.layers,
+                top_k: d.width,
+                ..shape
+            },
+            ids,
+        },
+    )
 }
 
 /// `r` when its shape is the model's routing shape, else why it cannot be replayed.

@@ -294,3 +294,37 @@ fn without_a_trace_the_report_says_routing_could_not_be_replayed() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn the_commitments_own_trace_is_read_and_checked() {
+    let ck = Checkpoint::open(checkpoint_dir(), Precision::Bf16).unwrap();
+    let shape = ck.model.routing_shape().unwrap();
+    let p = prompt(&ck, 3);
+    let params = AuditParams {
+        toploc_k: 128.min(ck.model.config().hidden_size),
+        ..AuditParams::default()
+    };
+    let proof = params.proof_params(Params::ENGY.decode_batching_size);
+    let mut c = commit_greedy(&ck.model, &ck.model_root, &p, 24, &[], &proof).unwrap();
+    let out: Vec<u32> = serde_json::from_value(c["output_token_ids"].clone()).unwrap();
+    let (_, ids) = decode(&ck.model, &p, out.len());
+    let ids: Vec<i32> = ids.iter().map(|&e| e as i32).collect();
+    let trace =
+        engy_core::trace::Trace::encode(0, shape.layers as u64, shape.top_k as u64, &ids, false)
+            .unwrap();
+    c["routing"] = serde_json::to_value(&trace).unwrap();
+    let r = audit_with(&ck.model, &ck.model_root, &c, &params, Recompute::F32).unwrap();
+    assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
+    let s = summary(&r.routing);
+    assert_eq!(s.totals.agree, s.totals.compared);
+    assert!(s.totals.compared > 0);
+    // A trace whose digest does not match its ids is not replayed, and says why.
+    c["routing"]["sha256"] = serde_json::json!("00".repeat(32));
+    let r = audit_with(&ck.model, &ck.model_root, &c, &params, Recompute::F32).unwrap();
+    match r.routing {
+        Some(RoutingAudit::NotReplayed { reason }) => {
+            assert!(reason.contains("sha256"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -34,7 +34,7 @@ pub mod weights;
 pub use config::{ArchKind, QuantConfig, TextConfig};
 pub use routing::{
     BlockIo, CommittedRouting, Divergence, LayerAgreement, Margin, Probe, RouteScores,
-    RoutingCheck, RoutingRecord, RoutingShape,
+    RoutingCheck, RoutingRecord, RoutingShape, TokenAgreement,
 };
 pub use weights::{Residency, Weights};
 

@@ -192,6 +192,21 @@ pub struct RoutingCheck {
     layers: Vec<LayerAgreement>,
     first: Option<Divergence>,
     near_tie_gaps: Vec<f32>,
+    /// Per compared position: (any near-tie, any mismatch) over its MoE layers.
+    positions: BTreeMap<usize, (bool, bool)>,
+}
+
+/// Agreement counted per token position (over all its MoE layers).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TokenAgreement {
+    /// Positions with at least one compared MoE layer.
+    pub compared: usize,
+    /// Positions whose every compared layer agrees exactly.
+    pub agree: usize,
+    /// Positions with a near-tie and no mismatch.
+    pub near_tie: usize,
+    /// Positions with at least one mismatch.
+    pub mismatch: usize,
 }
 
 impl RoutingCheck {
@@ -206,7 +221,24 @@ impl RoutingCheck {
             layers,
             first: None,
             near_tie_gaps: Vec::new(),
+            positions: BTreeMap::new(),
         }
+    }
+
+    /// The agreement per token position.
+    pub fn tokens(&self) -> TokenAgreement {
+        let mut t = TokenAgreement::default();
+        for &(near, mismatch) in self.positions.values() {
+            t.compared += 1;
+            if mismatch {
+                t.mismatch += 1;
+            } else if near {
+                t.near_tie += 1;
+            } else {
+                t.agree += 1;
+            }
+        }
+        t
     }
 
     /// The gap of every near-tie, in the order met (for calibrating the margin).
@@ -268,6 +300,7 @@ impl RoutingCheck {
                 continue;
             };
             stats.compared += 1;
+            let token = self.positions.entry(pos).or_default();
             let rank = scores.row(i);
             if same_set(&committed, &mine) {
                 stats.agree += 1;
@@ -282,6 +315,7 @@ impl RoutingCheck {
                 .filter_map(|&e| rank.get(e).copied())
                 .fold(f32::INFINITY, f32::min);
             if gap.is_finite() && gap <= self.margin.at(kth) {
+                token.0 = true;
                 stats.near_tie += 1;
                 self.near_tie_gaps.push(gap);
                 if self.replay {
@@ -290,6 +324,7 @@ impl RoutingCheck {
                     continue;
                 }
             } else {
+                token.1 = true;
                 stats.mismatch += 1;
                 let earlier = self
                     .first
