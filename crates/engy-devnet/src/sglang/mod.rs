@@ -10,11 +10,19 @@
 //!   A radix cache over finished sequences reports `cached_tokens` (≤ prompt − 1).
 //!   Duplicate in-flight rid → 400 (stream: an error event, §2.7). Serve without hidden
 //!   states (`enable_hidden_states: false`) → sglang's ValueError text.
+//! * `meta_info.routed_experts` / `indexer_topk` (docs/PROTOCOL.md §3.10, sglang's
+//!   `state_capturer`): with [`SglangConfig::routed_experts`] (`--enable-return-routed-experts`)
+//!   a request with `return_routed_experts` gets, on its final reply only and after
+//!   `hidden_states`, base64 of int32 rows `[routed_experts_start_len, seqlen − 1)` (the start
+//!   clamped to `seqlen − 1`, a negative one refused), the cached prefix's rows included;
+//!   without the flag the request succeeds without the key. The indexer's rows always start
+//!   at 0. [`Fault::RoutedExperts`] / [`Fault::IndexerTopk`] break them.
 //! * `POST /abort_request` (§3): 200 with an empty body, always; a running request keeps
 //!   its current step and finishes with `{"type":"abort","message":"Aborted",…}`; a request
 //!   still queued (see [`Fault::Hang`]) gets the reduced "Abort in waiting queue" reply.
 //!   Matching is by prefix once the exact rid is live, as sglang's scheduler does.
-//! * `GET /get_model_info` (alias `/model_info`, §5), `GET /get_server_info` (subset, §6),
+//! * `GET /get_model_info` (alias `/model_info`, §5), `GET /get_server_info` (subset, §6,
+//!   with `enable_return_routed_experts` and `enable_return_indexer_topk`),
 //!   `GET /health`, `/health_generate` (§4; answered at once with an empty 200: the double
 //!   has no warm-up).
 //!
