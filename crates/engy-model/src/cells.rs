@@ -131,23 +131,16 @@ pub fn verify_cell(
             .unwrap_or_else(|| default_routing_margin(model.config().kind)),
         rel: ROUTING_MARGIN_REL,
     };
-    // Replay with an unbounded margin: the block dispatches the committed experts whatever
-    // the recompute's own choice; a second check with the real margin classifies the set.
-    let mut replay = RoutingCheck::new(
-        committed.clone(),
-        Margin {
-            abs: f32::INFINITY,
-            rel: 0.0,
-        },
-        true,
-    );
+    // One pass: the block dispatches the committed experts whatever the recompute's own
+    // choice, and the check classifies the set with the real margin.
+    let mut classify = RoutingCheck::new(committed, margin, true).dispatching_committed();
     let mut logits = BTreeMap::new();
     let out = model.arch().moe_block(
         layer as usize,
         &x,
         position as usize,
         &mut Probe {
-            check: Some(&mut replay),
+            check: Some(&mut classify),
             router_logits: Some(&mut logits),
             ..Probe::default()
         },
@@ -158,17 +151,6 @@ pub fn verify_cell(
             .push(format!("layer {layer} is not an MoE layer of the model"));
         return Ok(check);
     };
-    // Routing, classified with the real margin against the recompute's own scores.
-    let mut classify = RoutingCheck::new(committed, margin, false);
-    model.arch().moe_block(
-        layer as usize,
-        &x,
-        position as usize,
-        &mut Probe {
-            check: Some(&mut classify),
-            ..Probe::default()
-        },
-    )?;
     let t = classify.totals();
     check.routing = if t.agree == 1 {
         CellRouting::Agree

@@ -189,6 +189,8 @@ pub struct RoutingCheck {
     committed: CommittedRouting,
     margin: Margin,
     replay: bool,
+    /// Dispatch the committed experts whatever the classification (a cell check).
+    dispatch_committed: bool,
     layers: Vec<LayerAgreement>,
     first: Option<Divergence>,
     near_tie_gaps: Vec<f32>,
@@ -218,11 +220,20 @@ impl RoutingCheck {
             committed,
             margin,
             replay,
+            dispatch_committed: false,
             layers,
             first: None,
             near_tie_gaps: Vec::new(),
             positions: BTreeMap::new(),
         }
+    }
+
+    /// This check, classifying as before but dispatching the committed experts on every
+    /// compared row, mismatches included: what a cell check needs (the block output the serve
+    /// claims to have computed, and the class of its routing, from one pass).
+    pub fn dispatching_committed(mut self) -> Self {
+        self.dispatch_committed = true;
+        self
     }
 
     /// The agreement per token position.
@@ -307,9 +318,8 @@ impl RoutingCheck {
                 used.push(mine);
                 continue;
             }
+            // An id that is no expert, or repeats, has an infinite gap: never a near-tie.
             let gap = set_gap(rank, &committed);
-            // An id that is no expert, or repeats, is never a near-tie, whatever the margin.
-            let gap = if gap.is_finite() { gap } else { f32::INFINITY };
             let kth = mine
                 .iter()
                 .filter_map(|&e| rank.get(e).copied())
@@ -340,7 +350,11 @@ impl RoutingCheck {
                     });
                 }
             }
-            used.push(mine);
+            if self.dispatch_committed {
+                used.push(committed.iter().map(|&e| e as usize).collect());
+            } else {
+                used.push(mine);
+            }
         }
         used
     }
@@ -540,6 +554,28 @@ mod tests {
         assert_eq!(l0.replayed, 1);
         let d = check.first_divergence().cloned();
         assert_eq!(d.map(|d| (d.position, d.layer)), Some((12, 0)));
+    }
+
+    #[test]
+    fn dispatching_committed_follows_even_a_mismatch_and_still_counts_it() {
+        let committed = CommittedRouting {
+            start: 0,
+            shape: shape(),
+            ids: vec![0, 3, 0, 0],
+        };
+        let scores = vec![vec![0.9, 0.8, 0.1, 0.0]];
+        let margin = Margin {
+            abs: 0.05,
+            rel: 0.0,
+        };
+        let mut check = RoutingCheck::new(committed, margin, true).dispatching_committed();
+        let mut probe = Probe {
+            check: Some(&mut check),
+            ..Probe::default()
+        };
+        let used = probe.route(0, 0, &scores, RouteScores::new(&scores), vec![vec![0, 1]]);
+        assert_eq!(used, vec![vec![0, 3]]);
+        assert_eq!(check.totals().mismatch, 1);
     }
 
     #[test]
