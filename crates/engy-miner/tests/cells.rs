@@ -57,21 +57,6 @@ fn request(id: &str, max_tokens: u64) -> Value {
     r
 }
 
-async fn scrape(addr: &str) -> String {
-    reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
-        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
-}
-
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
 }
