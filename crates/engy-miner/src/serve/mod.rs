@@ -29,6 +29,10 @@ use crate::scan::{Finish, Rows, TraceText};
 use offers::OfferCache;
 use trace::{Kind, TraceAcc, TraceShapes};
 
+/// Largest reply to a commit pass (`max_new_tokens` 1, no hidden states: a few hundred
+/// bytes from sglang) read before the pass counts as failed.
+const COMMIT_REPLY_CAP: usize = 1 << 20;
+
 /// Settings of the request path.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -410,6 +414,7 @@ impl Engine {
                 tracing::info!(%serve, %request_id, root = %c.root, cells = c.shape.n_cells(), ms = started.elapsed().as_millis() as u64, "cells committed and retained");
                 Some(c)
             }
+            Err(_) if job.is_cancelled() => None,
             Err(d) => {
                 self.metrics.cells(d.label());
                 if d == cells::Dropped::NotOffered {
@@ -444,10 +449,21 @@ impl Engine {
                 .await
                 .map_err(|e| format!("serve {serve} unreachable: {}", crate::error_chain(&e)))?;
             let status = resp.status();
-            let text = resp
-                .text()
+            let mut resp = resp;
+            let mut raw = Vec::new();
+            while let Some(c) = resp
+                .chunk()
                 .await
-                .map_err(|e| format!("serve {serve} reply cut: {}", crate::error_chain(&e)))?;
+                .map_err(|e| format!("serve {serve} reply cut: {}", crate::error_chain(&e)))?
+            {
+                raw.extend_from_slice(&c);
+                if raw.len() > COMMIT_REPLY_CAP {
+                    return Err(format!(
+                        "serve {serve} reply to the commit pass exceeds {COMMIT_REPLY_CAP} bytes"
+                    ));
+                }
+            }
+            let text = String::from_utf8_lossy(&raw);
             if !status.is_success() {
                 let msg: String = text.chars().take(200).collect();
                 return Err(format!(
