@@ -272,7 +272,8 @@ pub struct Commitment {
 
 /// `commitment.cells` (docs/PROTOCOL.md §3.10, §10): the root over every cell of the
 /// teacher-forced pass over `prompt_ids + output_token_ids` and the shape that gives each
-/// leaf index its (position, layer). About 200 bytes of JSON whatever the request's length.
+/// leaf index its (position, layer). About 200 bytes of JSON plus 3 per MoE layer, whatever
+/// the request's length.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CellsCommitment {
     /// `engy-cells/v1` ([`crate::cells::SCHEME`]).
@@ -350,8 +351,8 @@ pub struct CellsError {
     pub error: String,
 }
 
-/// Most cells one `open_cells` may ask for (a Qwen3.6 cell is about 8.8 KB, so the
-/// `cells` frame stays under about 3 MB of JSON).
+/// Most cells one `open_cells` may ask for (a Qwen3.6 opening is about 13 KB of JSON, so
+/// the `cells` frame stays under about 3.5 MB).
 pub const MAX_OPEN_CELLS: u64 = 256;
 
 /// A frame the miner sends. (Variants differ in size, `response` being the largest: a frame
