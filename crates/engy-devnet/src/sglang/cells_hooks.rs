@@ -19,7 +19,8 @@
 use std::path::{Path, PathBuf};
 
 use engy_core::cells::{Cell, CellShape, CellTree, SCHEME};
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
 
 /// `sglang_forward_hooks(spool)` of the hook package: the `forward_hooks` server argument a
@@ -51,7 +52,21 @@ pub struct Spool {
     dir: PathBuf,
     seq: u64,
     /// The current request's directory and manifest.
-    current: Option<(PathBuf, Map<String, Value>)>,
+    current: Option<(PathBuf, Manifest)>,
+}
+
+/// `manifest.json`, fields in the order the hooks' `_write_manifest` writes them.
+#[derive(Debug, Clone, Serialize)]
+struct Manifest {
+    scheme: &'static str,
+    request: String,
+    shape: CellShape,
+    n_cells: usize,
+    passes: u64,
+    error: Option<String>,
+    tokens_sha256: Option<String>,
+    tree_root: String,
+    cells_root: String,
 }
 
 fn atomic(path: &Path, text: &str) -> std::io::Result<()> {
@@ -104,13 +119,10 @@ impl Spool {
                 "RuntimeError: pass starts at position {start}, the request has {} (prefix cache on? start the commit serve with --disable-radix-cache)",
                 self.current
                     .as_ref()
-                    .and_then(|(_, m)| m.get("shape")?.get("n_positions")?.as_u64())
-                    .unwrap_or(0)
+                    .map_or(0, |(_, m)| m.shape.n_positions())
             );
             if let Some((dir, m)) = self.current.as_mut() {
-                if m.get("error").is_none_or(Value::is_null) {
-                    m.insert("error".into(), json!(msg));
-                }
+                m.error.get_or_insert_with(|| msg.clone());
                 atomic(&dir.join("manifest.json"), &manifest_text(m))?;
             }
             return Err(std::io::Error::other(msg));
@@ -141,26 +153,27 @@ impl Spool {
         for id in ids {
             h.update((*id as i32).to_le_bytes());
         }
-        let mut m = Map::new();
-        m.insert("scheme".into(), json!(SCHEME));
-        m.insert("request".into(), json!(name));
-        m.insert("shape".into(), serde_json::to_value(&shape)?);
-        m.insert("n_cells".into(), json!(cells.len()));
-        m.insert("passes".into(), json!(1));
-        m.insert("error".into(), Value::Null);
-        m.insert("tokens_sha256".into(), json!(hex::encode(h.finalize())));
-        m.insert("tree_root".into(), json!(hex::encode(tree.tree_root())));
-        m.insert("cells_root".into(), json!(hex::encode(tree.root())));
+        let m = Manifest {
+            scheme: SCHEME,
+            request: name,
+            shape,
+            n_cells: cells.len(),
+            passes: 1,
+            error: None,
+            tokens_sha256: Some(hex::encode(h.finalize())),
+            tree_root: hex::encode(tree.tree_root()),
+            cells_root: hex::encode(tree.root()),
+        };
         atomic(&dir.join("manifest.json"), &manifest_text(&m))?;
         self.current = Some((dir, m));
         Ok(())
     }
 }
 
-/// `json.dumps(doc, indent=1) + "\n"` for a manifest (serde_json keeps insertion order
-/// with `preserve_order`; without it the keys come sorted, which a JSON reader does not
-/// see).
-fn manifest_text(m: &Map<String, Value>) -> String {
+/// `json.dumps(doc, indent=1) + "\n"` of a manifest: the struct's field order, one space
+/// of indent per level, `": "` and `",\n"` between items (serde_json's pretty printer
+/// writes Python's layout; every value is ASCII).
+fn manifest_text(m: &Manifest) -> String {
     let mut buf = Vec::new();
     let fmt = serde_json::ser::PrettyFormatter::with_indent(b" ");
     let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
