@@ -57,6 +57,22 @@ fn request(id: &str, max_tokens: u64) -> Value {
     r
 }
 
+/// `engy_miner_cells_total{outcome}`.
+fn cells_total(text: &str, outcome: &str) -> f64 {
+    sample(
+        text,
+        &format!(r#"engy_miner_cells_total{{outcome="{outcome}"}}"#),
+    )
+}
+
+/// `engy_miner_cells_openings_total{outcome}`.
+fn openings_total(text: &str, outcome: &str) -> f64 {
+    sample(
+        text,
+        &format!(r#"engy_miner_cells_openings_total{{outcome="{outcome}"}}"#),
+    )
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
 }
@@ -130,21 +146,9 @@ async fn committed_cells_open_and_verify_against_the_root_and_the_weights() {
         (Some("cells_error"), Some("bad_challenge"))
     );
     let text = scrape(&addr).await;
-    assert_eq!(
-        sample(&text, r#"engy_miner_cells_total{outcome="attached"}"#),
-        1.0
-    );
-    assert_eq!(
-        sample(&text, r#"engy_miner_cells_openings_total{outcome="ok"}"#),
-        1.0
-    );
-    assert_eq!(
-        sample(
-            &text,
-            r#"engy_miner_cells_openings_total{outcome="bad_challenge"}"#
-        ),
-        1.0
-    );
+    assert_eq!(cells_total(&text, "attached"), 1.0);
+    assert_eq!(openings_total(&text, "ok"), 1.0);
+    assert_eq!(openings_total(&text, "bad_challenge"), 1.0);
     assert_eq!(sample(&text, "engy_miner_cells_retained_requests"), 1.0);
     assert!(sample(&text, "engy_miner_cells_retained_bytes") > 0.0);
 }
@@ -175,21 +179,9 @@ async fn a_serve_without_the_hooks_gives_no_cells_and_the_request_succeeds() {
     let answer = fx.gw.wait_cells(&json!("r-1"), 0, T).await.expect("answer");
     assert_eq!(answer["reason"], "unknown_request", "{answer}");
     let text = scrape(&addr).await;
-    assert_eq!(
-        sample(&text, r#"engy_miner_cells_total{outcome="not_offered"}"#),
-        1.0
-    );
-    assert_eq!(
-        sample(&text, r#"engy_miner_cells_total{outcome="attached"}"#),
-        0.0
-    );
-    assert_eq!(
-        sample(
-            &text,
-            r#"engy_miner_cells_openings_total{outcome="unknown_request"}"#
-        ),
-        1.0
-    );
+    assert_eq!(cells_total(&text, "not_offered"), 1.0);
+    assert_eq!(cells_total(&text, "attached"), 0.0);
+    assert_eq!(openings_total(&text, "unknown_request"), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
