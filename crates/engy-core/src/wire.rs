@@ -264,6 +264,25 @@ pub struct Commitment {
     /// slots are sglang's -1). Absent when not collected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub indexer_topk: Option<crate::trace::Trace>,
+    /// The request's activation-cell commitment (docs/PROTOCOL.md §10, specs/CELLS.md):
+    /// absent when the miner committed no cells (the key is then not written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cells: Option<CellsCommitment>,
+}
+
+/// `commitment.cells` (docs/PROTOCOL.md §3.10, §10): the root over every cell of the
+/// teacher-forced pass over `prompt_ids + output_token_ids` and the shape that gives each
+/// leaf index its (position, layer). About 200 bytes of JSON plus 3 per MoE layer, whatever
+/// the request's length.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CellsCommitment {
+    /// `engy-cells/v1` ([`crate::cells::SCHEME`]).
+    pub scheme: String,
+    /// `cells_root`, 64 lowercase hex characters.
+    pub root: crate::commit::spec::Hex,
+    /// `n_positions` (= `len(prompt_ids) + n_tokens`), `layers` (the MoE layers), `hidden`,
+    /// `n_experts`, `top_k`, `logits_dtype` (1 = BF16, 2 = F32); validated when read.
+    pub shape: crate::cells::CellShape,
 }
 
 /// `commitment.toploc`.
@@ -284,9 +303,63 @@ pub struct ToplocCommitment {
     pub prompt_ids: Vec<u32>,
 }
 
-/// A frame the miner sends.
+/// One opened cell of a `cells` frame (docs/PROTOCOL.md §10, specs/CELLS.md §4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CellOpening {
+    /// Leaf index (`position · len(layers) + rank(layer)`), as the challenge drew it.
+    pub index: u64,
+    /// Standard base64 (with padding) of the cell's canonical bytes (specs/CELLS.md §2).
+    pub cell: String,
+    /// The RFC 9162 inclusion path, siblings bottom-up, each 64 hex characters.
+    pub path: Vec<crate::commit::spec::Hex>,
+}
+
+/// `cells`: the miner's answer to `open_cells` (docs/PROTOCOL.md §2, §10).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CellsOpened {
+    /// The `request_id` of `open_cells`, as sent.
+    pub request_id: Value,
+    /// The request's committed `cells_root` (64 hex characters).
+    pub root: crate::commit::spec::Hex,
+    /// The challenged cells, in the order the challenge drew them.
+    pub openings: Vec<CellOpening>,
+}
+
+/// Why an `open_cells` was not answered with cells (`cells_error.reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CellsRefusal {
+    /// The miner holds no cells for this `request_id`: never committed, or evicted from
+    /// its retention store (time or size limit), or cells are off.
+    UnknownRequest,
+    /// The seed is not 64 hex characters, or `n` is 0, above the request's cells, or
+    /// above [`MAX_OPEN_CELLS`].
+    BadChallenge,
+}
+
+/// `cells_error`: `open_cells` refused, with the reason word and a sentence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CellsError {
+    /// The `request_id` of `open_cells`, as sent.
+    pub request_id: Value,
+    /// `unknown_request` or `bad_challenge`.
+    pub reason: CellsRefusal,
+    /// What was wrong (at most [`ERROR_MAX_CHARS`] characters).
+    pub error: String,
+}
+
+/// Most cells one `open_cells` may ask for (a Qwen3.6 opening is about 13 KB of JSON, so
+/// the `cells` frame stays under about 3.5 MB).
+pub const MAX_OPEN_CELLS: u64 = 256;
+
+/// A frame the miner sends. (Variants differ in size, `response` being the largest: a frame
+/// is built once, serialised and dropped, so none is boxed.)
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
+#[serde(tag = "type", rename_all = "snake_case")]
 pub enum MinerFrame {
     /// `hello`.
     Hello(Hello),
@@ -296,6 +369,10 @@ pub enum MinerFrame {
     Chunk(Chunk),
     /// `response`.
     Response(Response),
+    /// `cells`: the openings of an `open_cells` (engy extension, §10).
+    Cells(CellsOpened),
+    /// `cells_error`: an `open_cells` refused (engy extension, §10).
+    CellsError(CellsError),
 }
 
 impl MinerFrame {
@@ -349,6 +426,9 @@ pub enum GatewayFrame {
         /// The gateway's reason, any JSON value.
         reason: Value,
     },
+    /// `open_cells {request_id, seed, n}`: open the challenged cells of a committed
+    /// request (engy extension, docs/PROTOCOL.md §10).
+    OpenCells(OpenCells),
     /// A frame of another `type` (a newer gateway may send more kinds).
     Unknown {
         /// Its `type` (`""` when it has none or it is not a string).
@@ -366,6 +446,46 @@ pub struct Serve {
     /// Stream `chunk` frames: `stream` by Python truthiness, as the production miner reads
     /// it ([`truthy`]: `true`, `"true"`, `1` stream; absent, `false`, `0`, `""` do not).
     pub stream: bool,
+}
+
+/// The fields of an `open_cells` frame. A seed or `n` the miner cannot use is kept as the
+/// reason (`challenge: Err`), so the miner answers it with `cells_error bad_challenge`
+/// instead of ignoring the frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenCells {
+    /// The `request_id` of the request's `response`, any JSON value (`null` when absent).
+    pub request_id: Value,
+    /// The challenge, or why the frame's `seed` / `n` are unusable.
+    pub challenge: Result<CellChallenge, String>,
+}
+
+/// A challenge: the 32-byte seed (`seed`, 64 hex characters on the wire, e.g.
+/// [`crate::cells::production_seed`]) and how many distinct cells to open (`n`, 1 ..=
+/// [`MAX_OPEN_CELLS`]). The miner opens [`crate::cells::select`]`(seed, cells_root, n_cells,
+/// n)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CellChallenge {
+    /// The seed.
+    pub seed: [u8; 32],
+    /// Cells to open.
+    pub n: u64,
+}
+
+fn challenge(obj: &Map<String, Value>) -> Result<CellChallenge, String> {
+    let seed = obj
+        .get("seed")
+        .and_then(Value::as_str)
+        .ok_or("seed must be a string of 64 hex characters")?;
+    let seed = crate::commit::parse_digest(seed)
+        .map_err(|e| format!("seed must be 64 hex characters: {e}"))?;
+    let n = obj
+        .get("n")
+        .and_then(Value::as_u64)
+        .ok_or("n must be a positive integer")?;
+    if n == 0 || n > MAX_OPEN_CELLS {
+        return Err(format!("n must be 1 to {MAX_OPEN_CELLS}, got {n}"));
+    }
+    Ok(CellChallenge { seed, n })
 }
 
 /// Why a gateway frame was not decoded (the miner logs it and ignores the frame).
@@ -421,6 +541,10 @@ pub fn decode_gateway_frame(text: &str) -> Result<GatewayFrame, FrameError> {
         "deny" => GatewayFrame::Deny {
             reason: obj.remove("reason").unwrap_or(Value::Null),
         },
+        "open_cells" => GatewayFrame::OpenCells(OpenCells {
+            challenge: challenge(&obj),
+            request_id: obj.remove("request_id").unwrap_or(Value::Null),
+        }),
         _ => GatewayFrame::Unknown { kind },
     })
 }
@@ -439,6 +563,11 @@ impl GatewayFrame {
             GatewayFrame::Reconnect => serde_json::json!({"type": "reconnect"}),
             GatewayFrame::Admit => serde_json::json!({"type": "admit"}),
             GatewayFrame::Deny { reason } => serde_json::json!({"type": "deny", "reason": reason}),
+            GatewayFrame::OpenCells(o) => match &o.challenge {
+                Ok(c) => serde_json::json!({"type": "open_cells", "request_id": o.request_id,
+                    "seed": hex::encode(c.seed), "n": c.n}),
+                Err(_) => serde_json::json!({"type": "open_cells", "request_id": o.request_id}),
+            },
             GatewayFrame::Unknown { kind } => serde_json::json!({ "type": kind }),
         }
     }
@@ -672,6 +801,61 @@ mod tests {
         let extra = json!({"type":"chunk","corr_id":"c","delta":{"content":"hi"},"x":1});
         assert!(MinerFrame::parse_strict(&extra.to_string()).is_err());
         assert!(MinerFrame::parse_strict(r#"{"type":"hi"}"#).is_err());
+    }
+
+    #[test]
+    fn open_cells_decodes_and_keeps_a_bad_challenge_as_its_reason() {
+        let seed = "ab".repeat(32);
+        let f = decode_gateway_frame(
+            &json!({"type": "open_cells", "request_id": "r-1", "seed": seed, "n": 3}).to_string(),
+        )
+        .unwrap();
+        let want = GatewayFrame::OpenCells(OpenCells {
+            request_id: json!("r-1"),
+            challenge: Ok(CellChallenge {
+                seed: [0xab; 32],
+                n: 3,
+            }),
+        });
+        assert_eq!(f, want);
+        assert_eq!(decode_gateway_frame(&want.to_value().to_string()), Ok(want));
+        for bad in [
+            json!({"type": "open_cells", "request_id": 7, "seed": "ab", "n": 3}),
+            json!({"type": "open_cells", "request_id": 7, "seed": seed, "n": 0}),
+            json!({"type": "open_cells", "request_id": 7, "seed": seed, "n": MAX_OPEN_CELLS + 1}),
+            json!({"type": "open_cells", "request_id": 7, "seed": seed}),
+            json!({"type": "open_cells", "request_id": 7, "seed": 5, "n": 1}),
+        ] {
+            match decode_gateway_frame(&bad.to_string()) {
+                Ok(GatewayFrame::OpenCells(o)) => {
+                    assert_eq!(o.request_id, json!(7));
+                    assert!(o.challenge.is_err(), "{bad}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn cells_frames_are_named_and_strict() {
+        let e = MinerFrame::CellsError(CellsError {
+            request_id: json!("r"),
+            reason: CellsRefusal::UnknownRequest,
+            error: "x".into(),
+        });
+        let v: Value = serde_json::from_str(&e.to_text()).unwrap();
+        assert_eq!(v["type"], "cells_error");
+        assert_eq!(v["reason"], "unknown_request");
+        assert_eq!(MinerFrame::parse_strict(&e.to_text()).unwrap(), e);
+        let c = json!({"type": "cells", "request_id": 1, "root": "00".repeat(32),
+                       "openings": [{"index": 0, "cell": "AA==", "path": ["11".repeat(32)]}]});
+        assert!(matches!(
+            MinerFrame::parse_strict(&c.to_string()),
+            Ok(MinerFrame::Cells(_))
+        ));
+        let mut extra = c.clone();
+        extra["openings"][0]["x"] = json!(1);
+        assert!(MinerFrame::parse_strict(&extra.to_string()).is_err());
     }
 
     #[test]

@@ -118,6 +118,7 @@ fn commitments_without_traces_are_unchanged() {
         },
         routing: None,
         indexer_topk: None,
+        cells: None,
     };
     let text = serde_json::to_string(&c).unwrap();
     assert_eq!(

@@ -18,11 +18,14 @@
 //!
 //! Every commitment carries the serve's routing trace (the double runs with
 //! `--enable-return-routed-experts`, the miner asks for it), which the audit checks and
-//! replays. After each audit the auditor plays the sampled cell audit (issue 23 part B, in
-//! the devnet without the miner's retention store): the phase serve's cells of the request's
-//! sequence are committed in an `engy-cells/v1` tree ([`engy_model::cells::serve_cells`]), the
-//! auditor draws a seed, selects [`CELLS_PER_REQUEST`] cells, checks each opening against the
-//! root and each cell against the weights ([`engy_model::cells::verify_cell`]).
+//! replays, and the root of the request's activation cells (issue 23 part B, docs/PROTOCOL.md
+//! §10): the double runs the engy_cells `--forward-hooks` (its cells built as the phase's
+//! [`CellServe`] builds them), the miner runs with `--cells on`, its commit pass spools them
+//! and it keeps them in its retention store. After each audit the auditor plays the sampled
+//! cell audit through the miner: it draws a seed only now, sends `open_cells` for
+//! [`CELLS_PER_REQUEST`] cells on the request's leg, checks each opening against the
+//! committed root at the indices it computed itself and each cell against the weights
+//! ([`engy_model::cells::verify_cell`]).
 //!
 //! It prints one table row per request, then the summary lines `honest: …`, `int4 cheat: …`,
 //! `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
@@ -34,10 +37,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use engy_core::cells::{select, verify_opening, CellShape, CellTree};
+use base64::Engine as _;
+use engy_core::cells::{select, verify_opening, CellPath};
+use engy_core::wire::{CellOpening, CellsCommitment};
 use engy_model::audit::{audit_with, AuditParams, Recompute, RoutingAudit, Verdict};
-use engy_model::cells::{serve_cells, verify_cell, CellPolicy, CellServe};
-use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Model, Precision};
+use engy_model::cells::{verify_cell, CellPolicy, CellServe};
+use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Precision};
 use serde_json::{json, Value};
 
 use crate::devnet_backend::CandleBackend;
@@ -199,6 +204,11 @@ impl Progress {
     }
 }
 
+/// The spool directory a phase's serve hooks write and its miner reads.
+fn cells_spool(work: &Path, phase: &str) -> PathBuf {
+    work.join(format!("cells-spool-{}", phase.replace(' ', "-")))
+}
+
 /// The miner child process; killed on drop if still running.
 struct Miner {
     child: tokio::process::Child,
@@ -230,6 +240,9 @@ impl Miner {
             .args(["--gen-chunk", &gen_chunk.to_string()])
             .args(["--max-inflight", "8"])
             .args(["--worker-name", "devnet"])
+            .args(["--cells", "on"])
+            .arg("--cells-spool")
+            .arg(cells_spool(work, phase))
             .arg("--lock-file")
             .arg(work.join("engy-miner.lock"))
             .env_remove("GW")
@@ -296,19 +309,23 @@ async fn phase(
         opts.serve_compute
     ));
     let backend = CandleBackend::open_with(dir, precision, opts.serve_compute)
-        .with_context(|| format!("loading {} for the serve", dir.display()))?;
-    // As a serve started with --enable-return-routed-experts: the miner attaches the
-    // routing to every commitment (docs/PROTOCOL.md §3.10).
+        .with_context(|| format!("loading {} for the serve", dir.display()))?
+        .with_cell_serve(spec.cells);
+    // As a serve started with --enable-return-routed-experts (the miner attaches the routing
+    // to every commitment, docs/PROTOCOL.md §3.10) and with the engy_cells --forward-hooks
+    // and --disable-radix-cache (the miner's commit pass spools the cells, §10).
+    let spool = cells_spool(work, name);
     let serve = SglangDouble::start(
         Arc::new(backend),
-        SglangConfig::default().with_routed_experts(true),
+        SglangConfig {
+            radix_cache: false,
+            ..SglangConfig::default()
+        }
+        .with_routed_experts(true)
+        .with_cells_spool(Some(spool.clone())),
     )
     .await
     .context("starting the reference serve")?;
-    let cell_serve = Arc::new(
-        Model::load_with(dir, precision, opts.serve_compute)
-            .with_context(|| format!("loading {} for the phase's cells", dir.display()))?,
-    );
     let gateway = GatewayDouble::start(GatewayConfig::default())
         .await
         .context("starting the gateway double")?;
@@ -346,7 +363,7 @@ async fn phase(
         let mode = if r.stream { "stream" } else { "non-stream" };
         let what = format!("[{name}] {}/{} {} ({mode})", i + 1, reqs.len(), r.label);
         let started = Instant::now();
-        let Some((_, corr)) = gateway.submit(r.body.clone(), r.stream) else {
+        let Some((conn, corr)) = gateway.submit(r.body.clone(), r.stream) else {
             bail!("the gateway double found no miner leg with free capacity");
         };
         let response = loop {
@@ -428,13 +445,11 @@ async fn phase(
                 }
                 _ => None,
             };
-            let (ck, serve_model, how) = (Arc::clone(auditor), Arc::clone(&cell_serve), spec.cells);
-            let cells = tokio::task::spawn_blocking(move || {
-                cell_audit(&ck.model, &serve_model, &commitment, how)
-            })
-            .await
-            .context("cell audit task")?
-            .context("cell audit")?;
+            drop(commitment);
+            progress.update(&format!("{what}: challenging the miner's cells…"));
+            let cells = cell_audit(&gateway, conn, &resp, Arc::clone(auditor))
+                .await
+                .context("cell audit")?;
             let cells_ok = match cells {
                 Some((failed, _)) => (failed == 0) == spec.cells_pass,
                 None => false,
@@ -468,59 +483,71 @@ async fn phase(
     Ok(rows)
 }
 
-/// The sampled cell audit of one commitment (module docs): the cells `serve` commits for the
-/// commitment's sequence (`prompt_ids` + `output_token_ids`) as `how` builds them, a tree over
-/// them, a seed the auditor draws, [`CELLS_PER_REQUEST`] openings checked against the root and
-/// then against `auditor`'s weights. Returns (failed, opened), `None` for a commitment without
-/// ids.
-fn cell_audit(
-    auditor: &Model,
-    serve: &Model,
-    commitment: &Value,
-    how: CellServe,
+/// The sampled cell audit of one response through the miner (module docs, docs/PROTOCOL.md
+/// §10): the commitment's `cells` (root and shape), a seed the auditor draws only now,
+/// `open_cells` for [`CELLS_PER_REQUEST`] cells on the request's leg (`conn`), each opening
+/// checked against the root at the index the auditor computed itself, then against
+/// `auditor`'s weights. Returns (failed, opened); a refused challenge or a missing or wrong
+/// opening fails its cells; `None` for a commitment without cells.
+async fn cell_audit(
+    gateway: &GatewayDouble,
+    conn: u64,
+    resp: &Value,
+    auditor: Arc<Checkpoint>,
 ) -> anyhow::Result<Option<(usize, usize)>> {
-    let ids = |p: &str| -> Option<Vec<u32>> {
-        serde_json::from_value(commitment.pointer(p)?.clone()).ok()
-    };
-    let (Some(mut seq), Some(out)) = (ids("/toploc/prompt_ids"), ids("/output_token_ids")) else {
+    let Some(cells) = resp.pointer("/commitment/cells") else {
         return Ok(None);
     };
-    seq.extend(out);
-    let cells = serve_cells(serve, &seq, how)?;
-    let Some(first) = cells.first() else {
-        return Ok(None);
-    };
-    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
-    layers.sort_unstable();
-    layers.dedup();
-    let shape = CellShape::new(
-        seq.len() as u32,
-        layers,
-        first.hidden(),
-        first.n_experts(),
-        first.top_k(),
-        first.router_logits().dtype(),
-    )?;
-    let tree = CellTree::from_cells(shape.clone(), &cells)?;
-    let root = tree.root();
-    // The miner has committed `root`; only now does the auditor draw its seed.
+    let c: CellsCommitment =
+        serde_json::from_value(cells.clone()).context("reading commitment.cells")?;
+    let request_id = resp.get("request_id").cloned().unwrap_or(Value::Null);
+    let n_cells = c.shape.n_cells();
+    let n = CELLS_PER_REQUEST.min(n_cells);
+    // The miner has committed `cells.root`; only now does the auditor draw its seed.
     let seed: [u8; 32] = rand::random();
-    let n = CELLS_PER_REQUEST.min(shape.n_cells());
-    let policy = CellPolicy::default();
-    let mut failed = 0;
-    for index in select(&seed, &root, shape.n_cells(), n)? {
-        let bytes = cells
-            .get(index as usize)
-            .map(|c| c.encode())
-            .unwrap_or_default();
-        let path = tree.open(index)?;
-        let pass = match verify_opening(&shape, &root, &bytes, &path) {
-            Ok(cell) => verify_cell(auditor, &cell, &policy)?.pass(),
-            Err(_) => false,
-        };
-        failed += usize::from(!pass);
+    let want = select(&seed, &c.root.0, n_cells, n)?;
+    let asked_before = gateway
+        .frames()
+        .iter()
+        .filter(|f| f.kind() == "open_cells" && f.value.get("request_id") == Some(&request_id))
+        .count();
+    if !gateway.open_cells(conn, request_id.clone(), seed, n) {
+        bail!("the request's leg {conn} is gone: cannot send open_cells");
     }
-    Ok(Some((failed, n as usize)))
+    let answer = gateway
+        .wait_cells(&request_id, asked_before, Duration::from_secs(60))
+        .await
+        .context("no answer to open_cells within 60 s")?;
+    let openings: Vec<CellOpening> = match answer.get("openings") {
+        Some(o) if answer["type"] == "cells" => {
+            serde_json::from_value(o.clone()).context("reading the cells frame")?
+        }
+        _ => return Ok(Some((want.len(), want.len()))),
+    };
+    tokio::task::spawn_blocking(move || {
+        let policy = CellPolicy::default();
+        let mut failed = 0;
+        for (i, &index) in want.iter().enumerate() {
+            let opened = openings.get(i).filter(|o| o.index == index).and_then(|o| {
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(&o.cell)
+                    .ok()?;
+                let path = CellPath {
+                    index,
+                    siblings: o.path.clone(),
+                };
+                verify_opening(&c.shape, &c.root.0, &bytes, &path).ok()
+            });
+            let pass = match opened {
+                Some(cell) => verify_cell(&auditor.model, &cell, &policy)?.pass(),
+                None => false,
+            };
+            failed += usize::from(!pass);
+        }
+        Ok(Some((failed, want.len())))
+    })
+    .await
+    .context("cell audit task")?
 }
 
 /// Runs the devnet and returns every row (print them with [`render_table`]).

@@ -12,6 +12,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use engy_model::cells::{serve_cells, CellServe};
 use engy_model::{round_to_bf16, Checkpoint, Compute, Decoder, Model, ModelError, Precision};
 
 use crate::sglang::{Backend, BackendError, ModelFacts, RoutingShape, Session, Step};
@@ -22,6 +23,8 @@ pub struct CandleBackend {
     tokenizer: tokenizers::Tokenizer,
     facts: ModelFacts,
     model_root: String,
+    /// How the serve's MoE blocks produce the cells its hooks capture.
+    cell_serve: CellServe,
 }
 
 impl std::fmt::Debug for CandleBackend {
@@ -79,7 +82,15 @@ impl CandleBackend {
             tokenizer: ck.tokenizer,
             facts,
             model_root: ck.model_root,
+            cell_serve: CellServe::Honest,
         })
+    }
+
+    /// This backend with its cells built as `serve` builds them (honest by default; the
+    /// cheats of [`CellServe`] for the devnet's cell phases).
+    pub fn with_cell_serve(mut self, serve: CellServe) -> Self {
+        self.cell_serve = serve;
+        self
     }
 
     /// PROTOCOL.md §4 `model_root` of the checkpoint directory.
@@ -144,6 +155,17 @@ impl Backend for CandleBackend {
         // but not returned; at least the last prompt row is always returned.
         let skip_rows = cached_prefix.min(input_ids.len().saturating_sub(1));
         Ok(Box::new(CandleSession { decoder, skip_rows }))
+    }
+
+    fn cells(
+        &self,
+        input_ids: &[u32],
+    ) -> Option<Result<Vec<engy_core::cells::Cell>, BackendError>> {
+        self.model.routing_shape()?;
+        Some(
+            serve_cells(&self.model, input_ids, self.cell_serve)
+                .map_err(|e| BackendError(e.to_string())),
+        )
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, BackendError> {

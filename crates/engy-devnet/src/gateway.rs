@@ -6,8 +6,10 @@
 //!   `"type"`).
 //! * Every frame in either direction is recorded ([`Frame`]), with the connection and
 //!   worker index, so tests can wait on what a miner sent ([`GatewayDouble::wait_for`]).
-//! * On command it sends `serve`, `cancel`, `ping`, `reconnect`, `admit`, `deny`, or drops a
-//!   connection without a close frame ([`GatewayDouble::drop_conn`]).
+//! * On command it sends `serve`, `cancel`, `ping`, `reconnect`, `admit`, `deny`,
+//!   `open_cells` (the cell challenge, docs/PROTOCOL.md §10; the answer is read with
+//!   [`GatewayDouble::wait_cells`]), or drops a connection without a close frame
+//!   ([`GatewayDouble::drop_conn`]).
 //! * Frames are the types of [`engy_core::wire`]: the double writes [`GatewayFrame`]s and
 //!   reads the miner's with [`Frame::miner_frame`] (strict: unknown fields refused).
 //! * [`GatewayDouble::submit`] routes a chat request like the gateway does: to the live,
@@ -23,7 +25,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use engy_core::wire::{GatewayFrame, Serve};
+use engy_core::wire::{CellChallenge, GatewayFrame, OpenCells, Serve};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -318,6 +320,38 @@ impl GatewayDouble {
                 .find(|f| {
                     f.dir == Dir::FromMiner && f.kind() == "response" && f.corr_id() == corr_id
                 })
+                .map(|f| f.value.clone())
+        })
+        .await
+    }
+
+    /// `open_cells {request_id, seed, n}` on `conn`: challenge the cells the miner committed
+    /// for `request_id` (docs/PROTOCOL.md §10).
+    pub fn open_cells(&self, conn: u64, request_id: Value, seed: [u8; 32], n: u64) -> bool {
+        let frame = GatewayFrame::OpenCells(OpenCells {
+            request_id,
+            challenge: Ok(CellChallenge { seed, n }),
+        });
+        self.send(conn, frame.to_value())
+    }
+
+    /// Wait for the miner's answer to an `open_cells` of `request_id`: the first `cells` or
+    /// `cells_error` frame carrying it after the `skip` earlier answers about it.
+    pub async fn wait_cells(
+        &self,
+        request_id: &Value,
+        skip: usize,
+        timeout: Duration,
+    ) -> Option<Value> {
+        self.wait_for(timeout, |frames, _| {
+            frames
+                .iter()
+                .filter(|f| {
+                    f.dir == Dir::FromMiner
+                        && matches!(f.kind(), "cells" | "cells_error")
+                        && f.value.get("request_id") == Some(request_id)
+                })
+                .nth(skip)
                 .map(|f| f.value.clone())
         })
         .await

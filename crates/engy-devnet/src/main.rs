@@ -71,6 +71,11 @@ enum Cmd {
         /// (docs/PROTOCOL.md §3.10), when the model records its routing.
         #[arg(long)]
         enable_return_routed_experts: bool,
+        /// As sglang started with the engy_cells `--forward-hooks` writing to this spool
+        /// directory (integrations/sglang/README.md), and `--disable-radix-cache` as the hooks
+        /// require: every prefill's cells are spooled for a miner with `ENGY_CELLS=on`.
+        #[arg(long, env = "ENGY_CELLS_SPOOL")]
+        cells_spool: Option<PathBuf>,
     },
 }
 
@@ -196,6 +201,7 @@ fn main() -> ExitCode {
                 host,
                 port,
                 enable_return_routed_experts,
+                cells_spool,
             } => {
                 let addr = (host, port);
                 serve_cmd(
@@ -205,6 +211,7 @@ fn main() -> ExitCode {
                     compute.into(),
                     addr,
                     enable_return_routed_experts,
+                    cells_spool,
                 )
                 .await
             }
@@ -265,6 +272,7 @@ async fn serve_cmd(
     compute: Compute,
     (host, port): (String, u16),
     routed_experts: bool,
+    cells_spool: Option<PathBuf>,
 ) -> anyhow::Result<ExitCode> {
     let precision = match quantize {
         Some(Quantize::Int4) => Precision::Int4 { group_size },
@@ -279,9 +287,11 @@ async fn serve_cmd(
     // Long-running: keep nothing per request (the request log is for tests).
     let cfg = SglangConfig {
         record: false,
+        radix_cache: cells_spool.is_none(),
         ..SglangConfig::default()
     }
-    .with_routed_experts(routed_experts);
+    .with_routed_experts(routed_experts)
+    .with_cells_spool(cells_spool);
     let serve =
         SglangDouble::start_on(listener, Arc::new(backend), cfg).context("starting the serve")?;
     eprintln!(

@@ -141,6 +141,7 @@ pub async fn run(opts: &Opts) -> ExitCode {
     for serve in opts.serve_urls() {
         check_serve(&mut r, &client, &serve, hidden, opts).await;
     }
+    check_cells_spool(&mut r, opts);
     // The key itself is never printed, only whether the miner would start with it.
     match opts.miner_key.as_ref().filter(|k| !k.expose().is_empty()) {
         Some(_) => r.ok("MINER_KEY", "set"),
@@ -301,6 +302,76 @@ async fn check_traces(r: &mut Report, client: &reqwest::Client, serve: &str, opt
                 "check that /server_info (or /get_server_info) answers",
             ),
         }
+    }
+    if opts.cells.is_on() && shapes.routing.is_some() {
+        let what = format!("serve {serve} cells hooks");
+        match offers {
+            Ok(o) if o.cells => r.ok(
+                &what,
+                "started with the engy_cells --forward-hooks: a commit pass after each generation commits its cells",
+            ),
+            Ok(_) => r.warn(
+                &what,
+                "its server info's forward_hooks names no engy_cells hook factory: commitments carry no cells",
+                "start sglang with --forward-hooks \"$(engy-cells-hooks $ENGY_CELLS_SPOOL)\" (integrations/sglang/README.md), or set ENGY_CELLS=off",
+            ),
+            Err(e) => r.warn(
+                &what,
+                format!("cannot read the serve's server info ({e}): no commit pass runs until it answers"),
+                "check that /server_info (or /get_server_info) answers",
+            ),
+        }
+    }
+}
+
+/// The cells line (docs/PROTOCOL.md §10): off, or on with a spool directory the miner can
+/// write (it removes the hooks' old request directories there).
+fn check_cells_spool(r: &mut Report, opts: &Opts) {
+    if !opts.cells.is_on() {
+        r.ok("cells", "off (ENGY_CELLS=off): commitments carry no cells");
+        return;
+    }
+    let Some(spool) = opts
+        .cells_spool
+        .as_deref()
+        .filter(|p| !p.as_os_str().is_empty())
+    else {
+        r.fail(
+            "cells",
+            "on, but ENGY_CELLS_SPOOL is not set",
+            "export ENGY_CELLS_SPOOL=<the spool directory the serve's engy_cells hooks write>",
+        );
+        return;
+    };
+    let at = spool.display();
+    if !spool.is_dir() {
+        r.fail(
+            "cells",
+            format!("on, but the spool {at} is not a directory (the hooks create it when the serve starts)"),
+            "start the serve with the engy_cells hooks writing there, or correct ENGY_CELLS_SPOOL",
+        );
+        return;
+    }
+    let probe = spool.join(format!(
+        ".engy-miner-check-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    match std::fs::write(&probe, b"") {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&probe);
+            r.ok(
+                "cells",
+                format!(
+                    "on: spool {at} is writable; cells kept {} s, up to {} MiB",
+                    opts.cells_retain_s, opts.cells_retain_mb
+                ),
+            );
+        }
+        Err(e) => r.fail(
+            "cells",
+            format!("on, but the spool {at} is not writable by the miner ({e})"),
+            "give the miner's user write access to ENGY_CELLS_SPOOL (it removes spooled requests it has read)",
+        ),
     }
 }
 

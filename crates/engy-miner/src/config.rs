@@ -194,6 +194,40 @@ pub struct Opts {
         global = true
     )]
     pub indexer_trace: TraceSetting,
+    /// Activation cells of the sampled MoE audit (docs/PROTOCOL.md §10, docs/MINER.md
+    /// "Cells"): `on` runs a teacher-forced commit pass after each generation on a serve
+    /// started with the engy_cells `--forward-hooks` (integrations/sglang), reads the cells
+    /// the hooks spooled (ENGY_CELLS_SPOOL), commits their root and keeps them for
+    /// `open_cells`. Any failure leaves the commitment without cells, never fails a request.
+    #[arg(
+        long = "cells",
+        env = "ENGY_CELLS",
+        value_enum,
+        default_value_t = TraceSetting::Off,
+        global = true
+    )]
+    pub cells: TraceSetting,
+    /// The spool directory the serve's engy_cells hooks write (the hooks' `spool`, or their
+    /// `$ENGY_CELLS_SPOOL`); required with ENGY_CELLS=on.
+    #[arg(long = "cells-spool", env = "ENGY_CELLS_SPOOL", global = true)]
+    pub cells_spool: Option<PathBuf>,
+    /// Seconds a request's committed cells are kept for a challenge (`open_cells`).
+    #[arg(
+        long = "cells-retain-s",
+        env = "ENGY_CELLS_RETAIN_S",
+        default_value_t = 900.0,
+        global = true
+    )]
+    pub cells_retain_s: f64,
+    /// Most MiB of cells kept over all requests (in memory); the oldest requests are
+    /// evicted first, and a request larger than this commits no cells.
+    #[arg(
+        long = "cells-retain-mb",
+        env = "ENGY_CELLS_RETAIN_MB",
+        default_value_t = 2048,
+        global = true
+    )]
+    pub cells_retain_mb: u64,
     /// Log line format: `text` (human) or `json` (one object per line). The filter is RUST_LOG.
     #[arg(
         long = "log-format",
@@ -249,8 +283,8 @@ impl Opts {
     }
 }
 
-/// `ENGY_ROUTING_TRACE` / `ENGY_INDEXER_TRACE`: collect a trace when the serve offers it
-/// (`on`) or never (`off`).
+/// `ENGY_ROUTING_TRACE` / `ENGY_INDEXER_TRACE` / `ENGY_CELLS`: collect a trace (or the cells)
+/// when the serve offers it (`on`) or never (`off`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TraceSetting {
     /// Never ask the serve.
@@ -384,6 +418,32 @@ impl Opts {
                     "must be 0 or more seconds, got {} (--drain-s, default 30)",
                     self.drain_s
                 ),
+            ));
+        }
+        if self.cells.is_on()
+            && self
+                .cells_spool
+                .as_deref()
+                .is_none_or(|p| p.as_os_str().is_empty())
+        {
+            return Err(bad(
+                "ENGY_CELLS_SPOOL",
+                "must be set with ENGY_CELLS=on: the spool directory the serve's engy_cells hooks write (--cells-spool; integrations/sglang/README.md)",
+            ));
+        }
+        if !positive(self.cells_retain_s) {
+            return Err(bad(
+                "ENGY_CELLS_RETAIN_S",
+                format!(
+                    "must be a number of seconds above 0, got {} (--cells-retain-s, default 900)",
+                    self.cells_retain_s
+                ),
+            ));
+        }
+        if self.cells_retain_mb == 0 {
+            return Err(bad(
+                "ENGY_CELLS_RETAIN_MB",
+                "must be at least 1 MiB (--cells-retain-mb, default 2048)",
             ));
         }
         for (var, v) in [

@@ -188,23 +188,26 @@ async fn serve(
         opts.routing_trace.is_on(),
         opts.indexer_trace.is_on(),
     );
-    let engine = Arc::new(serve::Engine::new(
-        serve::EngineConfig {
-            model_root: model_root.clone(),
-            topk: opts.toploc_topk,
-            dbs: opts.toploc_dbs,
-            max_tokens: opts.max_tokens,
-            max_output_tokens: opts.max_output_tokens,
-            gen_chunk: opts.gen_chunk,
-            serve_timeout: opts.serve_timeout(),
-            hidden_size: Some(hidden),
-            reply_cap,
-            traces,
-        },
-        prompter,
-        &opts.serve_urls(),
-        Arc::clone(&metrics),
-    )?);
+    let engine = Arc::new(
+        serve::Engine::new(
+            serve::EngineConfig {
+                model_root: model_root.clone(),
+                topk: opts.toploc_topk,
+                dbs: opts.toploc_dbs,
+                max_tokens: opts.max_tokens,
+                max_output_tokens: opts.max_output_tokens,
+                gen_chunk: opts.gen_chunk,
+                serve_timeout: opts.serve_timeout(),
+                hidden_size: Some(hidden),
+                reply_cap,
+                traces,
+            },
+            prompter,
+            &opts.serve_urls(),
+            Arc::clone(&metrics),
+        )?
+        .with_cells(cells_pass(&opts, checkpoint, &metrics, &shutdown)),
+    );
     // Best effort and in the background: one WARN per serve that is down, start-up goes on.
     tokio::spawn({
         let serves = opts.serve_urls();
@@ -298,6 +301,52 @@ async fn serve(
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The cells' commit pass when `ENGY_CELLS=on` and the checkpoint is an MoE model (else
+/// `None`, with the reason logged), with its retention store and the store's sweep task.
+fn cells_pass(
+    opts: &Opts,
+    checkpoint: &Path,
+    metrics: &Arc<Metrics>,
+    shutdown: &CancellationToken,
+) -> Option<serve::cells::CommitPass> {
+    if !opts.cells.is_on() {
+        tracing::info!("cells off (ENGY_CELLS=off): commitments carry no cells");
+        return None;
+    }
+    let spool = opts.cells_spool.clone()?;
+    if serve::trace::TraceShapes::from_checkpoint(checkpoint, true, false)
+        .routing
+        .is_none()
+    {
+        tracing::warn!(checkpoint = %checkpoint.display(), "ENGY_CELLS=on but config.json names no MoE model (num_experts_per_tok and an expert count): a dense model has no cells; commitments carry none");
+        return None;
+    }
+    let limits = crate::cell_store::Limits {
+        max_age: secs(opts.cells_retain_s),
+        max_bytes: opts.cells_retain_mb.saturating_mul(1 << 20),
+    };
+    let store = Arc::new(crate::cell_store::CellStore::new(
+        limits,
+        Arc::clone(metrics),
+    ));
+    tokio::spawn({
+        let store = Arc::clone(&store);
+        let shutdown = shutdown.clone();
+        let every = limits.max_age.min(std::time::Duration::from_secs(10));
+        async move {
+            let mut tick = tokio::time::interval(every.max(std::time::Duration::from_millis(100)));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => store.sweep(),
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        }
+    });
+    tracing::info!(spool = %spool.display(), retain_s = opts.cells_retain_s, retain_mb = opts.cells_retain_mb, "cells on: a commit pass after each generation on serves with the engy_cells hooks (ENGY_CELLS_SPOOL)");
+    Some(serve::cells::CommitPass::new(spool, store))
 }
 
 /// SIGTERM/SIGINT listeners, installed before the slow start-up steps (`/meta`, hardware

@@ -14,11 +14,13 @@
 //! * [`serve`]: the request path on the sglang serves.
 //! * [`scan`]: the single-pass `/generate` reply scanner (hidden states → bf16 rows).
 //! * [`metrics`]: the Prometheus metrics behind `--metrics-addr`; [`health`]: `engy-miner health`.
+//! * [`cell_store`]: committed cells kept for `open_cells` (time and size bounded).
 //! * [`job`], [`proof`], [`chat`], [`hw`], [`check`] (the `engy-miner check` preflight).
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+pub mod cell_store;
 pub mod chat;
 pub mod check;
 pub mod config;

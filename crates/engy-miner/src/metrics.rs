@@ -15,6 +15,17 @@
 //!   or why not: `not_offered` (the serve lacks the flag), `missing` (asked, no field),
 //!   `malformed`, `rows` (rows that do not line up); only kinds the settings and the
 //!   checkpoint collect are counted;
+//! * `engy_miner_cells_total{outcome}`: per completed request while cells are on
+//!   (docs/PROTOCOL.md §10), whether its commitment carries `cells` (`attached`) or why
+//!   not: `not_offered` (the serve was not started with the engy_cells hooks), `pass` (the
+//!   commit pass failed), `spool` (nothing new, unreadable or inconsistent in the spool),
+//!   `tokens` (the spooled pass ran another sequence), `retain` (larger than the retention
+//!   budget);
+//! * `engy_miner_cells_retained_requests`, `engy_miner_cells_retained_bytes`: what the
+//!   retention store holds;
+//! * `engy_miner_cells_evictions_total{reason}`: requests evicted from it, `age` or `size`;
+//! * `engy_miner_cells_openings_total{outcome}`: `open_cells` frames answered: `ok`,
+//!   `unknown_request`, `bad_challenge`;
 //! * `engy_miner_build_info{version,commit,dirty}`: always 1, the running build
 //!   ([`engy_telemetry::build_info`]).
 use std::sync::Arc;
@@ -63,6 +74,22 @@ pub const TRACE_KINDS: [&str; 2] = ["routing", "indexer"];
 /// The `outcome` label values of `engy_miner_traces_total`.
 pub const TRACE_OUTCOMES: [&str; 5] = ["attached", "not_offered", "missing", "malformed", "rows"];
 
+/// The `outcome` label values of `engy_miner_cells_total`.
+pub const CELLS_OUTCOMES: [&str; 6] = [
+    "attached",
+    "not_offered",
+    "pass",
+    "spool",
+    "tokens",
+    "retain",
+];
+
+/// The `reason` label values of `engy_miner_cells_evictions_total`.
+pub const CELLS_EVICTIONS: [&str; 2] = ["age", "size"];
+
+/// The `outcome` label values of `engy_miner_cells_openings_total`.
+pub const CELLS_OPENINGS: [&str; 3] = ["ok", "unknown_request", "bad_challenge"];
+
 /// Every metric of the miner, registered in one [`Registry`] (prefix `engy_miner`).
 #[derive(Debug)]
 pub struct Metrics {
@@ -73,6 +100,11 @@ pub struct Metrics {
     legs_connected: Gauge,
     reconnects: Counter,
     traces: Family<TraceLabels, Counter>,
+    cells: Family<Labels, Counter>,
+    cells_retained_requests: Gauge,
+    cells_retained_bytes: Gauge,
+    cells_evictions: Family<Labels, Counter>,
+    cells_openings: Family<Labels, Counter>,
     registry: Arc<Registry>,
 }
 
@@ -127,6 +159,45 @@ impl Metrics {
             "Completed requests by collected trace and whether it was attached (else why not)",
             traces.clone(),
         );
+        let cells = Family::<Labels, Counter>::default();
+        let cells_retained_requests = Gauge::default();
+        let cells_retained_bytes = Gauge::default();
+        let cells_evictions = Family::<Labels, Counter>::default();
+        let cells_openings = Family::<Labels, Counter>::default();
+        r.register(
+            "cells",
+            "Completed requests while cells are on: cells attached to the commitment, else why not",
+            cells.clone(),
+        );
+        r.register(
+            "cells_retained_requests",
+            "Requests whose cells the retention store holds",
+            cells_retained_requests.clone(),
+        );
+        r.register(
+            "cells_retained_bytes",
+            "Bytes the retention store holds (cells and their trees)",
+            cells_retained_bytes.clone(),
+        );
+        r.register(
+            "cells_evictions",
+            "Requests evicted from the cells retention store, by reason",
+            cells_evictions.clone(),
+        );
+        r.register(
+            "cells_openings",
+            "open_cells frames answered, by outcome",
+            cells_openings.clone(),
+        );
+        for (family, key, values) in [
+            (&cells, "outcome", &CELLS_OUTCOMES[..]),
+            (&cells_evictions, "reason", &CELLS_EVICTIONS[..]),
+            (&cells_openings, "outcome", &CELLS_OPENINGS[..]),
+        ] {
+            for v in values {
+                let _ = family.get_or_create(&[(key, v)]);
+            }
+        }
         for t in TRACE_KINDS {
             for o in TRACE_OUTCOMES {
                 let _ = traces.get_or_create(&[("trace", t), ("outcome", o)]);
@@ -150,6 +221,11 @@ impl Metrics {
             legs_connected,
             reconnects,
             traces,
+            cells,
+            cells_retained_requests,
+            cells_retained_bytes,
+            cells_evictions,
+            cells_openings,
             registry: Arc::new(r),
         }
     }
@@ -199,6 +275,54 @@ impl Metrics {
                 .get_or_create(&[("trace", trace), ("outcome", outcome)])
                 .inc();
         }
+    }
+
+    /// A completed request's cells ended with `outcome` (a [`CELLS_OUTCOMES`] value; others
+    /// are not counted).
+    pub fn cells(&self, outcome: &'static str) {
+        if CELLS_OUTCOMES.contains(&outcome) {
+            self.cells.get_or_create(&[("outcome", outcome)]).inc();
+        }
+    }
+
+    /// The retention store now holds `requests` requests, `bytes` bytes.
+    pub fn cells_retained(&self, requests: usize, bytes: u64) {
+        self.cells_retained_requests
+            .set(i64::try_from(requests).unwrap_or(i64::MAX));
+        self.cells_retained_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// A request was evicted for `reason` (a [`CELLS_EVICTIONS`] value).
+    pub fn cells_evicted(&self, reason: &'static str) {
+        if CELLS_EVICTIONS.contains(&reason) {
+            self.cells_evictions
+                .get_or_create(&[("reason", reason)])
+                .inc();
+        }
+    }
+
+    /// An `open_cells` was answered with `outcome` (a [`CELLS_OPENINGS`] value).
+    pub fn cells_opening(&self, outcome: &'static str) {
+        if CELLS_OPENINGS.contains(&outcome) {
+            self.cells_openings
+                .get_or_create(&[("outcome", outcome)])
+                .inc();
+        }
+    }
+
+    /// Evictions counted for `reason` so far.
+    pub fn cells_evictions(&self, reason: &'static str) -> u64 {
+        self.cells_evictions
+            .get_or_create(&[("reason", reason)])
+            .get()
+    }
+
+    /// `open_cells` answers counted with `outcome` so far.
+    pub fn cells_openings(&self, outcome: &'static str) -> u64 {
+        self.cells_openings
+            .get_or_create(&[("outcome", outcome)])
+            .get()
     }
 
     /// A leg re-dials.

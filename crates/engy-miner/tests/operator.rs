@@ -211,6 +211,8 @@ fn settings_the_miner_cannot_run_with_are_refused_naming_the_variable() {
         ("MAX_INFLIGHT", "7"),
         ("TOPLOC_TOPK", "0"),
         ("STREAM_FLUSH_S", "-0.1"),
+        ("ENGY_CELLS_RETAIN_MB", "0"),
+        ("ENGY_CELLS_RETAIN_S", "0"),
     ] {
         let out = miner_cmd(
             &[
@@ -230,6 +232,28 @@ fn settings_the_miner_cannot_run_with_are_refused_naming_the_variable() {
         assert_eq!(err.lines().count(), 1, "{var}={value}: one line: {err}");
         assert!(!err.contains(KEY));
     }
+}
+
+#[test]
+fn cells_on_without_a_spool_is_refused_naming_engy_cells_spool() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = dir.path().join("lock");
+    let out = miner_cmd(
+        &[
+            ("GW", "ws://127.0.0.1:9"),
+            ("MINER_KEY", KEY),
+            ("CHECKPOINT", "/nonexistent"),
+            ("ENGY_MINER_LOCK", lock.to_str().unwrap()),
+            ("ENGY_CELLS", "on"),
+        ],
+        &[],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("ENGY_CELLS_SPOOL"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 #[tokio::test]

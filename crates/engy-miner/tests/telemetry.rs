@@ -9,25 +9,6 @@ use common::*;
 use engy_devnet::sglang::{Fault, SglangConfig};
 use serde_json::Value;
 
-async fn scrape(addr: &str) -> String {
-    let r = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    r.text().await.unwrap()
-}
-
-/// The value of the sample whose name and labels are exactly `series`.
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-                .and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
-}
-
 fn health(addr: &str) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_engy-miner"))
         .arg("health")

@@ -64,23 +64,11 @@ fn positions(commitment: &Value) -> u64 {
         - 1) as u64
 }
 
-async fn scrape(addr: &str) -> String {
-    reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-fn sample(text: &str, trace: &str, outcome: &str) -> f64 {
-    let series = format!(r#"engy_miner_traces_total{{trace="{trace}",outcome="{outcome}"}}"#);
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series.as_str())
-                .and_then(|r| r.trim().parse().ok())
-        })
-        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+fn trace_sample(text: &str, trace: &str, outcome: &str) -> f64 {
+    sample(
+        text,
+        &format!(r#"engy_miner_traces_total{{trace="{trace}",outcome="{outcome}"}}"#),
+    )
 }
 
 /// Serve `corr` and return its successful commitment.
@@ -153,9 +141,9 @@ async fn chunked_and_streamed_generations_carry_the_models_routing() {
         }
     }
     let text = scrape(&addr).await;
-    assert_eq!(sample(&text, "routing", "attached"), 2.0);
-    assert_eq!(sample(&text, "routing", "not_offered"), 0.0);
-    assert_eq!(sample(&text, "indexer", "attached"), 0.0);
+    assert_eq!(trace_sample(&text, "routing", "attached"), 2.0);
+    assert_eq!(trace_sample(&text, "routing", "not_offered"), 0.0);
+    assert_eq!(trace_sample(&text, "indexer", "attached"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,8 +197,8 @@ async fn a_serve_without_the_flag_is_not_asked_and_requests_succeed() {
     assert!(c.get("routing").is_none(), "{c}");
     assert!(asks(&fx).iter().all(|(a, _)| a.is_none()));
     let text = scrape(&addr).await;
-    assert_eq!(sample(&text, "routing", "not_offered"), 1.0);
-    assert_eq!(sample(&text, "routing", "attached"), 0.0);
+    assert_eq!(trace_sample(&text, "routing", "not_offered"), 1.0);
+    assert_eq!(trace_sample(&text, "routing", "attached"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,10 +227,10 @@ async fn a_broken_field_never_fails_a_request() {
         assert_eq!(c["output_token_ids"].as_array().unwrap().len(), 10);
     }
     let text = scrape(&addr).await;
-    assert_eq!(sample(&text, "routing", "missing"), 1.0);
-    assert_eq!(sample(&text, "routing", "malformed"), 3.0);
-    assert_eq!(sample(&text, "routing", "rows"), 1.0);
-    assert_eq!(sample(&text, "routing", "attached"), 0.0);
+    assert_eq!(trace_sample(&text, "routing", "missing"), 1.0);
+    assert_eq!(trace_sample(&text, "routing", "malformed"), 3.0);
+    assert_eq!(trace_sample(&text, "routing", "rows"), 1.0);
+    assert_eq!(trace_sample(&text, "routing", "attached"), 0.0);
     let log = m.log_text();
     assert!(
         log.contains("no routed_experts trace for this request"),
@@ -284,7 +272,7 @@ async fn routing_trace_off_never_asks() {
     }
     let text = scrape(&addr).await;
     for outcome in ["attached", "not_offered", "missing", "malformed", "rows"] {
-        assert_eq!(sample(&text, "routing", outcome), 0.0, "{outcome}");
+        assert_eq!(trace_sample(&text, "routing", outcome), 0.0, "{outcome}");
     }
     // A bad value is refused at start-up, naming the variable.
     let out = miner_cmd(&[("ENGY_ROUTING_TRACE", "maybe")], &["check"])

@@ -7,9 +7,14 @@
 //! sampling: every index is equally likely, no modulo bias); its index is `v mod n_cells`,
 //! skipped when already chosen. The first `n` distinct indices, in the order drawn, are
 //! the challenge.
+//!
+//! Where the seed comes from ([`production_seed`]): in production a beacon that did not
+//! exist when the miner committed (a later block hash, a drand round's randomness) mixed
+//! with the digest of the commitment it challenges, `SHA-256(lp(SEED_TAG) || beacon ||
+//! commitment_digest)`; in the devnet the auditor draws 32 random bytes.
 use sha2::{Digest as _, Sha256};
 
-use super::{CellError, CHALLENGE_TAG};
+use super::{CellError, CHALLENGE_TAG, SEED_TAG};
 use crate::commit::tree::{self as mtree, Digest};
 
 /// The index a candidate `v` gives among `n_cells >= 1`, or `None` when rejection
@@ -62,9 +67,44 @@ pub fn select(
     Ok(chosen)
 }
 
+/// The production challenge seed (specs/CELLS.md §5): `SHA-256(lp(SEED_TAG) || beacon ||
+/// commitment_digest)`, `SEED_TAG = "engy-cells/v1/seed"`.
+///
+/// * `beacon`: 32 bytes that exist only after the commitment: the hash of a block produced
+///   after the miner's `response` (or a drand round's randomness), chosen by the rule of
+///   the party that challenges, never by the miner.
+/// * `commitment_digest`: SHA-256 of the `commitment` value exactly as the miner's
+///   `response` frame carried it (its UTF-8 bytes), so one beacon gives every request its
+///   own seed.
+///
+/// The gateway sends the result as `open_cells.seed`; the miner answers with
+/// [`select`]`(seed, cells_root, n_cells, n)`.
+pub fn production_seed(beacon: &[u8; 32], commitment_digest: &[u8; 32]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    mtree::update_lp(&mut h, SEED_TAG.as_bytes());
+    h.update(beacon);
+    h.update(commitment_digest);
+    h.finalize().into()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::accept;
+    use super::{accept, production_seed};
+
+    #[test]
+    fn production_seed_is_the_specified_hash() {
+        // Computed with Python's hashlib: sha256(u64le(18) + b"engy-cells/v1/seed" +
+        // bytes(range(32)) + b"\xab" * 32).
+        let beacon: [u8; 32] = std::array::from_fn(|i| i as u8);
+        assert_eq!(
+            hex::encode(production_seed(&beacon, &[0xab; 32])),
+            "17fbc02f06fe00ddfcfe98c4309434460a0f1872ce32f31c795718c955781465"
+        );
+        assert_ne!(
+            production_seed(&beacon, &[0xab; 32]),
+            production_seed(&beacon, &[0xac; 32])
+        );
+    }
 
     #[test]
     fn rejection_drops_exactly_the_biased_tail() {

@@ -26,7 +26,7 @@ pub mod challenge;
 pub mod spool;
 pub mod tree;
 
-pub use challenge::select;
+pub use challenge::{production_seed, select};
 pub use tree::{verify_opening, CellPath, CellShape, CellTree};
 
 /// The scheme's version tag.
@@ -37,6 +37,8 @@ pub const CELL_TAG: &str = "engy-cells/v1/cell";
 pub const SHAPE_TAG: &str = "engy-cells/v1/shape";
 /// Domain tag of the challenge stream.
 pub const CHALLENGE_TAG: &str = "engy-cells/v1/challenge";
+/// Domain tag of the production seed ([`challenge::production_seed`]).
+pub const SEED_TAG: &str = "engy-cells/v1/seed";
 
 /// Bytes of the fixed cell header: six `u32le` fields.
 pub const HEADER_LEN: usize = 24;

@@ -84,6 +84,9 @@ pub struct SpoolRequest {
     pub tokens_sha256: Option<Digest>,
     /// Forward passes the request took (more than one: a chunked prefill).
     pub passes: u64,
+    /// `cells.bin` as read: the cells' canonical bytes back to back in leaf order, each
+    /// `Cell::encoded_len` of the shape's sizes (what a miner keeps to open cells).
+    pub cells: Vec<u8>,
 }
 
 impl SpoolRequest {
@@ -169,5 +172,6 @@ pub fn read_request(dir: &Path) -> Result<SpoolRequest, SpoolError> {
         tree,
         tokens_sha256,
         passes: m.passes,
+        cells: cbytes,
     })
 }

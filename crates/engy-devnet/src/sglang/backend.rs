@@ -149,6 +149,17 @@ pub trait Backend: Send + Sync + 'static {
     /// # Errors
     /// [`BackendError`] if an id is outside the vocabulary.
     fn decode(&self, ids: &[u32]) -> Result<String, BackendError>;
+
+    /// The activation cells (specs/CELLS.md §2) of one teacher-forced pass over
+    /// `input_ids`: every position × every MoE layer, in leaf order (position-major, then
+    /// layer), as the engy_cells hooks capture them from the serve's MoE blocks. `None`
+    /// (the default) for a backend without MoE blocks: the hooks then spool nothing.
+    fn cells(
+        &self,
+        _input_ids: &[u32],
+    ) -> Option<Result<Vec<engy_core::cells::Cell>, BackendError>> {
+        None
+    }
 }
 
 /// One in-progress greedy generation (holds whatever state the model needs, e.g. a KV cache).

@@ -17,6 +17,9 @@
 //!   clamped to `seqlen − 1`, a negative one refused), the cached prefix's rows included;
 //!   without the flag the request succeeds without the key. The indexer's rows always start
 //!   at 0. [`Fault::RoutedExperts`] / [`Fault::IndexerTopk`] break them.
+//! * `--forward-hooks` with the engy_cells hooks ([`SglangConfig::cells_spool`],
+//!   [`cells_hooks`]): each call's prefill spools the backend's cells of `input_ids` as the
+//!   Python hooks do, and the server info's `forward_hooks` names them.
 //! * `POST /abort_request` (§3): 200 with an empty body, always; a running request keeps
 //!   its current step and finishes with `{"type":"abort","message":"Aborted",…}`; a request
 //!   still queued (see [`Fault::Hang`]) gets the reduced "Abort in waiting queue" reply.
@@ -40,6 +43,7 @@
 //! Everything served is recorded ([`GenerateRecord`]) so tests can check a miner's proofs
 //! against the exact rows the double sent.
 pub mod backend;
+pub mod cells_hooks;
 pub mod synthetic;
 
 use std::collections::{HashMap, VecDeque};
@@ -156,9 +160,19 @@ pub struct SglangConfig {
     /// reply of a request with `return_indexer_topk: true` (when the backend has an
     /// indexer).
     pub indexer_topk: bool,
+    /// `--forward-hooks "$(engy-cells-hooks SPOOL)"`: the engy_cells hooks write every
+    /// prefill's cells (the backend's [`Backend::cells`]) to this spool directory
+    /// ([`cells_hooks`]); `None` (default): no hooks.
+    pub cells_spool: Option<std::path::PathBuf>,
 }
 
 impl SglangConfig {
+    /// This config with the engy_cells `--forward-hooks` writing to `spool` (or none).
+    pub fn with_cells_spool(mut self, spool: Option<std::path::PathBuf>) -> Self {
+        self.cells_spool = spool;
+        self
+    }
+
     /// This config with `--enable-return-routed-experts` on or off.
     pub fn with_routed_experts(mut self, on: bool) -> Self {
         self.routed_experts = on;
@@ -182,6 +196,7 @@ impl Default for SglangConfig {
             record: true,
             routed_experts: false,
             indexer_topk: false,
+            cells_spool: None,
         }
     }
 }
@@ -261,6 +276,9 @@ struct Inner {
     changed: watch::Sender<u64>,
     /// Bumped by [`SglangDouble::kill`]: every reply in flight is torn.
     kills: watch::Sender<u64>,
+    /// The engy_cells hooks' spool ([`SglangConfig::cells_spool`]); one pass at a time, as
+    /// the hooks' one capture state.
+    spool: Mutex<Option<cells_hooks::Spool>>,
 }
 
 impl Inner {
@@ -321,6 +339,10 @@ impl SglangDouble {
         cfg: SglangConfig,
     ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
+        let spool = match &cfg.cells_spool {
+            Some(dir) => Some(cells_hooks::Spool::open(dir)?),
+            None => None,
+        };
         let (changed, _) = watch::channel(0u64);
         let (kills, _) = watch::channel(0u64);
         let inner = Arc::new(Inner {
@@ -334,6 +356,7 @@ impl SglangDouble {
             aborts: Mutex::new(Vec::new()),
             changed,
             kills,
+            spool: Mutex::new(spool),
         });
         let (tx, server) = crate::spawn_server_joinable(listener, router(&inner));
         Ok(Self {
@@ -534,6 +557,7 @@ async fn server_info(State(st): State<Arc<Inner>>) -> Response {
                "enable_return_hidden_states": st.cfg.enable_hidden_states,
                "enable_return_routed_experts": st.cfg.routed_experts,
                "enable_return_indexer_topk": st.cfg.indexer_topk,
+               "forward_hooks": st.cfg.cells_spool.as_deref().map(cells_hooks::forward_hooks),
                "disable_radix_cache": !st.cfg.radix_cache, "speculative_algorithm": null,
                "context_length": f.context_length, "stream_interval": 1,
                "status": "ready", "max_total_num_tokens": f.context_length,
@@ -905,6 +929,9 @@ impl Generation {
         };
         self.st
             .update_record(self.idx, |r| r.cached_tokens = cached);
+        if self.st.cfg.cells_spool.is_some() {
+            self.run_cells_hooks(cached).await;
+        }
         let mut acc = Acc {
             cached,
             output_ids: Vec::new(),
@@ -1017,6 +1044,41 @@ impl Generation {
         .await;
         if let Ok((this, acc, ev)) = rendered {
             this.send_final(acc, finish, ev, events_sent).await;
+        }
+    }
+
+    /// The engy_cells hooks on this call's prefill (positions `cached..`): the backend's
+    /// cells spooled as [`cells_hooks::Spool::pass`] writes them. A hook never fails the
+    /// serve: problems are logged (and, as the hooks do, written to the manifest).
+    async fn run_cells_hooks(&self, cached: usize) {
+        let backend = Arc::clone(&self.st.backend);
+        let ids = self.req.input_ids.clone();
+        let st = Arc::clone(&self.st);
+        let r = tokio::task::spawn_blocking(move || {
+            let cells = match backend.cells(&ids) {
+                None => return Ok(()),
+                Some(Ok(c)) => c,
+                Some(Err(e)) => return Err(std::io::Error::other(e.0)),
+            };
+            let mut spool = lock(&st.spool);
+            let Some(spool) = spool.as_mut() else {
+                return Ok(());
+            };
+            let n_layers = cells
+                .iter()
+                .take_while(|c| c.position() == 0)
+                .count()
+                .max(1);
+            let pass_cells = cells.get(cached * n_layers..).unwrap_or(&[]);
+            spool.pass(cached, &ids[cached.min(ids.len())..], pass_cells)
+        })
+        .await;
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!("engy_cells: {e} (this request's cells are marked failed)")
+            }
+            Err(e) => tracing::error!("engy_cells: hook task failed: {e}"),
         }
     }
 

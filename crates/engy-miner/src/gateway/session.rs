@@ -158,6 +158,7 @@ pub(crate) async fn session(
                             let reason = reason.as_str().map_or_else(|| reason.to_string(), str::to_string);
                             tracing::warn!(leg = %tag, %reason, "DENIED by the gateway");
                         }
+                        Ok(Frame::OpenCells(open)) => on_open_cells(hub, &tx, open, tag),
                         Ok(Frame::Unknown { kind }) => {
                             tracing::debug!(leg = %tag, kind = %kind, "ignoring frame");
                         }
@@ -226,6 +227,42 @@ fn send_frame(tx: &mpsc::UnboundedSender<Message>, frame: &wire::MinerFrame) {
     let _ = tx.send(Message::Text(frame.to_text().into()));
 }
 
+/// `open_cells` (docs/PROTOCOL.md §10): the retention store answers with `cells` or
+/// `cells_error`, off the leg's read loop (a large opening takes a moment to encode).
+fn on_open_cells(
+    hub: &Arc<Hub>,
+    tx: &mpsc::UnboundedSender<Message>,
+    open: wire::OpenCells,
+    tag: &str,
+) {
+    let hub = Arc::clone(hub);
+    let tx = tx.clone();
+    let tag = tag.to_string();
+    tokio::task::spawn_blocking(move || {
+        let frame = match hub.engine.cell_store() {
+            Some(store) => store.open(&open.request_id, &open.challenge),
+            None => {
+                hub.metrics.cells_opening("unknown_request");
+                wire::MinerFrame::CellsError(wire::CellsError {
+                    request_id: open.request_id.clone(),
+                    reason: wire::CellsRefusal::UnknownRequest,
+                    error: "this miner commits no cells (ENGY_CELLS=off)".into(),
+                })
+            }
+        };
+        match &frame {
+            wire::MinerFrame::Cells(c) => {
+                tracing::info!(leg = %tag, request_id = %open.request_id, cells = c.openings.len(), "open_cells answered")
+            }
+            wire::MinerFrame::CellsError(e) => {
+                tracing::warn!(leg = %tag, request_id = %open.request_id, reason = ?e.reason, error = %e.error, "open_cells refused")
+            }
+            _ => {}
+        }
+        send_frame(&tx, &frame);
+    });
+}
+
 fn on_serve(
     hub: &Arc<Hub>,
     leg: &Arc<LegState>,
@@ -282,7 +319,7 @@ fn on_serve(
             } else {
                 None
             };
-            hub.engine.process(&request, &job, sink).await
+            hub.engine.process(&request, &request_id, &job, sink).await
         };
         co.flush();
         let (outcome, frame) = match result {

@@ -2,7 +2,8 @@
 //! [`Engine::process`]: prompt, serve choice ([`pool`]), chunked generation with the
 //! one-token overlap ([`Engine::generate_chunked`]), each call ([`http`]), the proof
 //! ([`crate::proof`]), the routing / indexer traces ([`trace`], asked of serves that
-//! [`offers`] says have them), then `output` and `commitment`.
+//! [`offers`] says have them), the commit pass of the activation cells ([`cells`], on
+//! serves started with the engy_cells hooks), then `output` and `commitment`.
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,7 @@ use engy_core::toploc::Params;
 use engy_core::wire;
 use serde_json::Value;
 
+pub mod cells;
 mod http;
 pub mod offers;
 pub mod pool;
@@ -18,6 +20,7 @@ pub mod trace;
 pub use http::PROBE_TEXT;
 use pool::Pool;
 
+use crate::cell_store::CellStore;
 use crate::chat::Prompter;
 use crate::job::{fail, Job, JobError};
 use crate::metrics::Metrics;
@@ -25,6 +28,10 @@ use crate::proof::ProofAcc;
 use crate::scan::{Finish, Rows, TraceText};
 use offers::OfferCache;
 use trace::{Kind, TraceAcc, TraceShapes};
+
+/// Largest reply to a commit pass (`max_new_tokens` 1, no hidden states: a few hundred
+/// bytes from sglang) read before the pass counts as failed.
+const COMMIT_REPLY_CAP: usize = 1 << 20;
 
 /// Settings of the request path.
 #[derive(Debug, Clone)]
@@ -64,6 +71,8 @@ pub struct Engine {
     /// `input_ids` of the curl probe in misalignment errors: [`PROBE_TEXT`] in the
     /// checkpoint's own tokenizer, so the operator can paste it against this serve.
     probe_ids: String,
+    /// The cells' commit pass and retention store (`ENGY_CELLS=on`), else `None`.
+    cells: Option<cells::CommitPass>,
 }
 
 /// What the request path tells the streaming sink (docs/PROTOCOL.md §3.6).
@@ -166,7 +175,19 @@ impl Engine {
             gen_client,
             abort_client,
             offers: OfferCache::default(),
+            cells: None,
         })
+    }
+
+    /// This engine with the cells' commit pass (`ENGY_CELLS=on`) or without (`None`).
+    pub fn with_cells(mut self, cells: Option<cells::CommitPass>) -> Self {
+        self.cells = cells;
+        self
+    }
+
+    /// The retention store of committed cells, when cells are on (`open_cells` reads it).
+    pub fn cell_store(&self) -> Option<&Arc<CellStore>> {
+        self.cells.as_ref().map(cells::CommitPass::store)
     }
 
     /// Send `/abort_request` for each (serve, rid), on the dedicated client. Best effort;
@@ -202,6 +223,7 @@ impl Engine {
         let want = (
             self.cfg.traces.routing.is_some(),
             self.cfg.traces.indexer.is_some(),
+            self.cells.is_some(),
         );
         self.offers
             .probe_all(&self.abort_client, &self.pool.urls(), want)
@@ -209,13 +231,15 @@ impl Engine {
     }
 
     /// Serve one gateway request end to end; `stream` receives text deltas when the
-    /// gateway asked for streaming. Returns `(commitment, output)`.
+    /// gateway asked for streaming. Returns `(commitment, output)`; the request's cells,
+    /// when committed, are kept under `request_id` (the `response`'s).
     ///
     /// # Errors
     /// [`JobError::Cancelled`] when the job was cancelled, [`JobError::Failed`] otherwise.
     pub async fn process(
         self: &Arc<Self>,
         request: &Value,
+        request_id: &Value,
         job: &Arc<Job>,
         mut stream: Option<StreamSink<'_>>,
     ) -> Result<(wire::Commitment, wire::Completion), JobError> {
@@ -302,6 +326,12 @@ impl Engine {
             }),
         };
         let output = wire::Completion::of_text(text, usage);
+        let cells = self
+            .commit_cells(request_id, &serve, &prompt_full, &gen.output_ids, job)
+            .await;
+        if job.is_cancelled() {
+            return Err(JobError::Cancelled);
+        }
         let commitment = wire::Commitment {
             model_root: self.cfg.model_root.clone(),
             output_token_ids: gen.output_ids,
@@ -315,6 +345,7 @@ impl Engine {
             },
             routing,
             indexer_topk,
+            cells,
         };
         tracing::info!(
             serve = %serve, prompt_tokens = n_prompt, completion_tokens = n_rows,
@@ -349,6 +380,119 @@ impl Engine {
                 None
             }
         }
+    }
+
+    /// The request's `commitment.cells` (§10), or `None` with the reason counted (and logged
+    /// at WARN when the serve has the hooks: the request still succeeds).
+    async fn commit_cells(
+        self: &Arc<Self>,
+        request_id: &Value,
+        serve: &str,
+        prompt: &[u32],
+        output: &[u32],
+        job: &Arc<Job>,
+    ) -> Option<wire::CellsCommitment> {
+        let pass = self.cells.as_ref()?;
+        let offered = self
+            .offers
+            .get(&self.abort_client, serve)
+            .await
+            .is_some_and(|o| o.cells);
+        let mut ids = Vec::with_capacity(prompt.len() + output.len());
+        ids.extend_from_slice(prompt);
+        ids.extend_from_slice(output);
+        let started = Instant::now();
+        let r = if offered {
+            pass.commit(request_id, &ids, |body| self.commit_call(serve, body, job))
+                .await
+        } else {
+            Err(cells::Dropped::NotOffered)
+        };
+        match r {
+            Ok(c) => {
+                self.metrics.cells("attached");
+                tracing::info!(%serve, %request_id, root = %c.root, cells = c.shape.n_cells(), ms = started.elapsed().as_millis() as u64, "cells committed and retained");
+                Some(c)
+            }
+            Err(_) if job.is_cancelled() => None,
+            Err(d) => {
+                self.metrics.cells(d.label());
+                if d == cells::Dropped::NotOffered {
+                    tracing::debug!(%serve, "the serve has no engy_cells hooks; the commitment goes out without cells");
+                } else {
+                    if matches!(d, cells::Dropped::Pass(_)) {
+                        self.offers.forget(serve);
+                    }
+                    tracing::warn!(%serve, %request_id, reason = d.label(), "no cells for this request: {d}; the commitment goes out without them");
+                }
+                None
+            }
+        }
+    }
+
+    /// One commit-pass `/generate` call (§10): abortable with the job, answered when the
+    /// serve ran the prefill.
+    async fn commit_call(
+        self: &Arc<Self>,
+        serve: &str,
+        body: wire::GenerateRequest,
+        job: &Arc<Job>,
+    ) -> Result<(), String> {
+        job.add_rid(serve, &body.rid)
+            .map_err(|_| "the request was cancelled".to_string())?;
+        let send = async {
+            let resp = self
+                .gen_client
+                .post(format!("{serve}/generate"))
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| format!("serve {serve} unreachable: {}", crate::error_chain(&e)))?;
+            let status = resp.status();
+            let mut resp = resp;
+            let mut raw = Vec::new();
+            while let Some(c) = resp
+                .chunk()
+                .await
+                .map_err(|e| format!("serve {serve} reply cut: {}", crate::error_chain(&e)))?
+            {
+                raw.extend_from_slice(&c);
+                if raw.len() > COMMIT_REPLY_CAP {
+                    return Err(format!(
+                        "serve {serve} reply to the commit pass exceeds {COMMIT_REPLY_CAP} bytes"
+                    ));
+                }
+            }
+            let text = String::from_utf8_lossy(&raw);
+            if !status.is_success() {
+                let msg: String = text.chars().take(200).collect();
+                return Err(format!(
+                    "serve {serve} answered HTTP {}: {msg}",
+                    status.as_u16()
+                ));
+            }
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| format!("serve {serve} reply is not JSON: {e}"))?;
+            let finish = v
+                .pointer("/meta_info/finish_reason/type")
+                .and_then(Value::as_str);
+            if finish == Some("abort") || v.get("error").is_some() {
+                return Err(format!(
+                    "serve {serve} did not run the pass: {}",
+                    text.chars().take(200).collect::<String>()
+                ));
+            }
+            Ok(())
+        };
+        let r = tokio::select! {
+            r = send => r,
+            _ = job.cancelled() => Err("the request was cancelled".to_string()),
+        };
+        job.remove_rid(&body.rid);
+        if r.is_err() {
+            self.abort_rids(vec![(serve.to_string(), body.rid.clone())]);
+        }
+        r
     }
 
     /// The traces this request collects on `serve`: one accumulator per kind the settings

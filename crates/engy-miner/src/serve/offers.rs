@@ -3,6 +3,9 @@
 //! flat merge of every sglang `ServerArgs` field (sglang-native-api.md §6). The miner reads
 //! `enable_return_routed_experts` (`--enable-return-routed-experts`) and
 //! `enable_return_indexer_topk` (`--enable-return-indexer-topk`); an absent field is off.
+//! The engy_cells hooks (docs/PROTOCOL.md §10) are offered when `forward_hooks`
+//! (`--forward-hooks`, sglang's `ServerArgs.forward_hooks`) holds a spec whose
+//! `hook_factory` is in the `engy_cells` package.
 //!
 //! [`OfferCache`] keeps the answer per serve: probed at start-up in the background
 //! ([`OfferCache::probe_all`]), or before the first request to a serve whose answer is not
@@ -23,6 +26,8 @@ pub struct Offers {
     pub routing: bool,
     /// `enable_return_indexer_topk`.
     pub indexer: bool,
+    /// `forward_hooks` names an `engy_cells` hook factory (the serve spools cells).
+    pub cells: bool,
 }
 
 /// How long one server-info probe may take.
@@ -73,9 +78,20 @@ pub async fn fetch(client: &reqwest::Client, serve: &str) -> Result<Offers, Stri
 /// The offers in a server-info object (absent or non-boolean fields are off).
 pub fn from_server_info(v: &Value) -> Offers {
     let flag = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+    let cells = v
+        .get("forward_hooks")
+        .and_then(Value::as_array)
+        .is_some_and(|specs| {
+            specs.iter().any(|s| {
+                s.get("hook_factory")
+                    .and_then(Value::as_str)
+                    .is_some_and(|f| f.starts_with("engy_cells.") || f.starts_with("engy_cells:"))
+            })
+        });
     Offers {
         routing: flag("enable_return_routed_experts"),
         indexer: flag("enable_return_indexer_topk"),
+        cells,
     }
 }
 
@@ -99,7 +115,9 @@ impl OfferCache {
     /// `None` when the serve did not say (probe failed now or within [`RETRY`]).
     pub async fn get(&self, client: &reqwest::Client, serve: &str) -> Option<Offers> {
         match self.lock().get(serve) {
-            Some(Entry::Known(o, at)) if (o.routing && o.indexer) || at.elapsed() < RECHECK => {
+            Some(Entry::Known(o, at))
+                if (o.routing && o.indexer && o.cells) || at.elapsed() < RECHECK =>
+            {
                 return Some(*o)
             }
             Some(Entry::Failed(at)) if at.elapsed() < RETRY => return None,
@@ -130,9 +148,14 @@ impl OfferCache {
 
     /// Start-up: probe every serve concurrently and log what each offers (INFO), or why
     /// its traces will be missing (WARN, with the fix). `want` says which traces the
-    /// settings and the checkpoint ask for: `(routing, indexer)`.
-    pub async fn probe_all(&self, client: &reqwest::Client, serves: &[String], want: (bool, bool)) {
-        if !(want.0 || want.1) {
+    /// settings and the checkpoint ask for: `(routing, indexer, cells)`.
+    pub async fn probe_all(
+        &self,
+        client: &reqwest::Client,
+        serves: &[String],
+        want: (bool, bool, bool),
+    ) {
+        if !(want.0 || want.1 || want.2) {
             return;
         }
         let probes = serves
@@ -147,7 +170,10 @@ impl OfferCache {
                     if want.1 && !o.indexer {
                         tracing::warn!(%serve, "serve does not offer the indexer top-k (started without --enable-return-indexer-topk): its commitments carry no indexer trace; fix: add --enable-return-indexer-topk, or set ENGY_INDEXER_TRACE=off");
                     }
-                    tracing::info!(%serve, routed_experts = o.routing, indexer_topk = o.indexer, "serve flags read from its server info");
+                    if want.2 && !o.cells {
+                        tracing::warn!(%serve, "serve was not started with the engy_cells hooks (its server info's forward_hooks names no engy_cells hook factory): its commitments carry no cells; fix: start it with --forward-hooks \"$(engy-cells-hooks $ENGY_CELLS_SPOOL)\" (integrations/sglang/README.md), or set ENGY_CELLS=off");
+                    }
+                    tracing::info!(%serve, routed_experts = o.routing, indexer_topk = o.indexer, cells_hooks = o.cells, "serve flags read from its server info");
                 }
                 Err(e) => {
                     tracing::warn!(%serve, error = %e, "cannot read the serve's server info; no traces are asked of it until it answers (retried before a request, every {} s at most)", RETRY.as_secs())
@@ -169,9 +195,18 @@ mod tests {
             from_server_info(&v),
             Offers {
                 routing: true,
-                indexer: false
+                indexer: false,
+                cells: false
             }
         );
+        let hooks = json!({"forward_hooks": [
+            {"name": "other", "target_modules": ["model"], "hook_factory": "mypkg.hooks:f", "config": {}},
+            {"name": "engy_cells_block", "target_modules": ["*layers.*.mlp"],
+             "hook_factory": "engy_cells.hooks:hook_factory", "config": {"role": "block"}}]});
+        assert!(from_server_info(&hooks).cells);
+        let others = json!({"forward_hooks": [{"hook_factory": "engy_cellsx.hooks:f"}]});
+        assert!(!from_server_info(&others).cells);
+        assert!(!from_server_info(&json!({"forward_hooks": null})).cells);
         let odd = json!({"enable_return_routed_experts": "true", "enable_return_indexer_topk": 1});
         assert_eq!(from_server_info(&odd), Offers::default());
         assert_eq!(from_server_info(&json!({})), Offers::default());

@@ -497,3 +497,23 @@ pub async fn wait_log(m: &Miner, needle: &str) -> String {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `GET /metrics` of a miner's `--metrics-addr` (must answer 2xx).
+pub async fn scrape(addr: &str) -> String {
+    let r = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    r.text().await.unwrap()
+}
+
+/// The value of the sample whose name and labels are exactly `series`.
+pub fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+}
