@@ -16,6 +16,7 @@
 #      ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape Qwen3.6-35B-A3B FP8 checkpoint of
 #      ENGY_GPU_BENCH_LAYERS (40) layers written here, by engy-audit and by transformers
 #      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory.
+# ENGY_GPU_CHECKS=0 runs the benchmark alone.
 # Env: ENGY_CUDA_LIB_DIR (where libcublas.so.13 and friends are; default: found under the
 # Python install, e.g. PyTorch's nvidia/cu13/lib), ENGY_GPU_WORK (scratch, default /tmp/engy-gpu).
 set -uo pipefail
@@ -44,6 +45,7 @@ step() { # name command...
 }
 
 export ENGY_TEST_DEVICE=cuda
+if [ "${ENGY_GPU_CHECKS:-1}" != 0 ]; then
 step "architecture oracle on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/arch_vectors" --nocapture --test-threads 1
 step "audit oracle on cuda" \
@@ -65,6 +67,7 @@ for tsv in "$bin"/devnet*/verdicts.tsv; do
   [ -f "$tsv" ] || continue
   step "devnet commitments on cuda ($(basename "$(dirname "$tsv")"))" devnet_verdicts "$(dirname "$tsv")"
 done
+fi
 
 peak_mem() { # command... : runs it while sampling GPU memory; prints the peak (MiB) to $work/peak
   local base
