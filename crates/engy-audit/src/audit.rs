@@ -17,7 +17,8 @@ use anyhow::Context;
 use engy_model::audit::{
     audit_with, AuditParams, AuditReport, Recompute, RoutingAudit, RoutingPolicy, Verdict,
 };
-use engy_model::{LoadOptions, Model, Residency};
+use engy_model::device::host_steps;
+use engy_model::{DeviceSpec, LoadOptions, Model, Residency};
 
 /// Arguments of `engy-audit audit`.
 #[derive(clap::Args, Debug)]
@@ -70,6 +71,15 @@ pub struct AuditArgs {
     /// always dispatches its own top-k).
     #[arg(long)]
     pub no_routing_replay: bool,
+    /// Where the recompute runs: `cpu`, or `cuda` / `cuda:N` in a build with the `cuda`
+    /// feature (docs/AUDITOR.md "On a GPU"). The verdict rules are the same on every device.
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_DEVICE",
+        value_name = "DEVICE",
+        default_value = "cpu"
+    )]
+    pub device: DeviceSpec,
 }
 
 /// `--recompute` values.
@@ -187,14 +197,38 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
         } else {
             Residency::Streaming
         },
+        device: args.device,
         ..LoadOptions::default()
     };
-    let model = Model::open(&args.checkpoint, &opts)
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
+    let model = Model::open(&args.checkpoint, &opts).with_context(|| {
+        format!(
+            "opening checkpoint {} on {} (--device / ENGY_AUDIT_DEVICE)",
+            args.checkpoint.display(),
+            args.device
+        )
+    })?;
     let model_root = engy_core::identity::model_root(&args.checkpoint)
         .with_context(|| format!("model_root of {}", args.checkpoint.display()))?;
-    audit_with(&model, &model_root, &value, &params, args.recompute.into())
-        .context("recomputing hidden states")
+    let started = std::time::Instant::now();
+    let report = audit_with(&model, &model_root, &value, &params, args.recompute.into())
+        .context("recomputing hidden states")?;
+    // On stderr, so the report on stdout reads the same on every device.
+    let host: Vec<String> = host_steps()
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(step, n)| format!("{} {n}", step.label()))
+        .collect();
+    eprintln!(
+        "engy-audit audit: recomputed on {} in {:.3} s{}",
+        args.device,
+        started.elapsed().as_secs_f64(),
+        if host.is_empty() {
+            String::new()
+        } else {
+            format!(" (steps done on the host: {})", host.join(", "))
+        }
+    );
+    Ok(report)
 }
 
 /// The text report: the verdict line first (so `| head -1` is the verdict), then the score

@@ -71,6 +71,11 @@ pub struct DevnetOptions {
     pub audit: AuditParams,
     /// Longest wait for one request's response.
     pub request_timeout: Duration,
+    /// Where to keep every commitment and the devnet auditor's verdict on it (`NN-phase-
+    /// request.json` and one `file<TAB>verdict` line of `verdicts.tsv` each), so the same
+    /// commitments can be audited again elsewhere (`engy-audit audit --device cuda`,
+    /// scripts/gpu-check.sh). `None` keeps nothing.
+    pub save_commitments: Option<PathBuf>,
 }
 
 /// Cells the auditor opens per request (at most the request's cell count).
@@ -439,6 +444,9 @@ async fn phase(
                 Verdict::Unproven { reason } => format!("unproven: {reason}"),
                 v => v.label().to_string(),
             };
+            if let Some(dir) = &opts.save_commitments {
+                save_commitment(dir, name, r.label, &commitment, &verdict)?;
+            }
             let routing = match &report.routing {
                 Some(RoutingAudit::Checked(s)) => {
                     Some((s.tokens.agree, s.tokens.near_tie, s.tokens.compared))
@@ -481,6 +489,37 @@ async fn phase(
     }
     miner.stop().await.context("stopping engy-miner")?;
     Ok(rows)
+}
+
+/// Appends one commitment and its verdict to [`DevnetOptions::save_commitments`].
+fn save_commitment(
+    dir: &Path,
+    phase: &str,
+    request: &str,
+    commitment: &Value,
+    verdict: &str,
+) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tsv = dir.join("verdicts.tsv");
+    let n = std::fs::read_to_string(&tsv)
+        .map(|t| t.lines().count())
+        .unwrap_or(0);
+    let slug = |s: &str| -> String {
+        s.chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect()
+    };
+    let file = format!("{n:02}-{}-{}.json", slug(phase), slug(request));
+    std::fs::write(dir.join(&file), serde_json::to_vec_pretty(commitment)?)
+        .with_context(|| format!("writing {}", dir.join(&file).display()))?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&tsv)
+        .with_context(|| format!("opening {}", tsv.display()))?;
+    writeln!(f, "{file}\t{verdict}").with_context(|| format!("writing {}", tsv.display()))?;
+    Ok(())
 }
 
 /// The sampled cell audit of one response through the miner (module docs, docs/PROTOCOL.md

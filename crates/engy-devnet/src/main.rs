@@ -160,6 +160,10 @@ struct RunArgs {
     /// Longest wait for one request, in seconds.
     #[arg(long, default_value_t = 120.0)]
     request_timeout_s: f64,
+    /// Keep every commitment and its verdict in this directory (`verdicts.tsv`), to audit
+    /// them again elsewhere (`engy-audit audit --device cuda`).
+    #[arg(long, value_name = "DIR")]
+    save_commitments: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -243,6 +247,7 @@ async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
             ..AuditParams::default()
         },
         request_timeout: Duration::from_secs_f64(a.request_timeout_s.clamp(1.0, 86_400.0)),
+        save_commitments: a.save_commitments,
     };
     let started = std::time::Instant::now();
     let rows = run(&opts).await?;

@@ -35,6 +35,7 @@ async fn end_to_end(arch: GenArch) {
         serve_compute: Compute::Bf16,
         audit: AuditParams::default(),
         request_timeout: Duration::from_secs(120),
+        save_commitments: None,
     })
     .await
     .unwrap();

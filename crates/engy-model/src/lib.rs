@@ -15,6 +15,7 @@ pub mod audit;
 pub mod cells;
 pub mod config;
 pub mod corpus;
+pub mod device;
 mod gen;
 mod model;
 mod rng;
@@ -22,6 +23,7 @@ pub mod synth;
 
 pub use arch::{Architecture, LoadOptions, Probe, Residency, RoutingShape, TextConfig};
 pub use config::Qwen3Config;
+pub use device::DeviceSpec;
 pub use gen::{
     gen_model, GenArch, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
 };
@@ -41,6 +43,9 @@ pub enum ModelError {
     /// `config.json` is missing fields or inconsistent, or a generation setting is invalid.
     #[error("config: {0}")]
     Config(String),
+    /// The device named ([`DeviceSpec`]) cannot be opened or used.
+    #[error("device {0}")]
+    Device(String),
     /// A safetensors shard is malformed.
     #[error("{file}: {msg}")]
     Safetensors {

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
+use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
@@ -226,7 +227,8 @@ fn linear(seed: u64, name: &str, out: usize, inp: usize, fp8: bool) -> Vec<Raw> 
 
 /// Writes a synthetic Qwen3.5/3.6-MoE checkpoint of `shapes` to `dir`: `config.json` and one
 /// safetensors shard per layer (plus one for the embedding, one for the final norm and LM
-/// head), block FP8 when `fp8`. Deterministic in `seed`. Memory: one layer's bytes at a time.
+/// head), block FP8 when `fp8`. Deterministic in `seed`. Memory: one layer's bytes per
+/// thread (shards are written in parallel).
 ///
 /// # Errors
 /// [`ModelError::Io`] when `dir` cannot be written, [`ModelError::Safetensors`] if a shard
@@ -251,51 +253,61 @@ pub fn write_qwen3_5_moe(
         bytes: 0,
         files: Vec::new(),
     };
-    for shard in 0..n_shards {
-        let mut t: Vec<Raw> = Vec::new();
-        if shard == 0 {
-            t.push(bf16_tensor(
-                seed,
-                "model.embed_tokens.weight",
-                vec![shapes.vocab, d],
-                0.0,
-                0.03,
+    // Shards are independent (every tensor is seeded by its name), so they are made and
+    // written in parallel; each holds one layer's bytes while it is written.
+    let written = (0..n_shards)
+        .into_par_iter()
+        .map(|shard| -> Result<(usize, PathBuf), ModelError> {
+            let mut t: Vec<Raw> = Vec::new();
+            if shard == 0 {
+                t.push(bf16_tensor(
+                    seed,
+                    "model.embed_tokens.weight",
+                    vec![shapes.vocab, d],
+                    0.0,
+                    0.03,
+                ));
+            } else if shard == n_shards - 1 {
+                t.push(bf16_tensor(seed, "model.norm.weight", vec![d], 0.0, 0.1));
+                t.push(bf16_tensor(
+                    seed,
+                    "lm_head.weight",
+                    vec![shapes.vocab, d],
+                    0.0,
+                    0.03,
+                ));
+            } else {
+                layer_tensors(&mut t, shapes, shard - 1, fp8, seed);
+            }
+            let file = dir.join(format!(
+                "model-{:05}-of-{:05}.safetensors",
+                shard + 1,
+                n_shards
             ));
-        } else if shard == n_shards - 1 {
-            t.push(bf16_tensor(seed, "model.norm.weight", vec![d], 0.0, 0.1));
-            t.push(bf16_tensor(
-                seed,
-                "lm_head.weight",
-                vec![shapes.vocab, d],
-                0.0,
-                0.03,
-            ));
-        } else {
-            layer_tensors(&mut t, shapes, shard - 1, fp8, seed);
-        }
-        let file = dir.join(format!(
-            "model-{:05}-of-{:05}.safetensors",
-            shard + 1,
-            n_shards
-        ));
-        let bad = |msg: String| ModelError::Safetensors {
-            file: file.clone(),
-            msg,
-        };
-        let mut views = Vec::with_capacity(t.len());
-        for (name, dtype, shape, bytes) in &t {
-            report.bytes += bytes.len();
-            let full = match name.strip_prefix("model.") {
-                Some(rest) => format!("model.language_model.{rest}"),
-                None => name.clone(),
+            let bad = |msg: String| ModelError::Safetensors {
+                file: file.clone(),
+                msg,
             };
-            let v = TensorView::new(*dtype, shape.clone(), bytes)
-                .map_err(|e| bad(format!("{name}: {e}")))?;
-            views.push((full, v));
-        }
-        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        safetensors::tensor::serialize_to_file(views, Some(meta), &file)
-            .map_err(|e| bad(e.to_string()))?;
+            let mut bytes_total = 0;
+            let mut views = Vec::with_capacity(t.len());
+            for (name, dtype, shape, bytes) in &t {
+                bytes_total += bytes.len();
+                let full = match name.strip_prefix("model.") {
+                    Some(rest) => format!("model.language_model.{rest}"),
+                    None => name.clone(),
+                };
+                let v = TensorView::new(*dtype, shape.clone(), bytes)
+                    .map_err(|e| bad(format!("{name}: {e}")))?;
+                views.push((full, v));
+            }
+            let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+            safetensors::tensor::serialize_to_file(views, Some(meta), &file)
+                .map_err(|e| bad(e.to_string()))?;
+            Ok((bytes_total, file))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for (bytes, file) in written {
+        report.bytes += bytes;
         report.files.push(file);
     }
     Ok(report)

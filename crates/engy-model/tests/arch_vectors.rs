@@ -85,6 +85,7 @@ fn check_case(dir: &Path, case: &Value) -> Result<String, String> {
     let name = dir.file_name().unwrap().to_string_lossy().into_owned();
     let opts = LoadOptions {
         residency: Residency::Streaming,
+        device: common::test_device(),
         ..LoadOptions::default()
     };
     let model = Model::open(dir, &opts).map_err(|e| format!("{name}: load: {e}"))?;

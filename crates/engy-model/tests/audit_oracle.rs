@@ -100,6 +100,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 .is_some();
         let opts = LoadOptions {
             residency: Residency::Resident,
+            device: common::test_device(),
             ..LoadOptions::default()
         };
         let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));

@@ -46,7 +46,7 @@
 //! teacher-forced pass, so both paths select the same keys.
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use serde_json::Value;
 
 use super::ops::{self, linear_t};
@@ -54,6 +54,7 @@ use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
     TextConfig, Weights,
 };
+use crate::device::{count_host_step, HostStep};
 use crate::{Compute, ModelError};
 
 /// Epsilon of the MLA latent RMSNorms (`DeepseekV3RMSNorm(q_lora_rank)` and
@@ -891,7 +892,7 @@ impl GlmMoeDsa {
         prev_sel: Option<Vec<Vec<usize>>>,
     ) -> Result<(Tensor, LayerCache, Vec<Vec<usize>>), ModelError> {
         let c = &self.cfg;
-        let dev = Device::Cpu;
+        let dev = h.device().clone();
         let t = h.dim(0)?;
         let total = off + t;
         let (hd, nh, nkv) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads);
@@ -932,6 +933,7 @@ impl GlmMoeDsa {
             .round(linear_t(&q_resid, &q_b)?)?
             .flatten_all()?
             .to_vec1::<f32>()?;
+        count_host_step(&dev, HostStep::Rope);
         rope_inplace(&self.inv_freq, &mut q, nh, dqk, dn, off, cm);
         let q = Tensor::from_vec(q, (t, nh, dqk), &dev)?
             .transpose(0, 1)?
@@ -989,6 +991,7 @@ impl GlmMoeDsa {
                 }
             },
         };
+        count_host_step(&dev, HostStep::DsaTopK);
         let mut mask = vec![f32::NEG_INFINITY; t * total];
         for (r, keys) in sel.iter().enumerate() {
             for &s in keys {
@@ -1036,7 +1039,7 @@ impl GlmMoeDsa {
         past: Option<&Tensor>,
     ) -> Result<(Vec<Vec<usize>>, Tensor), ModelError> {
         let c = &self.cfg;
-        let dev = Device::Cpu;
+        let dev = h.device().clone();
         let t = h.dim(0)?;
         let total = off + t;
         let (hd, ni, di, qr) = (
@@ -1135,6 +1138,7 @@ impl GlmMoeDsa {
             .w
             .tensor_shaped(&format!("{m}.gate.e_score_correction_bias"), &[ne])?
             .to_vec1::<f32>()?;
+        count_host_step(h.device(), HostStep::Routing);
         let logits = linear_t(h, &router)?.to_vec2::<f32>()?;
         let (s, choice): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
             logits.iter().map(|row| route_scores(c, row, &bias)).unzip();

@@ -22,6 +22,7 @@ use candle_core::Tensor;
 use crate::{Compute, ModelError, Precision};
 
 pub mod config;
+pub mod delta_rule;
 pub mod glm_moe_dsa;
 pub mod ops;
 pub mod qlinear;
@@ -59,6 +60,8 @@ pub struct LoadOptions {
     /// Which of several keys with exactly equal DSA index scores at the `index_topk` boundary
     /// a query keeps (architectures with a DSA indexer; ignored elsewhere).
     pub dsa_ties: TieOrder,
+    /// Where the weights are placed and the forward pass runs ([`crate::DeviceSpec`]).
+    pub device: crate::DeviceSpec,
 }
 
 /// The order among exactly equal scores when a top-k selection must cut between them.
@@ -198,12 +201,15 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn Architecture>, Mod
 /// As [`load`], less the architecture's loader.
 pub fn open(dir: &Path, opts: &LoadOptions) -> Result<(TextConfig, Arc<Weights>), ModelError> {
     let cfg = TextConfig::read(dir)?;
-    let weights = Arc::new(Weights::open(
-        dir,
-        cfg.quantization.as_ref(),
-        opts.precision,
-        opts.residency,
-    )?);
+    let weights = Arc::new(
+        Weights::open(
+            dir,
+            cfg.quantization.as_ref(),
+            opts.precision,
+            opts.residency,
+        )?
+        .with_device(opts.device.device()?),
+    );
     Ok((cfg, weights))
 }
 

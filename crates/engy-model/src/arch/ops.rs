@@ -150,11 +150,11 @@ pub fn swiglu(
 }
 
 /// The additive causal mask `[t, off + t]` for `t` new positions after `off` cached ones (0
-/// where key `j <= off + i`, −inf elsewhere), or `None` for a single new position.
+/// where key `j <= off + i`, −inf elsewhere) on `device`, or `None` for a single new position.
 ///
 /// # Errors
 /// Candle errors only.
-pub fn causal_mask(t: usize, off: usize) -> candle_core::Result<Option<Tensor>> {
+pub fn causal_mask(t: usize, off: usize, device: &Device) -> candle_core::Result<Option<Tensor>> {
     if t <= 1 {
         return Ok(None);
     }
@@ -162,12 +162,13 @@ pub fn causal_mask(t: usize, off: usize) -> candle_core::Result<Option<Tensor>> 
     let m: Vec<f32> = (0..t)
         .flat_map(|i| (0..total).map(move |j| if j > off + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
-    Ok(Some(Tensor::from_vec(m, (t, total), &Device::Cpu)?))
+    Ok(Some(Tensor::from_vec(m, (t, total), device)?))
 }
 
 /// RoPE tables for positions `off .. off + t`: `cos`, `sin` `[t, dim/2]` with
 /// `inv_freq[i] = theta^(-2i/dim)` computed in f32 as transformers does
-/// (`1 / theta ** (arange(0, dim, 2) / dim)`), angle `pos * inv_freq[i]` in f32.
+/// (`1 / theta ** (arange(0, dim, 2) / dim)`), angle `pos * inv_freq[i]` in f32; computed on
+/// the host, placed on `device`.
 ///
 /// # Errors
 /// Candle errors only.
@@ -176,6 +177,7 @@ pub fn rope_tables(
     dim: usize,
     off: usize,
     t: usize,
+    device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let half = dim / 2;
     let inv: Vec<f32> = (0..half)
@@ -194,8 +196,8 @@ pub fn rope_tables(
         }
     }
     Ok((
-        Tensor::from_vec(cos, (t, half), &Device::Cpu)?,
-        Tensor::from_vec(sin, (t, half), &Device::Cpu)?,
+        Tensor::from_vec(cos, (t, half), device)?,
+        Tensor::from_vec(sin, (t, half), device)?,
     ))
 }
 
@@ -583,6 +585,7 @@ fn softmax_top_k_with(
     renormalise: bool,
     pick: fn(&[f32], usize) -> Vec<usize>,
 ) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
+    crate::device::count_host_step(logits.device(), crate::device::HostStep::Routing);
     let probs = candle_nn::ops::softmax_last_dim(logits)?.to_vec2::<f32>()?;
     Ok(probs
         .iter()
@@ -607,6 +610,7 @@ pub fn softmax_route_in(
         Compute::F32 => topk_indices,
         Compute::Bf16 => torch_topk_indices,
     };
+    crate::device::count_host_step(logits.device(), crate::device::HostStep::Routing);
     let rank = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let probs = candle_nn::ops::softmax_last_dim(logits)?.to_vec2::<f32>()?;
     let own = probs.iter().map(|row| pick(row, k)).collect();
@@ -661,14 +665,15 @@ where
             per.entry(e).or_default().push((tok as u32, w));
         }
     }
-    let mut out = Tensor::zeros((t, h), DType::F32, &Device::Cpu)?;
+    let dev = x.device();
+    let mut out = Tensor::zeros((t, h), DType::F32, dev)?;
     for (e, toks) in per {
         let idx: Vec<u32> = toks.iter().map(|p| p.0).collect();
         let wts: Vec<f32> = toks.iter().map(|p| p.1).collect();
         let n = idx.len();
-        let idx = Tensor::from_vec(idx, n, &Device::Cpu)?;
+        let idx = Tensor::from_vec(idx, n, dev)?;
         let rows = x.index_select(&idx, 0)?;
-        let y = weighted(e, &rows, &Tensor::from_vec(wts, (n, 1), &Device::Cpu)?)?;
+        let y = weighted(e, &rows, &Tensor::from_vec(wts, (n, 1), dev)?)?;
         out = out.index_add(&idx, &y, 0)?;
     }
     Ok(out)
@@ -780,7 +785,7 @@ mod tests {
     /// bf16 RoPE rounds `cos`/`sin`, each product and the sum; f32 is [`rope_half`] exactly.
     #[test]
     fn rope_half_in_rounds_products_and_sum() {
-        let (cos, sin) = rope_tables(10000.0, 4, 3, 2).unwrap();
+        let (cos, sin) = rope_tables(10000.0, 4, 3, 2, &Device::Cpu).unwrap();
         let xv: Vec<f32> = (0..12).map(|i| (i as f32 - 5.5) * 0.731).collect();
         let x = Tensor::from_vec(xv.clone(), (1, 2, 6), &Device::Cpu).unwrap();
         assert_eq!(

@@ -51,6 +51,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::delta_rule;
 use super::ops::{self, linear_t};
 use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
@@ -283,8 +284,111 @@ impl Qwen3_5Moe {
         Ok(())
     }
 
-    /// One Gated DeltaNet layer on `h` `[T, H]`; `prev` is the layer's cache (empty at 0).
+    /// One Gated DeltaNet layer on `h` `[T, H]`; `prev` is the layer's cache (empty at 0):
+    /// token by token on the host, in the chunked form ([`delta_rule::chunked`]) on a GPU.
     fn delta_net(
+        &self,
+        p: &str,
+        h: &Tensor,
+        prev: &[Tensor],
+    ) -> Result<(Tensor, LayerCache), ModelError> {
+        if h.device().is_cpu() {
+            self.delta_net_host(p, h, prev)
+        } else {
+            self.delta_net_tensors(p, h, prev)
+        }
+    }
+
+    /// [`Self::delta_net`] as tensor operations on `h`'s device: the same rounding points as
+    /// the host path, the rule in its chunked form.
+    fn delta_net_tensors(
+        &self,
+        p: &str,
+        h: &Tensor,
+        prev: &[Tensor],
+    ) -> Result<(Tensor, LayerCache), ModelError> {
+        let (t, d) = h.dims2()?;
+        let dev = h.device();
+        let a = format!("{p}.linear_attn");
+        let (nk, nv, dk, dv, kk) = (self.nk, self.nv, self.dk, self.dv, self.conv_k);
+        let cd = self.conv_dim();
+        let w = &*self.w;
+        let cm = self.compute;
+        let qkv = cm.round(w.linear_in(&format!("{a}.in_proj_qkv"), h, cd, d, cm)?)?;
+        let z = cm.round(w.linear_in(&format!("{a}.in_proj_z"), h, nv * dv, d, cm)?)?;
+        let small = |name: &str| -> Result<Tensor, ModelError> {
+            let wt = w.matrix_t(&format!("{a}.{name}"), nv, d)?;
+            Ok(cm.round(linear_t(h, &wt)?)?)
+        };
+        let (bb, aa) = (small("in_proj_b")?, small("in_proj_a")?);
+        let conv_w = w
+            .tensor(&format!("{a}.conv1d.weight"))?
+            .reshape((cd, kk))?
+            .t()?
+            .contiguous()?; // [K, cd]
+        let a_log = w.tensor(&format!("{a}.A_log"))?;
+        let dt_bias = w.tensor(&format!("{a}.dt_bias"))?;
+        let norm_w = w.tensor(&format!("{a}.norm.weight"))?;
+
+        // Causal depthwise conv, summed over taps in the host path's order, then SiLU.
+        let hist = kk.saturating_sub(1);
+        let past = match prev.first() {
+            Some(s) => s.clone(),
+            None => Tensor::zeros((hist, cd), DType::F32, dev)?,
+        };
+        let input = Tensor::cat(&[&past, &qkv], 0)?; // [hist + t, cd]
+        let mut s = Tensor::zeros((t, cd), DType::F32, dev)?;
+        for j in 0..kk {
+            s = (s + input
+                .narrow(0, j, t)?
+                .broadcast_mul(&conv_w.narrow(0, j, 1)?)?)?;
+        }
+        let s = cm.round(s)?;
+        let conv = cm.round(ops::silu(&s)?)?;
+        let conv_state = input.narrow(0, t, hist)?.contiguous()?;
+
+        let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
+            x.broadcast_div(&(x.sqr()?.sum_keepdim(2)? + 1e-6)?.sqrt()?)
+        };
+        let heads = |x: Tensor| -> candle_core::Result<Tensor> {
+            // [t, nk, dk] → [t, nv, dk], value head hv reading key head hv / (nv / nk).
+            x.unsqueeze(2)?
+                .broadcast_as((t, nk, nv / nk, dk))?
+                .reshape((t, nv, dk))
+        };
+        let q = l2(conv.narrow(1, 0, nk * dk)?.reshape((t, nk, dk))?)?;
+        let q = heads((q * (1.0 / (dk as f64).sqrt()))?)?;
+        let k = heads(l2(conv
+            .narrow(1, nk * dk, nk * dk)?
+            .reshape((t, nk, dk))?)?)?;
+        let v = conv.narrow(1, 2 * nk * dk, nv * dv)?.reshape((t, nv, dv))?;
+        let beta = cm.round(ops::sigmoid(&bb)?)?; // [t, nv]
+        let sp = aa.broadcast_add(&dt_bias)?;
+        let softplus = sp.gt(20.0)?.where_cond(&sp, &(sp.exp()? + 1.0)?.log()?)?;
+        let g = softplus.broadcast_mul(&a_log.exp()?.neg()?)?; // [t, nv]
+        let state = match prev.get(1) {
+            Some(s) => s.clone(),
+            None => Tensor::zeros((nv, dk, dv), DType::F32, dev)?,
+        };
+        let tr = |x: Tensor| x.transpose(0, 1)?.contiguous();
+        let (o, state) =
+            delta_rule::chunked(&tr(q)?, &tr(k)?, &tr(v)?, &tr(beta)?, &tr(g)?, &state)?;
+        // Gated RMSNorm per head on the rounded output (see the host path).
+        let o = cm.round(o.transpose(0, 1)?.contiguous()?)?; // [t, nv, dv]
+        let eps = self.cfg.rms_norm_eps;
+        let r = (o.sqr()?.mean_keepdim(2)? + eps)?.sqrt()?.recip()?;
+        let normed = cm.round(o.broadcast_mul(&r)?)?;
+        let weighted = cm.round(normed.broadcast_mul(&norm_w)?)?;
+        let z = z.reshape((t, nv, dv))?;
+        let core = cm
+            .round((weighted * ops::silu(&z)?)?)?
+            .reshape((t, nv * dv))?;
+        let y = cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?;
+        Ok((y, LayerCache(vec![conv_state, state])))
+    }
+
+    /// [`Self::delta_net`] token by token on the host.
+    fn delta_net_host(
         &self,
         p: &str,
         h: &Tensor,
@@ -441,7 +545,7 @@ impl Qwen3_5Moe {
         let k = proj("k_proj", kv * hd)?.reshape((t, kv, hd))?;
         let k = ops::rms_norm_1p_in(&k, &w.tensor(&format!("{a}.k_norm.weight"))?, eps, cm)?;
         let v = proj("v_proj", kv * hd)?.reshape((t, kv, hd))?;
-        let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, self.rot_dim, off, t)?;
+        let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, self.rot_dim, off, t, h.device())?;
         let q = ops::rope_half_in(&q.transpose(0, 1)?.contiguous()?, &cos, &sin, cm)?;
         let k = ops::rope_half_in(&k.transpose(0, 1)?.contiguous()?, &cos, &sin, cm)?;
         let v = v.transpose(0, 1)?.contiguous()?;
@@ -449,7 +553,7 @@ impl Qwen3_5Moe {
             [pk, pv] => (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?),
             _ => (k, v),
         };
-        let mask = ops::causal_mask(t, off)?;
+        let mask = ops::causal_mask(t, off, h.device())?;
         let y = ops::attention_in(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref(), cm)?;
         let y = cm.round((y * cm.round(ops::sigmoid(&gate)?)?)?)?;
         let y = cm.round(w.linear_in(&format!("{a}.o_proj"), &y, d, nh * hd, cm)?)?;
@@ -598,5 +702,69 @@ impl Architecture for Qwen3_5Moe {
         let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
         let wt = self.w.matrix_t(name, v, d)?;
         Ok(linear_t(&hidden.to_dtype(DType::F32)?, &wt)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::{open, LoadOptions};
+
+    /// The Gated DeltaNet layer a GPU runs (tensor operations, chunked rule) is the host
+    /// path's layer, here both on the CPU backend on the oracle checkpoint, in f32 and in
+    /// bf16, with a cache carried from a first call into a second one.
+    #[test]
+    fn the_tensor_delta_net_is_the_host_delta_net() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/vectors/arch/qwen3_5_moe");
+        for compute in [Compute::F32, Compute::Bf16] {
+            let opts = LoadOptions {
+                compute,
+                ..LoadOptions::default()
+            };
+            let (cfg, w) = open(&dir, &opts).unwrap();
+            let d = cfg.hidden_size;
+            let m = Qwen3_5Moe::load(cfg, w, &opts).unwrap();
+            let li = m
+                .mixers
+                .iter()
+                .position(|x| matches!(x, Mixer::DeltaNet))
+                .unwrap();
+            let p = format!("model.layers.{li}");
+            let h: Vec<f32> = (0..70 * d)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+                .collect();
+            let h = compute
+                .round(Tensor::from_vec(h, (70, d), &Device::Cpu).unwrap())
+                .unwrap();
+            let (a, b) = (h.narrow(0, 0, 66).unwrap(), h.narrow(0, 66, 4).unwrap());
+            let (y_host, c_host) = m.delta_net_host(&p, &a, &[]).unwrap();
+            let (y_dev, c_dev) = m.delta_net_tensors(&p, &a, &[]).unwrap();
+            let (y2_host, _) = m.delta_net_host(&p, &b, &c_host.0).unwrap();
+            let (y2_dev, _) = m.delta_net_tensors(&p, &b, &c_dev.0).unwrap();
+            for (got, want) in [(&y_dev, &y_host), (&y2_dev, &y2_host)] {
+                let scale = want
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                let err = (got - want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                // bf16: a value one rounding apart is 2^-8 relative.
+                let tol = match compute {
+                    Compute::F32 => 1e-4 * scale,
+                    Compute::Bf16 => 2e-2 * scale,
+                };
+                assert!(err <= tol, "{compute:?}: off by {err} (scale {scale})");
+            }
+        }
     }
 }

@@ -262,8 +262,8 @@ impl Architecture for Qwen3Moe {
         );
         let eps = self.cfg.rms_norm_eps;
         let mut x = c.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
-        let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, hd, off, t)?;
-        let mask = ops::causal_mask(t, off)?;
+        let (cos, sin) = ops::rope_tables(self.cfg.rope_theta, hd, off, t, x.device())?;
+        let mask = ops::causal_mask(t, off, x.device())?;
         let scale = 1.0 / (hd as f64).sqrt();
         let mut new_cache = Vec::with_capacity(self.cfg.num_hidden_layers);
         for li in 0..self.cfg.num_hidden_layers {

@@ -22,3 +22,16 @@ pub fn cases() -> Vec<PathBuf> {
     v.sort();
     v
 }
+
+/// `$ENGY_TEST_DEVICE` (`cpu`, `cuda`, `cuda:N`; default `cpu`): where the oracle tests run
+/// the model. CI runs them on the CPU; scripts/gpu-check.sh runs the same tests on a GPU in a
+/// `cuda` build (docs/AUDITOR.md "On a GPU").
+#[allow(dead_code)] // not every test crate that includes this module uses it
+pub fn test_device() -> engy_model::DeviceSpec {
+    match std::env::var("ENGY_TEST_DEVICE") {
+        Ok(d) if !d.is_empty() => d
+            .parse()
+            .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}")),
+        _ => engy_model::DeviceSpec::Cpu,
+    }
+}

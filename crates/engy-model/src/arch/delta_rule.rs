@@ -1,0 +1,242 @@
+//! The gated delta rule of Qwen3.5/3.6's Gated DeltaNet layers in its chunked form, as tensor
+//! operations, so it runs on whatever device its inputs are on (a GPU: docs/AUDITOR.md "On a
+//! GPU"). The host path of [`super::qwen3_5_moe`] runs the same rule token by token.
+//!
+//! The rule, per value head with state `S` `[dk, dv]` (transformers'
+//! `torch_recurrent_gated_delta_rule`): `S ← S·exp(g_t)`, `S ← S + k_t ⊗ β_t(v_t − Sᵀk_t)`,
+//! `o_t = Sᵀq_t`. The chunked form (transformers' `torch_chunk_gated_delta_rule`, after
+//! Yang et al., "Gated Delta Networks", 2024) processes `C` = [`CHUNK`] tokens at once: within
+//! a chunk the recurrence becomes a unit lower-triangular solve `(I − L)⁻¹` with
+//! `L = −tril₋₁((β·K)Kᵀ ⊙ Γ)` and `Γ_ij = exp(G_i − G_j)` (`G` the running sum of `g`);
+//! transformers solves it row by row, here it is the product `Π_m (I + L^(2^m))`, m < log₂ C,
+//! equal because `L` is nilpotent (`L^C = 0`). Only the chunk-to-chunk state pass is a loop.
+//! Sums are taken in another order than the token loop's, so results agree with it to f32
+//! rounding, not bit for bit (checked by this module's tests).
+#[cfg(test)]
+use candle_core::Device;
+use candle_core::{DType, Tensor, D};
+
+/// Tokens per chunk (transformers' `chunk_size` default).
+pub const CHUNK: usize = 64;
+
+/// Runs the rule over `t` tokens for `h` value heads.
+///
+/// * `q`, `k` `[h, t, dk]`: already l2-normalised, `q` already scaled by `dk^-1/2`;
+/// * `v` `[h, t, dv]`; `beta`, `g` `[h, t]` (f32, `g` the log decay);
+/// * `state` `[h, dk, dv]`: the state before the first token.
+///
+/// Returns the outputs `[h, t, dv]` and the state after the last token.
+///
+/// # Errors
+/// Candle errors only (shapes that do not fit the above).
+pub fn chunked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    g: &Tensor,
+    state: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (h, t, dk) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let dev = q.device();
+    let c = CHUNK;
+    let n = t.div_ceil(c);
+    let pad = n * c - t;
+    let padded = |x: &Tensor| -> candle_core::Result<Tensor> {
+        if pad == 0 {
+            x.contiguous()
+        } else {
+            x.pad_with_zeros(1, 0, pad)
+        }
+    };
+    let q = padded(q)?.reshape((h, n, c, dk))?;
+    let k = padded(k)?.reshape((h, n, c, dk))?;
+    let v = padded(v)?.reshape((h, n, c, dv))?;
+    let beta = padded(beta)?.reshape((h, n, c, 1))?;
+    // Padded tokens have g = 0: no decay, so the state after them is the state after the last
+    // real token.
+    let gc = padded(g)?.reshape((h, n, c))?.cumsum(D::Minus1)?; // G [h, n, c]
+
+    let lower_incl = Tensor::tril2(c, DType::F32, dev)?; // 1 on and below the diagonal
+    let strict = (&lower_incl - Tensor::eye(c, DType::F32, dev)?)?;
+    // Γ_ij = exp(G_i − G_j) below and on the diagonal, 0 above (masked before exp, as
+    // transformers does, so the upper half never overflows).
+    let diff = gc
+        .unsqueeze(3)?
+        .broadcast_sub(&gc.unsqueeze(2)?)?
+        .broadcast_mul(&lower_incl)?;
+    let decay = diff.exp()?.broadcast_mul(&lower_incl)?; // [h, n, c, c]
+
+    let k_beta = k.broadcast_mul(&beta)?;
+    let v_beta = v.broadcast_mul(&beta)?;
+    let l = (k_beta.matmul(&k.transpose(2, 3)?.contiguous()?)? * &decay)?
+        .broadcast_mul(&strict)?
+        .neg()?;
+    // (I − L)⁻¹ = Π (I + L^(2^m)).
+    let eye = Tensor::eye(c, DType::F32, dev)?;
+    let mut inv = l.broadcast_add(&eye)?;
+    let mut p = l;
+    let mut span = 2;
+    while span < c {
+        p = p.matmul(&p)?;
+        inv = (&inv + inv.matmul(&p)?)?;
+        span *= 2;
+    }
+    let value = inv.matmul(&v_beta)?; // [h, n, c, dv]
+    let k_cumdecay = inv.matmul(&k_beta.broadcast_mul(&gc.exp()?.unsqueeze(3)?)?)?;
+
+    let mut s = state.contiguous()?;
+    let mut outs = Vec::with_capacity(n);
+    for i in 0..n {
+        let qi = q.narrow(1, i, 1)?.squeeze(1)?; // [h, c, dk]
+        let ki = k.narrow(1, i, 1)?.squeeze(1)?;
+        let vi = value.narrow(1, i, 1)?.squeeze(1)?; // [h, c, dv]
+        let gi = gc.narrow(1, i, 1)?.squeeze(1)?; // [h, c]
+        let di = decay.narrow(1, i, 1)?.squeeze(1)?; // [h, c, c]
+        let attn = (qi.matmul(&ki.transpose(1, 2)?.contiguous()?)? * di)?;
+        let v_new = (vi - k_cumdecay.narrow(1, i, 1)?.squeeze(1)?.matmul(&s)?)?;
+        let inter = qi.broadcast_mul(&gi.exp()?.unsqueeze(2)?)?.matmul(&s)?;
+        outs.push((inter + attn.matmul(&v_new)?)?);
+        let g_last = gi.narrow(1, c - 1, 1)?; // [h, 1]
+        let k_dec = ki.broadcast_mul(&g_last.broadcast_sub(&gi)?.exp()?.unsqueeze(2)?)?;
+        s = (s.broadcast_mul(&g_last.exp()?.unsqueeze(2)?)?
+            + k_dec.transpose(1, 2)?.contiguous()?.matmul(&v_new)?)?;
+    }
+    let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?;
+    Ok((out, s))
+}
+
+/// The token-by-token rule on the host, the reference [`chunked`] is tested against (the
+/// same arithmetic as the host path of [`super::qwen3_5_moe`]).
+#[cfg(test)]
+fn recurrent(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    g: &Tensor,
+    state: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (h, t, dk) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let (q, k, v) = (
+        q.to_vec3::<f32>()?,
+        k.to_vec3::<f32>()?,
+        v.to_vec3::<f32>()?,
+    );
+    let (beta, g) = (beta.to_vec2::<f32>()?, g.to_vec2::<f32>()?);
+    let mut s = state.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; h * t * dv];
+    for hv in 0..h {
+        let s = &mut s[hv * dk * dv..(hv + 1) * dk * dv];
+        for ti in 0..t {
+            let decay = g[hv][ti].exp();
+            s.iter_mut().for_each(|x| *x *= decay);
+            let mut mem = vec![0f32; dv];
+            for i in 0..dk {
+                for j in 0..dv {
+                    mem[j] += s[i * dv + j] * k[hv][ti][i];
+                }
+            }
+            for j in 0..dv {
+                mem[j] = (v[hv][ti][j] - mem[j]) * beta[hv][ti];
+            }
+            for i in 0..dk {
+                for j in 0..dv {
+                    s[i * dv + j] += k[hv][ti][i] * mem[j];
+                }
+            }
+            for i in 0..dk {
+                for j in 0..dv {
+                    out[(hv * t + ti) * dv + j] += s[i * dv + j] * q[hv][ti][i];
+                }
+            }
+        }
+    }
+    Ok((
+        Tensor::from_vec(out, (h, t, dv), &Device::Cpu)?,
+        Tensor::from_vec(s, (h, dk, dv), &Device::Cpu)?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn det(seed: u64, shape: &[usize], scale: f32) -> Tensor {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn l2(x: &Tensor) -> Tensor {
+        x.broadcast_div(
+            &(x.sqr().unwrap().sum_keepdim(2).unwrap() + 1e-6)
+                .unwrap()
+                .sqrt()
+                .unwrap(),
+        )
+        .unwrap()
+    }
+
+    fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Lengths below, at and across chunk boundaries, a non-zero starting state (a cache), and
+    /// strong decays: the chunked form gives the token loop's outputs and final state.
+    #[test]
+    fn the_chunked_form_is_the_token_loop() {
+        let (h, dk, dv) = (3, 8, 5);
+        for (i, &t) in [1usize, 7, 64, 65, 150].iter().enumerate() {
+            let s = i as u64 * 10;
+            let q = (l2(&det(s + 1, &[h, t, dk], 1.0)) * (dk as f64).powf(-0.5)).unwrap();
+            let k = l2(&det(s + 2, &[h, t, dk], 1.0));
+            let v = det(s + 3, &[h, t, dv], 2.0);
+            let beta = det(s + 4, &[h, t], 1.0).affine(0.5, 0.5).unwrap();
+            let g = (det(s + 5, &[h, t], 1.0).abs().unwrap() * -1.5).unwrap();
+            let s0 = det(s + 6, &[h, dk, dv], 0.5);
+            let (want, want_s) = recurrent(&q, &k, &v, &beta, &g, &s0).unwrap();
+            let (got, got_s) = chunked(&q, &k, &v, &beta, &g, &s0).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let (e, es) = (max_abs(&got, &want), max_abs(&got_s, &want_s));
+            assert!(
+                e < 1e-4 && es < 1e-4,
+                "t={t}: outputs off by {e}, state by {es}"
+            );
+        }
+    }
+
+    /// The check can fail: a rule that forgets the decay inside a chunk is far off.
+    #[test]
+    fn a_wrong_decay_is_seen() {
+        let (h, t, dk, dv) = (2, 40, 8, 4);
+        let q = (l2(&det(1, &[h, t, dk], 1.0)) * (dk as f64).powf(-0.5)).unwrap();
+        let k = l2(&det(2, &[h, t, dk], 1.0));
+        let v = det(3, &[h, t, dv], 2.0);
+        let beta = det(4, &[h, t], 1.0).affine(0.5, 0.5).unwrap();
+        let g = (det(5, &[h, t], 1.0).abs().unwrap() * -1.5).unwrap();
+        let s0 = Tensor::zeros((h, dk, dv), DType::F32, &Device::Cpu).unwrap();
+        let (want, _) = recurrent(&q, &k, &v, &beta, &g, &s0).unwrap();
+        let (got, _) = chunked(&q, &k, &v, &beta, &g.zeros_like().unwrap(), &s0).unwrap();
+        assert!(max_abs(&got, &want) > 1e-2);
+    }
+}

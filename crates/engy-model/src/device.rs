@@ -1,0 +1,163 @@
+//! Where the forward pass runs: [`DeviceSpec`] (`cpu`, `cuda`, `cuda:N`), the one candle
+//! [`Device`] per GPU, and the count of [`HostStep`]s, the parts of a pass that still copy
+//! device data to the host and back (docs/AUDITOR.md "On a GPU").
+//!
+//! A CUDA device exists only in a build with the `cuda` feature (scripts/build-cuda.sh); in
+//! the default build `cuda` parses and then fails with [`ModelError::Device`] saying so.
+//! Every tensor of one pass must live on one candle device, and candle tells two handles of
+//! the same GPU apart, so [`DeviceSpec::device`] hands out one shared handle per ordinal.
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::Device;
+
+use crate::ModelError;
+
+/// A device named on the command line: `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum DeviceSpec {
+    /// The host, candle's CPU backend (the default; what CI runs).
+    #[default]
+    Cpu,
+    /// GPU `N` through candle's CUDA backend (needs the `cuda` feature).
+    Cuda(usize),
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| format!("`{s}` is not a device: cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// Whether this build can open a CUDA device (the `cuda` feature).
+    pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+    /// The candle device: the CPU, or the one shared handle of GPU `N`.
+    ///
+    /// # Errors
+    /// [`ModelError::Device`] when this build has no CUDA backend, or when the driver cannot
+    /// open GPU `N` (no driver, no such GPU, a toolkit the driver is too old for).
+    pub fn device(self) -> Result<Device, ModelError> {
+        match self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda(n) => cuda_device(n),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(n: usize) -> Result<Device, ModelError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static OPEN: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
+    let mut open = OPEN
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .map_err(|_| ModelError::Device("the device table was poisoned".into()))?;
+    if let Some(d) = open.get(&n) {
+        return Ok(d.clone());
+    }
+    let d = Device::new_cuda(n).map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))?;
+    open.insert(n, d.clone());
+    Ok(d)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(n: usize) -> Result<Device, ModelError> {
+    Err(ModelError::Device(format!(
+        "cuda:{n}: this binary was built without the `cuda` feature \
+         (build it with scripts/build-cuda.sh, docs/AUDITOR.md \"On a GPU\")"
+    )))
+}
+
+/// A part of the forward pass that reads device data on the host and writes its result back:
+/// on the CPU a no-op, on a GPU a synchronising copy each way. Counted so a run says what it
+/// did not do on the device ([`host_steps`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostStep {
+    /// A MoE router's top-k: `[T, n_experts]` scores to the host, the chosen experts back as
+    /// index tensors (torch's tie order is kept by [`crate::arch::ops`]).
+    Routing,
+    /// The DSA indexer's per-query top-k of key positions and the mask built from it.
+    DsaTopK,
+    /// GLM's interleaved rotary embedding of MLA and indexer queries/keys.
+    Rope,
+}
+
+impl HostStep {
+    /// Every step, in report order.
+    pub const ALL: [HostStep; 3] = [HostStep::Routing, HostStep::DsaTopK, HostStep::Rope];
+
+    /// The step's name in reports.
+    pub fn label(self) -> &'static str {
+        match self {
+            HostStep::Routing => "routing top-k",
+            HostStep::DsaTopK => "dsa top-k",
+            HostStep::Rope => "mla rope",
+        }
+    }
+}
+
+static HOST_STEPS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Counts one [`HostStep`] done for a tensor on `device` (a step on the CPU is not counted).
+pub fn count_host_step(device: &Device, step: HostStep) {
+    if !device.is_cpu() {
+        HOST_STEPS[step as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The host steps counted in this process so far, by step (zero on the CPU).
+pub fn host_steps() -> [(HostStep, u64); 3] {
+    HostStep::ALL.map(|s| (s, HOST_STEPS[s as usize].load(Ordering::Relaxed)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse_and_print_back() {
+        for (s, d) in [
+            ("cpu", DeviceSpec::Cpu),
+            ("cuda", DeviceSpec::Cuda(0)),
+            ("cuda:3", DeviceSpec::Cuda(3)),
+        ] {
+            assert_eq!(s.parse::<DeviceSpec>(), Ok(d));
+        }
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+        for bad in ["gpu", "cuda:", "cuda:x", "CPU", "cuda:-1"] {
+            let e = bad.parse::<DeviceSpec>().unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_cpu_build_names_the_missing_feature() {
+        let e = DeviceSpec::Cuda(0).device().unwrap_err().to_string();
+        assert!(e.contains("`cuda` feature"), "{e}");
+        assert!(DeviceSpec::Cpu.device().unwrap().is_cpu());
+    }
+}

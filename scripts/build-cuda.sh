@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds the GPU auditor and its GPU checks with the `cuda` feature on a machine with no CUDA
+# install (the toolkit comes from PyPI: scripts/cuda-toolkit.sh), and stages them in DIR
+# (default target/gpu) for scripts/gpu-check.sh on the GPU machine:
+#   DIR/engy-audit        the auditor (`--device cuda`)
+#   DIR/arch_vectors      the architecture oracle test (ENGY_TEST_DEVICE=cuda)
+#   DIR/audit_oracle      the audit oracle test (ENGY_TEST_DEVICE=cuda)
+#   DIR/synth_checkpoint  writes the real-shape Qwen3.6 FP8 checkpoint for the benchmark
+# docs/AUDITOR.md "On a GPU" says how to run them. Binaries are stripped (they carry the
+# kernels' PTX); at run time they need only the NVIDIA driver and the CUDA 13 libraries
+# (cudart, cublas, cublasLt, curand, nvrtc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-target/gpu}"
+eval "$(scripts/cuda-toolkit.sh)"
+mkdir -p "$out"
+cargo build --release --locked -p engy-audit --features cuda
+cargo build --release --locked -p engy-model --example synth_checkpoint
+tests="$(cargo test --release --locked -p engy-model --features cuda \
+  --test arch_vectors --test audit_oracle --no-run 2>&1 | tee /dev/stderr \
+  | sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p')"
+target="${CARGO_TARGET_DIR:-target}"
+install -m 755 "$target/release/engy-audit" "$out/engy-audit"
+install -m 755 "$target/release/examples/synth_checkpoint" "$out/synth_checkpoint"
+while read -r name path; do
+  [ -n "$name" ] && install -m 755 "$path" "$out/$name"
+done <<<"$tests"
+strip "$out"/* 2>/dev/null || true
+ls -la "$out" >&2

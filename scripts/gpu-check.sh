@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmark of the auditor in one command, on a machine with an NVIDIA GPU
+# (docs/AUDITOR.md "On a GPU"). Run from the repository root:
+#
+#   scripts/gpu-check.sh BIN_DIR [OUT_DIR]
+#
+# BIN_DIR: what scripts/build-cuda.sh staged, optionally with `devnet*/` folders (a devnet
+# model and the commitments `engy-devnet run --model-dir BIN_DIR/devnet/model
+# --save-commitments BIN_DIR/devnet` kept, with the CPU verdicts in verdicts.tsv).
+# Steps (each prints a `== ` header and `-> ok|FAIL`; the exit code is 1 when any check
+# failed):
+#   1. the architecture oracle on the GPU (same tolerances as on the CPU);
+#   2. the audit oracle on the GPU (honest serves pass, cheats are caught);
+#   3. every devnet commitment audited on the GPU gets its CPU verdict;
+#   4. unless ENGY_GPU_BENCH=0: the side-by-side benchmark, a teacher-forced audit of
+#      ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape Qwen3.6-35B-A3B FP8 checkpoint of
+#      ENGY_GPU_BENCH_LAYERS (40) layers written here, by engy-audit and by transformers
+#      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory.
+# ENGY_GPU_CHECKS=0 runs the benchmark alone.
+# Env: ENGY_CUDA_LIB_DIR (where libcublas.so.13 and friends are; default: found under the
+# Python install, e.g. PyTorch's nvidia/cu13/lib), ENGY_GPU_WORK (scratch, default /tmp/engy-gpu).
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+bin="$(cd "${1:?usage: scripts/gpu-check.sh BIN_DIR [OUT_DIR]}" && pwd)"
+out="${2:-.}"
+mkdir -p "$out"
+work="${ENGY_GPU_WORK:-/tmp/engy-gpu}"
+mkdir -p "$work"
+status=0
+
+libdir="${ENGY_CUDA_LIB_DIR:-}"
+if [ -z "$libdir" ]; then
+  hit="$(find / -xdev -name 'libcublasLt.so.13*' -not -path '*/proc/*' 2>/dev/null | head -n1)"
+  libdir="$(dirname "${hit:-/nonexistent/x}")"
+fi
+export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "== GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
+echo "   CUDA libraries: $libdir"
+
+step() { # name command...
+  local name="$1"; shift
+  echo "== $name"
+  local t0=$SECONDS
+  if "$@"; then echo "-> ok ($((SECONDS - t0)) s)"; else echo "-> FAIL ($((SECONDS - t0)) s)"; status=1; fi
+}
+
+export ENGY_TEST_DEVICE=cuda
+if [ "${ENGY_GPU_CHECKS:-1}" != 0 ]; then
+step "architecture oracle on cuda" \
+  env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/arch_vectors" --nocapture --test-threads 1
+step "audit oracle on cuda" \
+  env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
+  "$bin/audit_oracle" --nocapture --test-threads 1
+
+devnet_verdicts() { # DIR: a devnet model and its saved commitments
+  local d="$1" n=0 same=0 file want got
+  while IFS=$'\t' read -r file want; do
+    got="$("$bin/engy-audit" audit --checkpoint "$d/model" --commitment "$d/$file" --device cuda 2>/dev/null | head -n1)"
+    got="${got#verdict: }"
+    n=$((n + 1))
+    if [ "$got" = "$want" ]; then same=$((same + 1)); else echo "   $file: cpu $want, cuda $got"; fi
+  done <"$d/verdicts.tsv"
+  echo "   $(basename "$d"): $same/$n commitments get the CPU verdict on cuda"
+  [ "$n" -gt 0 ] && [ "$same" -eq "$n" ]
+}
+for tsv in "$bin"/devnet*/verdicts.tsv; do
+  [ -f "$tsv" ] || continue
+  step "devnet commitments on cuda ($(basename "$(dirname "$tsv")"))" devnet_verdicts "$(dirname "$tsv")"
+done
+fi
+
+peak_mem() { # command... : runs it while sampling GPU memory; prints the peak (MiB) to $work/peak
+  local base
+  base="$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n1)"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$work/mem.log" &
+  local smi=$!
+  "$@"
+  local rc=$?
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  echo "$(( $(sort -n "$work/mem.log" | tail -n1) - base ))" >"$work/peak"
+  return $rc
+}
+
+bench() {
+  local tokens="${ENGY_GPU_BENCH_TOKENS:-4096}" layers="${ENGY_GPU_BENCH_LAYERS:-40}"
+  local ck="$work/qwen36-fp8-$layers"
+  if [ ! -f "$ck/commitment.json" ]; then
+    /usr/bin/time -f "   wrote the checkpoint in %e s" "$bin/synth_checkpoint" "$ck" "$layers" "$tokens" || return 1
+  fi
+  cat "$ck"/*.safetensors >/dev/null # into the page cache: time the audit, not the disk
+  local t0 t1
+  t0=$(date +%s.%N)
+  peak_mem "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \
+    --device cuda --recompute bf16 >"$work/engy.out" 2>"$work/engy.err"
+  t1=$(date +%s.%N)
+  cat "$work/engy.err"
+  local engy_s engy_mem
+  engy_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/engy.err")"
+  engy_mem="$(cat "$work/peak")"
+  echo "   engy-audit: verdict $(head -n1 "$work/engy.out"), process wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s"
+  peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" >"$work/tf.json" 2>"$work/tf.err"
+  local tf_mem; tf_mem="$(cat "$work/peak")"
+  tail -n 3 "$work/tf.err"
+  cat "$work/tf.json"
+  python3 - "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/tf.json" "$tf_mem" <<'PY'
+import json, sys
+tokens, layers, engy_s, engy_mem, tf_path, tf_mem = sys.argv[1:]
+tf = json.load(open(tf_path))
+num = lambda v: float(v) if v not in ("", None) else float("nan")
+rows = [("engy-audit --device cuda (bf16 recompute, f32 arithmetic)", num(engy_s), num(engy_mem)),
+        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']})", tf["seconds"], num(tf_mem))]
+print(f"   real-shape Qwen3.6-35B-A3B FP8, {layers} layers, {tokens} tokens, {tf['gpu']}")
+print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
+print("   |---|---|---|---|")
+for name, s, mem in rows:
+    print(f"   | {name} | {s:.2f} | {int(tokens)/s:.0f} | {mem/1024:.1f} |")
+if engy_s in ("", None):
+    sys.exit(1)
+PY
+}
+if [ "${ENGY_GPU_BENCH:-1}" != 0 ]; then
+  step "benchmark: engy-audit vs transformers" bench
+fi
+exit $status
