@@ -1,6 +1,6 @@
 //! The devnet: the whole pipeline on one machine (issue 5), behind `engy-devnet run`.
 //!
-//! For each of two phases, **honest** (the checkpoint's bf16 weights) and **int4 cheat** (the
+//! For each of the first two phases, **honest** (the checkpoint's bf16 weights) and **int4 cheat** (the
 //! same checkpoint rounded to 4-bit groups, still claiming the honest `model_root`):
 //!
 //! 1. the reference serve: the sglang double ([`crate::sglang::SglangDouble`]) over the real
@@ -12,9 +12,12 @@
 //!    longer than `TOPLOC_GEN_CHUNK`), each commitment audited by [`engy_model::audit`] against
 //!    the bf16 checkpoint.
 //!
-//! A third phase, **fabricated cells**, serves the honest weights (its TOPLOC proofs pass) but
-//! commits activation cells it never computed (a `y` taken from the previous position): the
-//! cheat only the sampled cell audit sees.
+//! A third phase, **int4 experts**, serves a copy of the checkpoint whose routed experts only
+//! are rounded to int4 ([`engy_model::cells::write_expert_cheat`]; router, attention and shared
+//! expert exact), still claiming the honest checkpoint: its TOPLOC proofs pass (the final
+//! hidden state moves too little), its cells do not. A fourth, **fabricated cells**, serves
+//! the honest weights (its TOPLOC proofs pass) but commits activation cells it never computed
+//! (a `y` taken from the previous position): both are cheats only the sampled cell audit sees.
 //!
 //! Every commitment carries the serve's routing trace (the double runs with
 //! `--enable-return-routed-experts`, the miner asks for it), which the audit checks and
@@ -25,7 +28,7 @@
 //! root and each cell against the weights ([`engy_model::cells::verify_cell`]).
 //!
 //! It prints one table row per request, then the summary lines `honest: …`, `int4 cheat: …`,
-//! `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
+//! `int4 experts: …`, `fabricated cells: …`, `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
 //! failed` per phase, and exits non-zero if an honest proof does not pass, a cheat is not
 //! caught (an `unproven` counts as a failure in every phase), or an honest cell fails.
 use std::io::{IsTerminal, Write};
@@ -36,7 +39,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use engy_core::cells::{select, verify_opening, CellShape, CellTree};
 use engy_model::audit::{audit_with, AuditParams, Recompute, RoutingAudit, Verdict};
-use engy_model::cells::{serve_cells, verify_cell, CellPolicy, CellServe};
+use engy_model::cells::{serve_cells, verify_cell, write_expert_cheat, CellPolicy, CellServe};
 use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Model, Precision};
 use serde_json::{json, Value};
 
@@ -120,7 +123,7 @@ fn requests(gen_chunk: usize) -> Vec<DevnetRequest> {
 /// One row of the result table.
 #[derive(Debug, Clone)]
 pub struct DevnetRow {
-    /// `honest` or `int4 cheat`.
+    /// `honest`, `int4 cheat`, [`INT4_EXPERTS`] or [`FABRICATED`].
     pub phase: &'static str,
     /// Request label.
     pub request: String,
@@ -291,12 +294,31 @@ async fn phase(
     progress: &Progress,
 ) -> anyhow::Result<Vec<DevnetRow>> {
     let (name, precision, expect) = (spec.name, spec.precision, &spec.expect);
+    // The expert-only cheats serve a rounded copy; the miner still claims `dir`.
+    let serve_dir = match spec.cells.expert_quant() {
+        Some(q) => {
+            let copy = work.join(format!("model-{}", spec.cells.label()));
+            let d = dir.to_path_buf();
+            let c = copy.clone();
+            let r = tokio::task::spawn_blocking(move || write_expert_cheat(&d, &c, q))
+                .await
+                .context("expert cheat task")?
+                .with_context(|| format!("writing the {} checkpoint", spec.cells.label()))?;
+            progress.done(&format!(
+                "[{name}] {} expert tensors rounded ({q:?}) in {}",
+                r.tensors,
+                copy.display()
+            ));
+            copy
+        }
+        None => dir.to_path_buf(),
+    };
     progress.done(&format!(
         "[{name}] loading the serve: {precision} weights, {:?} activations",
         opts.serve_compute
     ));
-    let backend = CandleBackend::open_with(dir, precision, opts.serve_compute)
-        .with_context(|| format!("loading {} for the serve", dir.display()))?;
+    let backend = CandleBackend::open_with(&serve_dir, precision, opts.serve_compute)
+        .with_context(|| format!("loading {} for the serve", serve_dir.display()))?;
     // As a serve started with --enable-return-routed-experts: the miner attaches the
     // routing to every commitment (docs/PROTOCOL.md §3.10).
     let serve = SglangDouble::start(
@@ -306,8 +328,8 @@ async fn phase(
     .await
     .context("starting the reference serve")?;
     let cell_serve = Arc::new(
-        Model::load_with(dir, precision, opts.serve_compute)
-            .with_context(|| format!("loading {} for the phase's cells", dir.display()))?,
+        Model::load_with(&serve_dir, precision, opts.serve_compute)
+            .with_context(|| format!("loading {} for the phase's cells", serve_dir.display()))?,
     );
     let gateway = GatewayDouble::start(GatewayConfig::default())
         .await
@@ -586,6 +608,13 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             cells_pass: false,
         },
         PhaseSpec {
+            name: INT4_EXPERTS,
+            precision: Precision::Bf16,
+            expect: Verdict::Pass,
+            cells: CellServe::Int4Experts,
+            cells_pass: false,
+        },
+        PhaseSpec {
             name: FABRICATED,
             precision: Precision::Bf16,
             expect: Verdict::Pass,
@@ -599,6 +628,9 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
     }
     Ok(rows)
 }
+
+/// The phase whose TOPLOC proofs pass but whose routed experts run in int4.
+pub const INT4_EXPERTS: &str = "int4 experts";
 
 /// The phase whose TOPLOC proofs pass but whose cells are fabricated.
 pub const FABRICATED: &str = "fabricated cells";
@@ -649,6 +681,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
     for (phase, want) in [
         ("honest", "pass"),
         ("int4 cheat", "cheat"),
+        (INT4_EXPERTS, "pass"),
         (FABRICATED, "pass"),
     ] {
         let of: Vec<&DevnetRow> = rows.iter().filter(|r| r.phase == phase).collect();
@@ -680,7 +713,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
         "routing: honest {}/{} tokens agree (near-ties {})\n",
         honest_routing.0, honest_routing.2, honest_routing.1
     ));
-    for phase in ["honest", "int4 cheat", FABRICATED] {
+    for phase in ["honest", "int4 cheat", INT4_EXPERTS, FABRICATED] {
         let (failed, opened) = rows
             .iter()
             .filter(|r| r.phase == phase)

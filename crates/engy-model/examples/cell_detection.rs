@@ -80,13 +80,36 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 cheat_seqs
             };
             let (mut n, mut failed) = (0usize, 0usize);
+            let mut y_errs = Vec::new();
             for ids in sequences(vocab, count, len, 17) {
                 for cell in serve_cells(&model, &ids, serve)? {
                     n += 1;
-                    failed += usize::from(!verify_cell(&verifier, &cell, &policy)?.pass());
+                    let check = verify_cell(&verifier, &cell, &policy)?;
+                    if serve == CellServe::Honest && !check.pass() {
+                        eprintln!("{label}: honest cell failed: {check:?}");
+                    }
+                    y_errs.push(check.y_err);
+                    failed += usize::from(!check.pass());
                 }
             }
             let p = failed as f64 / n.max(1) as f64;
+            y_errs.sort_by(f32::total_cmp);
+            let q = |f: f64| {
+                y_errs
+                    .get(((y_errs.len() as f64 - 1.0) * f) as usize)
+                    .copied()
+                    .unwrap_or(f32::NAN)
+            };
+            eprintln!(
+                "{label} {}: y error min {:.4} p1 {:.4} p10 {:.4} median {:.4} p99.9 {:.4} max {:.4}",
+                serve.label(),
+                q(0.0),
+                q(0.01),
+                q(0.1),
+                q(0.5),
+                q(0.999),
+                q(1.0)
+            );
             let need = if serve == CellServe::Honest {
                 honest_total = (honest_total.0 + failed, honest_total.1 + n);
                 "—".to_string()

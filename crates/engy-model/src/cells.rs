@@ -56,7 +56,7 @@ impl Default for CellPolicy {
         Self {
             logits_abs: 1.0 / 64.0,
             logits_rel: 1.0 / 64.0,
-            y_rel: 0.03,
+            y_rel: 0.05,
             margin: None,
         }
     }
