@@ -8,7 +8,6 @@
 //! 3 the audit could not run (unreadable or malformed input, bad flags); 4 the checkpoint's
 //! bytes of a touched unit do not match the trusted `model_root` (the auditor's checkpoint is
 //! not the committed one; nothing is said about the miner).
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -101,26 +100,7 @@ pub fn main(args: &CellsArgs) -> ExitCode {
         BundleVerdict::Pass => EXIT_PASS,
         BundleVerdict::Cheat => EXIT_CHEAT,
     };
-    let text = if args.json {
-        match serde_json::to_string(&report) {
-            Ok(s) => s + "\n",
-            Err(e) => {
-                eprintln!("engy-audit cells: error: serialising the report: {e}");
-                return ExitCode::from(EXIT_ERROR);
-            }
-        }
-    } else {
-        report_text(&report)
-    };
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Ok(()) => ExitCode::from(code),
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(code),
-        Err(e) => {
-            eprintln!("engy-audit cells: error: writing the report to standard output: {e}");
-            ExitCode::from(EXIT_ERROR)
-        }
-    }
+    crate::emit("cells", &report, args.json, report_text, code, EXIT_ERROR)
 }
 
 fn run(args: &CellsArgs) -> Result<BundleReport, Stop> {

@@ -56,3 +56,38 @@ fn main() -> ExitCode {
         },
     }
 }
+
+/// Prints a verdict's report (`json`: the report as one JSON line, else `text()`) and returns
+/// `code`. A reader that has gone (`| head -1`) read what it wanted: the verdict's code stands.
+/// A report that cannot be serialised or written is exit `error_code`, with the reason on
+/// stderr under `cmd`.
+fn emit<R: serde::Serialize>(
+    cmd: &str,
+    report: &R,
+    json: bool,
+    text: impl FnOnce(&R) -> String,
+    code: u8,
+    error_code: u8,
+) -> ExitCode {
+    use std::io::Write as _;
+    let text = if json {
+        match serde_json::to_string(report) {
+            Ok(s) => s + "\n",
+            Err(e) => {
+                eprintln!("engy-audit {cmd}: error: serialising the report: {e}");
+                return ExitCode::from(error_code);
+            }
+        }
+    } else {
+        text(report)
+    };
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::from(code),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("engy-audit {cmd}: error: writing the report to standard output: {e}");
+            ExitCode::from(error_code)
+        }
+    }
+}

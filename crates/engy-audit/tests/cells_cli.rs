@@ -121,6 +121,7 @@ fn cells_exit_codes_follow_the_verdict() {
 
     // Honest: exit 0, one line per challenged cell, the units read.
     let (code, out, err) = cells(&honest_path, &with_proofs);
+    eprintln!("{out}");
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.starts_with("verdict: pass (0/8 challenged cells failed)"),
@@ -163,6 +164,7 @@ fn cells_exit_codes_follow_the_verdict() {
     let (code, out, _) = cells(&write(t.path(), "missing.json", &missing), &with_spec);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("not opened"), "{out}");
+    eprintln!("{out}");
 
     // An opening of a cell the challenge did not choose: refused (exit 2).
     let chosen = honest.challenge().unwrap();

@@ -12,10 +12,11 @@
 //!    longer than `TOPLOC_GEN_CHUNK`), each commitment audited by [`engy_model::audit`] against
 //!    the bf16 checkpoint.
 //!
-//! A third phase, **int4 experts**, serves a copy of the checkpoint whose routed experts only
-//! are rounded to int4 ([`engy_model::cells::write_expert_cheat`]; router, attention and shared
-//! expert exact), still claiming the honest checkpoint: its TOPLOC proofs pass (the final
-//! hidden state moves too little), its cells do not. A fourth, **fabricated cells**, serves
+//! A third phase, **fp8 experts**, serves a copy of the checkpoint whose routed experts only
+//! are rounded to block FP8 ([`engy_model::cells::write_expert_cheat`]; router, attention and
+//! shared expert exact), still claiming the honest checkpoint: its TOPLOC proofs pass (the
+//! final hidden state moves too little), a fraction of its cells do not (the phase must fail
+//! cells, not every request). A fourth, **fabricated cells**, serves
 //! the honest weights (its TOPLOC proofs pass) but commits activation cells it never computed
 //! (a `y` taken from the previous position): both are cheats only the sampled cell audit sees.
 //!
@@ -28,7 +29,7 @@
 //! root and each cell against the weights ([`engy_model::cells::verify_cell`]).
 //!
 //! It prints one table row per request, then the summary lines `honest: …`, `int4 cheat: …`,
-//! `int4 experts: …`, `fabricated cells: …`, `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
+//! `fp8 experts: …`, `fabricated cells: …`, `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
 //! failed` per phase, and exits non-zero if an honest proof does not pass, a cheat is not
 //! caught (an `unproven` counts as a failure in every phase), or an honest cell fails.
 use std::io::{IsTerminal, Write};
@@ -71,8 +72,11 @@ pub struct DevnetOptions {
     pub request_timeout: Duration,
 }
 
-/// Cells the auditor opens per request (at most the request's cell count).
-pub const CELLS_PER_REQUEST: u64 = 16;
+/// Cells the auditor opens per request (at most the request's cell count). The fp8-experts
+/// phase fails about 0.1 (qwen3_5_moe) to 0.3 (qwen3_moe) of its cells (docs/AUDITOR.md
+/// "Cells"): 32 cells a request, 160 a phase, leave a run no real chance of missing the
+/// phase (0.9¹⁶⁰ ≈ 5·10⁻⁸).
+pub const CELLS_PER_REQUEST: u64 = 32;
 
 /// One request of the devnet's fixed set.
 #[derive(Debug, Clone)]
@@ -123,7 +127,7 @@ fn requests(gen_chunk: usize) -> Vec<DevnetRequest> {
 /// One row of the result table.
 #[derive(Debug, Clone)]
 pub struct DevnetRow {
-    /// `honest`, `int4 cheat`, [`INT4_EXPERTS`] or [`FABRICATED`].
+    /// `honest`, `int4 cheat`, [`FP8_EXPERTS`] or [`FABRICATED`].
     pub phase: &'static str,
     /// Request label.
     pub request: String,
@@ -283,6 +287,11 @@ struct PhaseSpec {
     cells: CellServe,
     /// Whether the phase's opened cells must all pass (else at least one must fail).
     cells_pass: bool,
+    /// With `cells_pass` false: whether a failed cell is required in every request (a cheat
+    /// most cells show), or only somewhere in the phase (a cheat few cells show: the fp8
+    /// experts fail about 0.1–0.3 of their cells, so one request may be missed by chance while
+    /// the serve is caught across its requests).
+    caught_per_request: bool,
 }
 
 async fn phase(
@@ -458,7 +467,8 @@ async fn phase(
             .context("cell audit task")?
             .context("cell audit")?;
             let cells_ok = match cells {
-                Some((failed, _)) => (failed == 0) == spec.cells_pass,
+                Some((failed, _)) if spec.cells_pass => failed == 0,
+                Some((failed, _)) => failed > 0 || !spec.caught_per_request,
                 None => false,
             };
             DevnetRow {
@@ -487,6 +497,10 @@ async fn phase(
         rows.push(row);
     }
     miner.stop().await.context("stopping engy-miner")?;
+    let caught = rows.iter().any(|r| r.cells.is_some_and(|(f, _)| f > 0));
+    if !spec.cells_pass && !caught {
+        rows.iter_mut().for_each(|r| r.ok = false);
+    }
     Ok(rows)
 }
 
@@ -597,6 +611,7 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             expect: Verdict::Pass,
             cells: CellServe::Honest,
             cells_pass: true,
+            caught_per_request: true,
         },
         PhaseSpec {
             name: "int4 cheat",
@@ -606,13 +621,15 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             expect: Verdict::Cheat,
             cells: CellServe::Honest,
             cells_pass: false,
+            caught_per_request: true,
         },
         PhaseSpec {
-            name: INT4_EXPERTS,
+            name: FP8_EXPERTS,
             precision: Precision::Bf16,
             expect: Verdict::Pass,
-            cells: CellServe::Int4Experts,
+            cells: CellServe::Fp8Experts,
             cells_pass: false,
+            caught_per_request: false,
         },
         PhaseSpec {
             name: FABRICATED,
@@ -620,6 +637,7 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             expect: Verdict::Pass,
             cells: CellServe::FabricatedY,
             cells_pass: false,
+            caught_per_request: true,
         },
     ];
     let mut rows = Vec::new();
@@ -629,8 +647,8 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
     Ok(rows)
 }
 
-/// The phase whose TOPLOC proofs pass but whose routed experts run in int4.
-pub const INT4_EXPERTS: &str = "int4 experts";
+/// The phase whose TOPLOC proofs pass but whose routed experts run in block FP8.
+pub const FP8_EXPERTS: &str = "fp8 experts";
 
 /// The phase whose TOPLOC proofs pass but whose cells are fabricated.
 pub const FABRICATED: &str = "fabricated cells";
@@ -681,7 +699,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
     for (phase, want) in [
         ("honest", "pass"),
         ("int4 cheat", "cheat"),
-        (INT4_EXPERTS, "pass"),
+        (FP8_EXPERTS, "pass"),
         (FABRICATED, "pass"),
     ] {
         let of: Vec<&DevnetRow> = rows.iter().filter(|r| r.phase == phase).collect();
@@ -713,7 +731,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
         "routing: honest {}/{} tokens agree (near-ties {})\n",
         honest_routing.0, honest_routing.2, honest_routing.1
     ));
-    for phase in ["honest", "int4 cheat", INT4_EXPERTS, FABRICATED] {
+    for phase in ["honest", "int4 cheat", FP8_EXPERTS, FABRICATED] {
         let (failed, opened) = rows
             .iter()
             .filter(|r| r.phase == phase)
