@@ -5,9 +5,10 @@
 //! Exit codes (docs/AUDITOR.md "Cells"): 0 every challenged cell opened and passed; 1 at least
 //! one challenged cell failed or was not opened (cheat); 2 the bundle is refused (it opens a
 //! cell its challenge did not choose, or one twice, or its `cells_root` is not `--cells-root`);
-//! 3 the audit could not run (unreadable or malformed input, bad flags); 4 the checkpoint's
-//! bytes of a touched unit do not match the trusted `model_root` (the auditor's checkpoint is
-//! not the committed one; nothing is said about the miner).
+//! 3 the audit could not run (unreadable or malformed input, bad flags); 4 the checkpoint is
+//! not the committed one (a touched unit's bytes do not match the trusted `model_root`, the
+//! proofs or spec lead to another root, or `config.json` is not the committed config; nothing
+//! is said about the miner).
 use std::path::PathBuf;
 use std::process::ExitCode;
 
