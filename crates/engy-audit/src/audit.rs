@@ -9,7 +9,6 @@
 //! commitment file, unsupported architecture). A reader that closes standard output early
 //! (`engy-audit audit … | head -1`) ends the printing quietly; the exit code is still the
 //! verdict's.
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -123,28 +122,7 @@ pub fn main(args: &AuditArgs) -> ExitCode {
         Verdict::Cheat => EXIT_CHEAT,
         Verdict::Unproven { .. } => EXIT_UNPROVEN,
     };
-    let text = if args.json {
-        match serde_json::to_string(&report) {
-            Ok(s) => s + "\n",
-            Err(e) => {
-                eprintln!("engy-audit audit: error: serialising the report: {e}");
-                return ExitCode::from(EXIT_ERROR);
-            }
-        }
-    } else {
-        report_text(&report)
-    };
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Ok(()) => ExitCode::from(code),
-        // The reader has gone (`| head -1`): what it read is what it wanted; the verdict
-        // stands.
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(code),
-        Err(e) => {
-            eprintln!("engy-audit audit: error: writing the report to standard output: {e}");
-            ExitCode::from(EXIT_ERROR)
-        }
-    }
+    crate::emit("audit", &report, args.json, report_text, code, EXIT_ERROR)
 }
 
 fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {

@@ -1,7 +1,7 @@
 //! `engy-devnet`: the whole engy pipeline on one machine, no GPU, no network.
 //!
-//! * `engy-devnet run`: generate the devnet model, then for an honest serve and an int4 cheat
-//!   serve start the reference serve, the gateway double and the real `engy-miner`, send chat
+//! * `engy-devnet run`: generate the devnet model, then for an honest serve and three cheat
+//!   serves (int4 weights, fp8 experts only, fabricated cells) start the reference serve, the gateway double and the real `engy-miner`, send chat
 //!   requests through the gateway and audit every commitment. Prints a table; exit 0 when every
 //!   honest proof passes and every cheat is caught, 1 otherwise, 2 when the devnet could not
 //!   run (a component failed to start, a request got no response).
@@ -33,7 +33,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Run the devnet: honest serve then int4 cheat, every commitment audited.
+    /// Run the devnet: honest serve, then the int4, fp8-experts and fabricated-cells cheats,
+    /// every commitment audited.
     Run(RunArgs),
     /// Write the devnet checkpoint (bf16 safetensors shards, config, tokenizer, chat template).
     GenModel {
@@ -257,7 +258,7 @@ async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
     println!(
         "{} in {:.1} s",
         if ok {
-            "devnet OK: every honest proof passed and every int4 cheat was caught"
+            "devnet OK: every honest proof and cell passed and every cheat was caught"
         } else {
             "devnet FAILED: see the rows marked UNEXPECTED"
         },

@@ -14,6 +14,11 @@
 //! Only the tensors the cell touches are read ([`crate::Architecture::moe_block`] on a model
 //! opened with [`crate::Residency::Streaming`]: the router, the experts dispatched and the
 //! shared expert of that layer; every other tensor stays an unread mmapped page).
+//! [`verify_cell_committed`] first checks those tensors' bytes against the checkpoint's
+//! committed `model_root` ([`weights`]).
+//!
+//! Beside it: [`serve_cells`], the cells a serve commits, honest or cheating, and [`cheat`],
+//! the checkpoint copies of the expert-only cheats.
 use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor};
@@ -23,6 +28,14 @@ use serde::Serialize;
 use crate::arch::{CommittedRouting, Margin, Probe, RoutingCheck, RoutingShape};
 use crate::audit::{default_routing_margin, ROUTING_MARGIN_REL};
 use crate::{Model, ModelError};
+
+pub mod audit;
+pub mod cheat;
+pub mod weights;
+
+pub use audit::{audit_bundle, BundleAuditError, BundleCell, BundleReport, BundleVerdict};
+pub use cheat::{write_expert_cheat, ExpertQuant};
+pub use weights::{CommittedWeights, Openings, WeightCheckError};
 
 /// Tolerances of the cell check (calibration: docs/AUDITOR.md "Cells").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -43,7 +56,7 @@ impl Default for CellPolicy {
         Self {
             logits_abs: 1.0 / 64.0,
             logits_rel: 1.0 / 64.0,
-            y_rel: 0.03,
+            y_rel: 0.05,
             margin: None,
         }
     }
@@ -104,24 +117,14 @@ pub fn verify_cell(
         y_err: f32::INFINITY,
         failures: Vec::new(),
     };
-    let Some(shape) = model.routing_shape() else {
-        check.failures.push("the model has no MoE layers".into());
-        return Ok(check);
+    let shape = match fit(model, cell) {
+        Ok(shape) => shape,
+        Err(why) => {
+            check.failures.push(why);
+            return Ok(check);
+        }
     };
     let hidden = model.config().hidden_size;
-    let sizes = (
-        cell.hidden() as usize,
-        cell.n_experts() as usize,
-        cell.top_k() as usize,
-    );
-    if sizes != (hidden, shape.experts, shape.top_k) || layer as usize >= shape.layers {
-        check.failures.push(format!(
-            "the cell is (hidden, experts, top_k) = {sizes:?} at layer {layer}; the model has \
-             ({hidden}, {}, {}) and {} layers",
-            shape.experts, shape.top_k, shape.layers
-        ));
-        return Ok(check);
-    }
     let x: Vec<f32> = cell.x().iter().map(|v| v.to_f32()).collect();
     let x = Tensor::from_vec(x, (1, hidden), &Device::Cpu)?;
     let committed = committed_cell(shape, position as usize, layer as usize, cell.expert_ids());
@@ -201,6 +204,60 @@ pub fn verify_cell(
     Ok(check)
 }
 
+/// The model's routing shape when `cell` fits it (sizes, layer in range), else why not.
+fn fit(model: &Model, cell: &Cell) -> Result<RoutingShape, String> {
+    let Some(shape) = model.routing_shape() else {
+        return Err("the model has no MoE layers".into());
+    };
+    let hidden = model.config().hidden_size;
+    let sizes = (
+        cell.hidden() as usize,
+        cell.n_experts() as usize,
+        cell.top_k() as usize,
+    );
+    let layer = cell.layer();
+    if sizes != (hidden, shape.experts, shape.top_k) || layer as usize >= shape.layers {
+        return Err(format!(
+            "the cell is (hidden, experts, top_k) = {sizes:?} at layer {layer}; the model has \
+             ({hidden}, {}, {}) and {} layers",
+            shape.experts, shape.top_k, shape.layers
+        ));
+    }
+    Ok(shape)
+}
+
+/// Why a cell could not be checked against committed weights.
+#[derive(Debug, thiserror::Error)]
+pub enum CommittedCellError {
+    /// A touched unit's bytes do not match the trusted `model_root`: the auditor's checkpoint
+    /// is not the committed one (nothing is said about the miner).
+    #[error(transparent)]
+    Weights(#[from] WeightCheckError),
+    /// The recompute failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// [`verify_cell`] after checking the tensors the cell touches (its layer's router and
+/// shared expert, its experts) against the trusted root ([`CommittedWeights::check_cell`]).
+/// `weights` must index the checkpoint `model` was loaded from. A cell that does not fit the
+/// model, or sits at a layer without a router, fails in [`verify_cell`] without a weight read.
+///
+/// # Errors
+/// [`CommittedCellError::Weights`] naming the unit (and, with opening proofs, the tensor)
+/// that differs; [`CommittedCellError::Model`] as [`verify_cell`].
+pub fn verify_cell_committed(
+    model: &Model,
+    weights: &CommittedWeights,
+    cell: &Cell,
+    policy: &CellPolicy,
+) -> Result<CellCheck, CommittedCellError> {
+    if fit(model, cell).is_ok() && weights.is_moe_layer(cell.layer()) {
+        weights.check_cell(cell)?;
+    }
+    Ok(verify_cell(model, cell, policy)?)
+}
+
 /// A one-cell trace: `ids` at (`position`, `layer`), the rest of the row 0.
 fn committed_cell(
     shape: RoutingShape,
@@ -227,6 +284,13 @@ fn committed_cell(
 pub enum CellServe {
     /// The block's true input, logits, experts and output.
     Honest,
+    /// The routed experts run in int4 ([`ExpertQuant::Int4`], group 32), the router,
+    /// attention and shared expert exact: `model` must be loaded from the copy
+    /// [`write_expert_cheat`] wrote; its cells are built as [`CellServe::Honest`] builds them
+    /// (that serve's true values, which the committed experts do not give).
+    Int4Experts,
+    /// As [`CellServe::Int4Experts`] with block FP8 E4M3 experts ([`ExpertQuant::Fp8`]).
+    Fp8Experts,
     /// Computes only the top `k − 1` experts but reports all `k` ids.
     TopKReduced,
     /// Runs another expert's weights (the next id) in place of the last chosen one, reporting
@@ -235,6 +299,40 @@ pub enum CellServe {
     /// Reports the previous position's block output (a plausible `y` that was never computed
     /// from this `x`).
     FabricatedY,
+}
+
+impl CellServe {
+    /// Every serve, honest first.
+    pub const ALL: [CellServe; 6] = [
+        CellServe::Honest,
+        CellServe::Int4Experts,
+        CellServe::Fp8Experts,
+        CellServe::TopKReduced,
+        CellServe::ExpertSwap,
+        CellServe::FabricatedY,
+    ];
+
+    /// The checkpoint copy this serve runs ([`write_expert_cheat`]), for the expert-only
+    /// cheats; `None` for serves of the honest checkpoint.
+    pub fn expert_quant(self) -> Option<ExpertQuant> {
+        match self {
+            CellServe::Int4Experts => Some(ExpertQuant::Int4 { group_size: 32 }),
+            CellServe::Fp8Experts => Some(ExpertQuant::Fp8),
+            _ => None,
+        }
+    }
+
+    /// Its name in tables and logs (`honest`, `int4-experts`, …).
+    pub fn label(self) -> &'static str {
+        match self {
+            CellServe::Honest => "honest",
+            CellServe::Int4Experts => "int4-experts",
+            CellServe::Fp8Experts => "fp8-experts",
+            CellServe::TopKReduced => "top-k-reduced",
+            CellServe::ExpertSwap => "expert-swap",
+            CellServe::FabricatedY => "fabricated-y",
+        }
+    }
 }
 
 /// The cells (specs/CELLS.md §2) of one teacher-forced pass of `model` over `ids` (every
@@ -282,7 +380,7 @@ pub fn serve_cells(model: &Model, ids: &[u32], serve: CellServe) -> Result<Vec<C
             let mut chosen: Vec<u32> =
                 own[b.layer * shape.top_k..(b.layer + 1) * shape.top_k].to_vec();
             let y = match serve {
-                CellServe::Honest => y.clone(),
+                CellServe::Honest | CellServe::Int4Experts | CellServe::Fp8Experts => y.clone(),
                 CellServe::FabricatedY => prev_y
                     .get(&b.layer)
                     .cloned()

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use engy_core::cells::{select, verify_opening, CellShape, CellTree, LogitsDtype};
-use engy_model::cells::{serve_cells, verify_cell, CellPolicy, CellServe};
+use engy_model::cells::{serve_cells, verify_cell, write_expert_cheat, CellPolicy, CellServe};
 use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision};
 
 fn checkpoint_dir() -> &'static Path {
@@ -101,13 +101,28 @@ fn each_cheat_fails_its_cells() {
     let ck = Checkpoint::open(dir, Precision::Bf16).unwrap();
     let honest = ck.model.with_compute(Compute::Bf16).unwrap();
     let int4 = Model::load_with(dir, Precision::Int4 { group_size: 32 }, Compute::Bf16).unwrap();
+    // The expert-only cheats run a copy whose routed experts are rounded.
+    let t = tempfile::tempdir().unwrap();
+    let expert_cheat = |how: CellServe| {
+        let copy = t.path().join(how.label());
+        write_expert_cheat(dir, &copy, how.expert_quant().unwrap()).unwrap();
+        Model::load_with(&copy, Precision::Bf16, Compute::Bf16).unwrap()
+    };
+    let (int4_experts, fp8_experts) = (
+        expert_cheat(CellServe::Int4Experts),
+        expert_cheat(CellServe::Fp8Experts),
+    );
     let policy = CellPolicy::default();
     let seqs = sequences(&honest, &ck, 2, 32);
-    for (name, serve, how) in [
-        ("int4 weights", &int4, CellServe::Honest),
-        ("top-k reduced", &honest, CellServe::TopKReduced),
-        ("expert swapped", &honest, CellServe::ExpertSwap),
-        ("fabricated y", &honest, CellServe::FabricatedY),
+    // Per-cell detection floors (the measured rates are in docs/AUDITOR.md "Cells"): fp8
+    // experts move `y` least.
+    for (name, serve, how, floor) in [
+        ("int4 weights", &int4, CellServe::Honest, 0.5),
+        ("int4 experts", &int4_experts, CellServe::Int4Experts, 0.5),
+        ("fp8 experts", &fp8_experts, CellServe::Fp8Experts, 0.15),
+        ("top-k reduced", &honest, CellServe::TopKReduced, 0.5),
+        ("expert swapped", &honest, CellServe::ExpertSwap, 0.5),
+        ("fabricated y", &honest, CellServe::FabricatedY, 0.5),
     ] {
         let (mut n, mut failed) = (0usize, 0usize);
         for ids in &seqs {
@@ -123,6 +138,6 @@ fn each_cheat_fails_its_cells() {
             (0.01f64.ln() / (1.0 - p).ln()).ceil()
         };
         println!("{name}: {failed}/{n} cells failed ({p:.3}); cells for 99% detection: {need}");
-        assert!(p > 0.5, "{name}: only {failed}/{n} cells failed");
+        assert!(p > floor, "{name}: only {failed}/{n} cells failed");
     }
 }

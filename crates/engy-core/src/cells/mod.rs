@@ -13,6 +13,8 @@
 //! * [`tree`]: [`CellShape`] (the shape leaf, leaf order), [`CellTree`], [`CellPath`],
 //!   [`verify_opening`];
 //! * [`challenge`]: [`select`], the seeded choice of distinct cells;
+//! * [`bundle`]: [`CellAuditBundle`], the JSON a miner answers a challenge with, and its
+//!   check against its own challenge;
 //! * [`spool`]: a request the sglang hook package (`integrations/sglang`) spooled, read back
 //!   and rechecked.
 //!
@@ -22,10 +24,12 @@ use sha2::{Digest as _, Sha256};
 
 use crate::commit::tree::{self as mtree, Digest};
 
+pub mod bundle;
 pub mod challenge;
 pub mod spool;
 pub mod tree;
 
+pub use bundle::{BundleError, BundleOpening, CellAuditBundle, ChallengedCell};
 pub use challenge::{production_seed, select};
 pub use tree::{verify_opening, CellPath, CellShape, CellTree};
 
@@ -116,6 +120,12 @@ pub enum CellError {
         computed: String,
         /// The committed root (hex).
         committed: String,
+    },
+    /// A challenged cell the miner did not open.
+    #[error("cell {index} was challenged but not opened")]
+    NotOpened {
+        /// Leaf index.
+        index: u64,
     },
     /// More cells asked of [`select`] than the tree holds.
     #[error("cannot select {n} distinct cells of {n_cells}")]

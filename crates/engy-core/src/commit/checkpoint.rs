@@ -425,21 +425,114 @@ pub fn hash_unit(
     config: &ModelConfig,
     unit: UnitId,
 ) -> Result<Vec<TensorDigest>, CommitError> {
-    let shards = Shards::open(dir)?;
-    let tensors = shards.tensors()?;
-    check_scales(&tensors, &config.quant)?;
-    let tensors = expand_fused(tensors, config, &shards.paths)?;
-    let n_layers = u32::try_from(config.n_layers).unwrap_or(u32::MAX);
-    let mut picked = Vec::new();
-    for t in &tensors {
-        if layout::classify(&t.name, n_layers)? == unit {
-            picked.push(t);
-        }
-    }
+    let index = UnitIndex::open(dir, config)?;
+    let picked = index.unit(unit);
     let mut out: Vec<TensorDigest> = picked
         .par_iter()
-        .map(|t| TensorDigest::of(&t.name, &t.dtype.to_string(), &t.shape, t.data))
+        .map(|t| TensorDigest::of(t.name, t.dtype, t.shape, t.data))
         .collect();
     out.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
     Ok(out)
+}
+
+/// One tensor of a unit as stored (a fused expert tensor's slice under its virtual name
+/// `{name}[{e}]`), borrowing the mapped shard: reading `data` is what faults its pages in.
+#[derive(Debug, Clone, Copy)]
+pub struct UnitTensor<'a> {
+    /// Tensor name (virtual name for a fused slice).
+    pub name: &'a str,
+    /// safetensors dtype name (`BF16`, `F8_E4M3`, …).
+    pub dtype: &'a str,
+    /// Shape (`shape[1..]` of a fused tensor).
+    pub shape: &'a [u64],
+    /// The raw bytes.
+    pub data: &'a [u8],
+}
+
+#[derive(Debug)]
+struct Located {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    shard: usize,
+    start: usize,
+    end: usize,
+}
+
+/// A checkpoint's tensors grouped by commitment unit (specs/SCHEME.md §3: fused experts
+/// split, scales checked), built from the shard headers alone: opening it reads no tensor
+/// data, so a caller that checks a few units (a sampled cell audit: the router, the
+/// experts dispatched and the shared expert of one layer) reads only their bytes.
+pub struct UnitIndex {
+    shards: Shards,
+    units: HashMap<UnitId, Vec<Located>>,
+}
+
+impl std::fmt::Debug for UnitIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitIndex")
+            .field("shards", &self.shards.paths)
+            .field("units", &self.units.len())
+            .finish()
+    }
+}
+
+impl UnitIndex {
+    /// Maps the shards of `dir` and places every tensor in its unit under `config`.
+    ///
+    /// Errors: as [`commit_checkpoint`]'s header checks ([`CommitError::Io`],
+    /// [`CommitError::NoShards`], [`CommitError::BadShard`], [`CommitError::DuplicateTensor`],
+    /// [`CommitError::MissingScale`], [`CommitError::OrphanScale`],
+    /// [`CommitError::UnknownTensor`]).
+    pub fn open(dir: &Path, config: &ModelConfig) -> Result<Self, CommitError> {
+        let shards = Shards::open(dir)?;
+        let tensors = shards.tensors()?;
+        check_scales(&tensors, &config.quant)?;
+        let tensors = expand_fused(tensors, config, &shards.paths)?;
+        let n_layers = u32::try_from(config.n_layers).unwrap_or(u32::MAX);
+        let mut units: HashMap<UnitId, Vec<Located>> = HashMap::new();
+        for t in &tensors {
+            let unit = layout::classify(&t.name, n_layers)?;
+            let base = shards.maps.get(t.shard).map_or(0, |m| m.as_ptr() as usize);
+            // `data` is a sub-slice of its shard's map: its offset locates it.
+            let start = (t.data.as_ptr() as usize).saturating_sub(base);
+            units.entry(unit).or_default().push(Located {
+                name: t.name.clone(),
+                dtype: t.dtype.to_string(),
+                shape: t.shape.clone(),
+                shard: t.shard,
+                start,
+                end: start + t.data.len(),
+            });
+        }
+        for v in units.values_mut() {
+            v.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+        }
+        Ok(Self { shards, units })
+    }
+
+    /// The tensors of `unit`, sorted by name (empty when the checkpoint has none, e.g. the
+    /// `shared` unit of a model without a shared expert).
+    pub fn unit(&self, unit: UnitId) -> Vec<UnitTensor<'_>> {
+        self.units.get(&unit).map_or_else(Vec::new, |v| {
+            v.iter()
+                .map(|l| UnitTensor {
+                    name: &l.name,
+                    dtype: &l.dtype,
+                    shape: &l.shape,
+                    data: self
+                        .shards
+                        .maps
+                        .get(l.shard)
+                        .and_then(|m| m.get(l.start..l.end))
+                        .unwrap_or_default(),
+                })
+                .collect()
+        })
+    }
+
+    /// The shard paths, sorted.
+    pub fn paths(&self) -> &[PathBuf] {
+        self.shards.paths()
+    }
 }

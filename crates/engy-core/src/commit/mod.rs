@@ -26,7 +26,7 @@ pub mod proof;
 pub mod spec;
 pub mod tree;
 
-pub use checkpoint::{commit_checkpoint, CommitOptions, Progress};
+pub use checkpoint::{commit_checkpoint, CommitOptions, Progress, UnitIndex, UnitTensor};
 pub use layout::{LayerPart, ModelConfig, UnitId};
 pub use proof::{OpeningProof, ProofError};
 pub use spec::SpecFile;
