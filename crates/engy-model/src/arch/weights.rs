@@ -1,5 +1,6 @@
-//! [`Weights`]: the tensors of a checkpoint by name, as f32 CPU tensors dequantised on demand
-//! from mmapped safetensors shards.
+//! [`Weights`]: the tensors of a checkpoint by name, as f32 tensors on the weights' device
+//! (the CPU unless [`Weights::with_device`]) dequantised on demand from mmapped safetensors
+//! shards.
 //!
 //! Names are given in the layout of transformers' text-only classes (`model.layers.0.…`,
 //! `model.embed_tokens.weight`, `lm_head.weight`). A multimodal checkpoint keeps its text model
@@ -189,8 +190,10 @@ impl Weights {
         })
     }
 
-    /// These weights placed on `device`: every tensor a getter returns is created there (the
-    /// bytes are decoded on the host, then copied). The default is the CPU.
+    /// These weights placed on `device`: every tensor a getter returns is created there. On a
+    /// GPU, bf16 and block-FP8 tensors are copied as stored and decoded there; the rest are
+    /// decoded on the host, then copied. The
+    /// default is the CPU.
     pub fn with_device(mut self, device: Device) -> Self {
         self.device = device;
         self
