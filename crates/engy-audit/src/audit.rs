@@ -190,7 +190,11 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
     let started = std::time::Instant::now();
     let report = audit_with(&model, &model_root, &value, &params, args.recompute.into())
         .context("recomputing hidden states")?;
-    // On stderr, so the report on stdout reads the same on every device.
+    // On a GPU only (a CPU audit stays quiet on stderr), and on stderr, so the report on
+    // stdout reads the same on every device.
+    if args.device == DeviceSpec::Cpu {
+        return Ok(report);
+    }
     let host: Vec<String> = host_steps()
         .iter()
         .filter(|(_, n)| *n > 0)
