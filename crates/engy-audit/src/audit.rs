@@ -17,6 +17,7 @@ use engy_model::audit::{
     audit_with, AuditParams, AuditReport, Recompute, RoutingAudit, RoutingPolicy, Verdict,
 };
 use engy_model::device::host_steps;
+use engy_model::index_sets::IndexSetAudit;
 use engy_model::{DeviceSpec, LoadOptions, Model, Residency};
 
 /// Arguments of `engy-audit audit`.
@@ -287,6 +288,30 @@ fn report_text(r: &AuditReport) -> String {
         }
         Some(RoutingAudit::NotReplayed { reason }) => {
             let _ = writeln!(s, "routing: not replayed ({reason})");
+        }
+        None => {}
+    }
+    match &r.index_sets {
+        Some(IndexSetAudit::Compared(x)) => {
+            let worst = x
+                .worst
+                .as_ref()
+                .map(|w| {
+                    format!(
+                        ", lowest {:.4} at position {} layer {}",
+                        w.overlap, w.position, w.layer
+                    )
+                })
+                .unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "dsa index sets: {}/{} (position, layer) sets identical, mean overlap {:.4}{worst} \
+                 (reported, not part of the verdict)",
+                x.identical, x.compared, x.mean_overlap
+            );
+        }
+        Some(IndexSetAudit::NotCompared { reason }) => {
+            let _ = writeln!(s, "dsa index sets: not compared ({reason})");
         }
         None => {}
     }

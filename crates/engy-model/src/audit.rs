@@ -42,6 +42,7 @@ use engy_core::wire::Commitment;
 use crate::arch::{
     self, CommittedRouting, Divergence, LayerAgreement, Probe, RoutingCheck, TieOrder,
 };
+use crate::index_sets::{self, IndexSetAudit, OwnIndexSets};
 use crate::{Compute, Model, ModelError};
 
 /// Which recomputes the auditor runs ([`audit_with`]).
@@ -339,6 +340,11 @@ pub struct AuditReport {
     pub recomputes: Vec<RecomputeOutcome>,
     /// The routing check of the reported recompute (`None` when verification did not run).
     pub routing: Option<RoutingAudit>,
+    /// The DSA index-set comparison of the reported recompute (architectures with a DSA
+    /// indexer; reported, not part of the verdict: [`crate::index_sets`]). `None` elsewhere
+    /// and when verification did not run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index_sets: Option<IndexSetAudit>,
 }
 
 impl AuditReport {
@@ -360,6 +366,7 @@ impl AuditReport {
             dsa_ties: None,
             recomputes: Vec::new(),
             routing: None,
+            index_sets: None,
         }
     }
 }
@@ -577,6 +584,8 @@ struct Checked {
     params: Params,
     /// The serve's routing to check, or why there is none.
     routing: Result<CommittedRouting, String>,
+    /// The serve's DSA index sets (`indexer_topk`), when it sent them.
+    indexer_topk: Option<engy_core::trace::Trace>,
 }
 
 fn ids_in_vocab(ids: &[u32], vocab: usize, what: &str) -> Result<Vec<u32>, String> {
@@ -674,6 +683,7 @@ fn check_shape(
         proof_bytes,
         params: p.proof_params(dbs),
         routing: Err("the commitment carries no routing trace".into()),
+        indexer_topk: c.indexer_topk.clone(),
     })
 }
 
@@ -693,13 +703,25 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         .as_ref()
         .ok()
         .map(|r| RoutingCheck::new(r.clone(), margin, p.routing.replay));
+    let dsa = arch::has_dsa(model.config().kind);
+    let mut attended = OwnIndexSets::new();
     let hidden = model.hidden_states_probed(
         &input,
         &mut Probe {
             check: check.as_mut(),
+            attended: (dsa && c.indexer_topk.is_some()).then_some(&mut attended),
             ..Probe::default()
         },
     )?;
+    let index_sets = dsa.then(|| match &c.indexer_topk {
+        None => IndexSetAudit::NotCompared {
+            reason: "the commitment carries no indexer_topk trace".into(),
+        },
+        Some(t) => match index_sets::compare(t, &attended) {
+            Ok(s) => IndexSetAudit::Compared(s),
+            Err(reason) => IndexSetAudit::NotCompared { reason },
+        },
+    });
     let routing = match (&check, &c.routing) {
         (Some(ch), _) => RoutingAudit::Checked(RoutingSummary::of(ch, p.routing.max_mismatch_rate)),
         (None, Err(reason)) => RoutingAudit::NotReplayed {
@@ -729,6 +751,7 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         dsa_ties: Some(model.options().dsa_ties),
         recomputes: Vec::new(),
         routing: Some(routing),
+        index_sets,
     };
     let results = match toploc::verify_proofs(&elements, Dtype::Bf16, &c.proofs, &c.params) {
         Ok(r) => r,

@@ -17,6 +17,7 @@ pub mod config;
 pub mod corpus;
 pub mod device;
 mod gen;
+pub mod index_sets;
 mod model;
 mod rng;
 pub mod synth;

@@ -816,6 +816,7 @@ impl GlmMoeDsa {
             let h = ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?;
             let (attn, layer_cache, sel) =
                 self.attention(l, &p, &h, off, &cache.layers[l].0, selection.take())?;
+            probe.push_attended(l, off, &sel);
             x = cm.round((x + attn)?)?;
             let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
             let h2 = ops::rms_norm_in(&x, &ln2, c.rms_norm_eps, cm)?;

@@ -428,6 +428,9 @@ pub struct Probe<'a> {
     pub router_logits: Option<&'a mut BTreeMap<(usize, usize), Vec<f32>>>,
     /// When given, each MoE block's input and output, in the order the layers ran.
     pub blocks: Option<&'a mut Vec<BlockIo>>,
+    /// When given, the key positions each DSA layer kept for each row (sorted ascending), by
+    /// (absolute position, layer) ([`crate::index_sets`]).
+    pub attended: Option<&'a mut crate::index_sets::OwnIndexSets>,
 }
 
 /// One MoE block's input and output over the rows of one forward call (the material of a
@@ -450,6 +453,17 @@ impl Probe<'_> {
         Probe {
             layers,
             ..Probe::default()
+        }
+    }
+
+    /// Records the key positions a DSA layer kept for rows `first ..` when asked to.
+    pub(crate) fn push_attended(&mut self, layer: usize, first: usize, sel: &[Vec<usize>]) {
+        if let Some(a) = self.attended.as_deref_mut() {
+            for (r, keys) in sel.iter().enumerate() {
+                let mut k = keys.clone();
+                k.sort_unstable();
+                a.insert((first + r, layer), k);
+            }
         }
     }
 
