@@ -299,6 +299,25 @@ impl Qwen3_5Moe {
         }
     }
 
+    /// A Gated DeltaNet layer's input projections of `h` `[T, H]` (module prefix `a`), each
+    /// rounded to the activation dtype: `in_proj_qkv` `[T, conv_dim]`, `in_proj_z`
+    /// `[T, nv·dv]`, `in_proj_b` and `in_proj_a` `[T, nv]`. Shared by both paths.
+    fn delta_net_inputs(&self, a: &str, h: &Tensor) -> Result<[Tensor; 4], ModelError> {
+        let d = h.dim(1)?;
+        let (nv, dv, cd) = (self.nv, self.dv, self.conv_dim());
+        let (w, cm) = (&*self.w, self.compute);
+        let small = |name: &str| -> Result<Tensor, ModelError> {
+            let wt = w.matrix_t(&format!("{a}.{name}"), nv, d)?;
+            Ok(cm.round(linear_t(h, &wt)?)?)
+        };
+        Ok([
+            cm.round(w.linear_in(&format!("{a}.in_proj_qkv"), h, cd, d, cm)?)?,
+            cm.round(w.linear_in(&format!("{a}.in_proj_z"), h, nv * dv, d, cm)?)?,
+            small("in_proj_b")?,
+            small("in_proj_a")?,
+        ])
+    }
+
     /// [`Self::delta_net`] as tensor operations on `h`'s device: the same rounding points as
     /// the host path, the rule in its chunked form.
     fn delta_net_tensors(
@@ -314,13 +333,7 @@ impl Qwen3_5Moe {
         let cd = self.conv_dim();
         let w = &*self.w;
         let cm = self.compute;
-        let qkv = cm.round(w.linear_in(&format!("{a}.in_proj_qkv"), h, cd, d, cm)?)?;
-        let z = cm.round(w.linear_in(&format!("{a}.in_proj_z"), h, nv * dv, d, cm)?)?;
-        let small = |name: &str| -> Result<Tensor, ModelError> {
-            let wt = w.matrix_t(&format!("{a}.{name}"), nv, d)?;
-            Ok(cm.round(linear_t(h, &wt)?)?)
-        };
-        let (bb, aa) = (small("in_proj_b")?, small("in_proj_a")?);
+        let [qkv, z, bb, aa] = self.delta_net_inputs(&a, h)?;
         let conv_w = w
             .tensor(&format!("{a}.conv1d.weight"))?
             .reshape((cd, kk))?
@@ -401,17 +414,8 @@ impl Qwen3_5Moe {
         let w = &*self.w;
         let cm = self.compute;
         let rb = |v: f32| cm.round_f32(v);
-        let qkv = cm
-            .round(w.linear_in(&format!("{a}.in_proj_qkv"), h, cd, d, cm)?)?
-            .to_vec2::<f32>()?;
-        let z = cm
-            .round(w.linear_in(&format!("{a}.in_proj_z"), h, nv * dv, d, cm)?)?
-            .to_vec2::<f32>()?;
-        let small = |name: &str| -> Result<Vec<Vec<f32>>, ModelError> {
-            let wt = w.matrix_t(&format!("{a}.{name}"), nv, d)?;
-            Ok(cm.round(linear_t(h, &wt)?)?.to_vec2::<f32>()?)
-        };
-        let (bb, aa) = (small("in_proj_b")?, small("in_proj_a")?);
+        let [qkv, z, bb, aa] = self.delta_net_inputs(&a, h)?.map(|x| x.to_vec2::<f32>());
+        let (qkv, z, bb, aa) = (qkv?, z?, bb?, aa?);
         let conv_w = w
             .tensor(&format!("{a}.conv1d.weight"))?
             .flatten_all()?

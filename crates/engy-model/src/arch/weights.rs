@@ -71,6 +71,8 @@ pub struct Weights {
     residency: Residency,
     resident: RwLock<HashMap<String, Tensor>>,
     device: Device,
+    /// The E4M3 decode table on `device`, made once ([`Weights::decode_on_device`]).
+    e4m3: std::sync::OnceLock<Tensor>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -187,6 +189,7 @@ impl Weights {
             residency,
             resident: RwLock::new(HashMap::new()),
             device: Device::Cpu,
+            e4m3: std::sync::OnceLock::new(),
         })
     }
 
@@ -196,6 +199,7 @@ impl Weights {
     /// default is the CPU.
     pub fn with_device(mut self, device: Device) -> Self {
         self.device = device;
+        self.e4m3 = std::sync::OnceLock::new();
         self
     }
 
@@ -421,7 +425,13 @@ impl Weights {
         // The codes go up as bytes and are decoded by a 256-entry table of the host's own
         // E4M3 decoder (candle 0.9.2 looks the F8E4M3 → F32 cast kernel up under a name its
         // kernels do not define, so the F8E4M3 dtype is not used).
-        let table = Tensor::from_vec(quant::e4m3_table().to_vec(), 256, dev)?;
+        let table = match self.e4m3.get() {
+            Some(t) => t,
+            None => {
+                let t = Tensor::from_vec(quant::e4m3_table().to_vec(), 256, dev)?;
+                self.e4m3.get_or_init(|| t)
+            }
+        };
         let codes = Tensor::from_raw_buffer(data, C::U8, &[n * k], dev)?;
         let w = table
             .index_select(&codes, 0)?
