@@ -80,13 +80,15 @@ fn ids(v: &Value) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_cells_open_and_verify_against_the_root_and_the_weights() {
     let (fx, spool) = moe_fixture(true).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[
-        ("ENGY_CELLS", "on"),
-        ("ENGY_CELLS_SPOOL", spool.to_str().unwrap()),
-        ("ENGY_METRICS_ADDR", addr.as_str()),
-        ("TOPLOC_GEN_CHUNK", "5"),
-    ]);
+    let (_m, addr) = miner_with_metrics(
+        &fx,
+        &[
+            ("ENGY_CELLS", "on"),
+            ("ENGY_CELLS_SPOOL", spool.to_str().unwrap()),
+            ("TOPLOC_GEN_CHUNK", "5"),
+        ],
+    )
+    .await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     assert!(fx.gw.serve(leg, "c1", request("r-1", 12), false));
     let resp = fx.gw.wait_response("c1", T).await.expect("response");
@@ -156,12 +158,14 @@ async fn committed_cells_open_and_verify_against_the_root_and_the_weights() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_serve_without_the_hooks_gives_no_cells_and_the_request_succeeds() {
     let (fx, spool) = moe_fixture(false).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[
-        ("ENGY_CELLS", "on"),
-        ("ENGY_CELLS_SPOOL", spool.to_str().unwrap()),
-        ("ENGY_METRICS_ADDR", addr.as_str()),
-    ]);
+    let (_m, addr) = miner_with_metrics(
+        &fx,
+        &[
+            ("ENGY_CELLS", "on"),
+            ("ENGY_CELLS_SPOOL", spool.to_str().unwrap()),
+        ],
+    )
+    .await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     assert!(fx.gw.serve(leg, "c1", request("r-1", 6), false));
     let resp = fx.gw.wait_response("c1", T).await.expect("response");
@@ -187,13 +191,15 @@ async fn a_serve_without_the_hooks_gives_no_cells_and_the_request_succeeds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cells_evicted_by_age_are_answered_unknown_request() {
     let (fx, spool) = moe_fixture(true).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[
-        ("ENGY_CELLS", "on"),
-        ("ENGY_CELLS_SPOOL", spool.to_str().unwrap()),
-        ("ENGY_CELLS_RETAIN_S", "1"),
-        ("ENGY_METRICS_ADDR", addr.as_str()),
-    ]);
+    let (_m, addr) = miner_with_metrics(
+        &fx,
+        &[
+            ("ENGY_CELLS", "on"),
+            ("ENGY_CELLS_SPOOL", spool.to_str().unwrap()),
+            ("ENGY_CELLS_RETAIN_S", "1"),
+        ],
+    )
+    .await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     assert!(fx.gw.serve(leg, "c1", request("r-1", 6), false));
     let resp = fx.gw.wait_response("c1", T).await.expect("response");

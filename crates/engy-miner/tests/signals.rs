@@ -488,8 +488,7 @@ async fn assert_scrape_parses(addr: &str, when: &str) -> String {
 async fn the_scrape_parses_in_both_content_types_after_faults() {
     use engy_devnet::sglang::Fault;
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[("ENGY_METRICS_ADDR", addr.as_str())]);
+    let (_m, addr) = miner_with_metrics(&fx, &[]).await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     // At start-up every documented family is there, at 0.
     let om = assert_scrape_parses(&addr, "start-up").await;

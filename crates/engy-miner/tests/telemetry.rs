@@ -26,8 +26,7 @@ fn health(addr: &str) -> (Option<i32>, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_outcome_legs_and_reconnects() {
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[("ENGY_METRICS_ADDR", addr.as_str())]);
+    let (_m, addr) = miner_with_metrics(&fx, &[]).await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
 
     let text = scrape(&addr).await;

@@ -103,11 +103,7 @@ fn asks(fx: &Fixture) -> Vec<(Option<u64>, usize)> {
 async fn chunked_and_streamed_generations_carry_the_models_routing() {
     let cfg = SglangConfig::default().with_routed_experts(true);
     let fx = Fixture::with_spec(&moe_spec(), 1, cfg).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[
-        ("TOPLOC_GEN_CHUNK", "7"),
-        ("ENGY_METRICS_ADDR", addr.as_str()),
-    ]);
+    let (_m, addr) = miner_with_metrics(&fx, &[("TOPLOC_GEN_CHUNK", "7")]).await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     for (n, stream) in [(0, false), (1, true)] {
         let c = commitment(&fx, leg, &format!("c{n}"), 20, stream).await;
@@ -188,8 +184,7 @@ async fn radix_cache_hits_and_prompt_extra_keep_the_trace_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_serve_without_the_flag_is_not_asked_and_requests_succeed() {
     let fx = Fixture::with_spec(&moe_spec(), 1, SglangConfig::default()).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let m = fx.miner(&[("ENGY_METRICS_ADDR", addr.as_str())]);
+    let (m, addr) = miner_with_metrics(&fx, &[]).await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     let log = wait_log(&m, "serve does not offer routed experts").await;
     assert!(log.contains("--enable-return-routed-experts"), "{log}");
@@ -205,11 +200,7 @@ async fn a_serve_without_the_flag_is_not_asked_and_requests_succeed() {
 async fn a_broken_field_never_fails_a_request() {
     let cfg = SglangConfig::default().with_routed_experts(true);
     let fx = Fixture::with_spec(&moe_spec(), 1, cfg).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let m = fx.miner(&[
-        ("ENGY_METRICS_ADDR", addr.as_str()),
-        ("TOPLOC_GEN_CHUNK", "6"),
-    ]);
+    let (m, addr) = miner_with_metrics(&fx, &[("TOPLOC_GEN_CHUNK", "6")]).await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     let cases = [
         (TraceFault::Missing, "missing"),
@@ -254,11 +245,7 @@ async fn a_broken_field_never_fails_a_request() {
 async fn routing_trace_off_never_asks() {
     let cfg = SglangConfig::default().with_routed_experts(true);
     let fx = Fixture::with_spec(&moe_spec(), 1, cfg).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[
-        ("ENGY_ROUTING_TRACE", "off"),
-        ("ENGY_METRICS_ADDR", addr.as_str()),
-    ]);
+    let (_m, addr) = miner_with_metrics(&fx, &[("ENGY_ROUTING_TRACE", "off")]).await;
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     let c = commitment(&fx, leg, "c", 9, true).await;
     assert!(c.get("routing").is_none(), "{c}");

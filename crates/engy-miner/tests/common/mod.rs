@@ -498,6 +498,23 @@ pub async fn wait_log(m: &Miner, needle: &str) -> String {
     }
 }
 
+/// The miner with `extra` and its metrics endpoint on a port the kernel picks
+/// (`ENGY_METRICS_ADDR=127.0.0.1:0`), and that endpoint's address as the miner logged it. A
+/// port picked here and handed over could be taken by another process first.
+pub async fn miner_with_metrics(fx: &Fixture, extra: &[(&str, &str)]) -> (Miner, String) {
+    let mut vars = extra.to_vec();
+    vars.push(("ENGY_METRICS_ADDR", "127.0.0.1:0"));
+    let m = fx.miner(&vars);
+    let log = wait_log(&m, "/metrics").await;
+    let addr = log
+        .split("metrics at http://")
+        .nth(1)
+        .and_then(|rest| rest.split("/metrics").next())
+        .unwrap_or_else(|| panic!("no metrics address in the log: {log}"))
+        .to_string();
+    (m, addr)
+}
+
 /// `GET /metrics` of a miner's `--metrics-addr` (must answer 2xx).
 pub async fn scrape(addr: &str) -> String {
     let r = reqwest::get(format!("http://{addr}/metrics"))

@@ -49,6 +49,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
+use super::experts;
 use super::ops::{self, linear_t};
 use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
@@ -1156,9 +1157,14 @@ impl GlmMoeDsa {
         let cm = self.compute;
         // The weighted sum of the routed experts stays f32 and is rounded once (transformers'
         // grouped_mm experts: bf16 expert outputs times f32 weights, summed over top-k in f32).
-        let routed = cm.round(ops::moe_dispatch(h, &routes, |e, rows| {
-            ops::swiglu_in(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi, cm)
-        })?)?;
+        let routed = cm.round(if experts::grouped(&self.w) {
+            let module = |e: usize| format!("{m}.experts.{e}");
+            experts::dispatch(&self.w, module, h, &routes, (hd, mi), cm, false)?
+        } else {
+            ops::moe_dispatch(h, &routes, |e, rows| {
+                ops::swiglu_in(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi, cm)
+            })?
+        })?;
         let shared = ops::swiglu_in(
             &self.w,
             &format!("{m}.shared_experts"),

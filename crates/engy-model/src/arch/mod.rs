@@ -23,6 +23,7 @@ use crate::{Compute, ModelError, Precision};
 
 pub mod config;
 pub mod delta_rule;
+pub mod experts;
 pub mod glm_moe_dsa;
 pub mod ops;
 pub mod qlinear;

@@ -52,6 +52,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::delta_rule;
+use super::experts;
 use super::ops::{self, linear_t};
 use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
@@ -594,9 +595,15 @@ impl Qwen3_5Moe {
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = cm.round_f32(*wgt);
         }
-        let mut out = ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
-            ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
-        })?;
+        let mut out = if experts::grouped(w) {
+            let module = |e: usize| format!("{m}.experts.{e}");
+            let shape = (d, self.moe_inter);
+            cm.round(experts::dispatch(w, module, h, &choice, shape, cm, true)?)?
+        } else {
+            ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
+                ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
+            })?
+        };
         if self.shared_inter > 0 {
             let shared = ops::swiglu_in(
                 w,

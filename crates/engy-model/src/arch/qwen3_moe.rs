@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
+use super::experts;
 use super::ops::{self, linear_t};
 use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
@@ -232,9 +233,17 @@ impl Qwen3Moe {
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
         }
-        let y = ops::moe_dispatch_in(x, &choice, c, |e, rows| {
-            self.mlp(&format!("{p}.experts.{e}"), rows, self.moe_inter)
-        })?;
+        let y = if experts::grouped(&self.w) {
+            let module = |e: usize| format!("{p}.experts.{e}");
+            let shape = (d, self.moe_inter);
+            c.round(experts::dispatch(
+                &self.w, module, x, &choice, shape, c, true,
+            )?)?
+        } else {
+            ops::moe_dispatch_in(x, &choice, c, |e, rows| {
+                self.mlp(&format!("{p}.experts.{e}"), rows, self.moe_inter)
+            })?
+        };
         probe.push_block(i, off, x, &y);
         Ok(y)
     }

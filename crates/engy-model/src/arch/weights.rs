@@ -425,13 +425,7 @@ impl Weights {
         // The codes go up as bytes and are decoded by a 256-entry table of the host's own
         // E4M3 decoder (candle 0.9.2 looks the F8E4M3 → F32 cast kernel up under a name its
         // kernels do not define, so the F8E4M3 dtype is not used).
-        let table = match self.e4m3.get() {
-            Some(t) => t,
-            None => {
-                let t = Tensor::from_vec(quant::e4m3_table().to_vec(), 256, dev)?;
-                self.e4m3.get_or_init(|| t)
-            }
-        };
+        let table = self.e4m3_on_device()?;
         let codes = Tensor::from_raw_buffer(data, C::U8, &[n * k], dev)?;
         let w = table
             .index_select(&codes, 0)?
@@ -439,6 +433,173 @@ impl Weights {
             .broadcast_mul(&scale.reshape((n / bn, 1, k / bk, 1))?)?
             .reshape((n, k))?;
         Ok(Some(w))
+    }
+
+    /// The E4M3 decode table on the weights' device, made once.
+    fn e4m3_on_device(&self) -> Result<&Tensor, ModelError> {
+        if let Some(t) = self.e4m3.get() {
+            return Ok(t);
+        }
+        let t = Tensor::from_vec(quant::e4m3_table().to_vec(), 256, &self.device)?;
+        Ok(self.e4m3.get_or_init(|| t))
+    }
+
+    /// The 2-D weights `names` (each `[out, inp]`) stacked as `[names.len(), out, inp]`, as a
+    /// model computing in `compute` holds them ([`Weights::projection_t_in`]'s values,
+    /// untransposed): the routed experts of one layer, for one batched product per expert
+    /// group ([`super::experts`]).
+    ///
+    /// On a GPU the stored bytes of all `names` are gathered on the host (in parallel) and go
+    /// up in one copy per kind (codes, tile scales), then decode there as
+    /// [`Weights::decode_on_device`] decodes one tensor; with [`Compute::Bf16`] the stack is
+    /// held as bf16 (exact: the values are bf16 roundings), so the products run on bf16
+    /// tensor cores. Other cases (the CPU, NVFP4, partial FP8 tiles, mixed dtypes, the int4
+    /// cheat) decode tensor by tensor and stack f32.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], [`ModelError::Shape`] when a tensor is not
+    /// `[out, inp]`, and the decode errors of [`Weights::tensor`].
+    pub fn stacked(
+        &self,
+        names: &[String],
+        out: usize,
+        inp: usize,
+        compute: Compute,
+    ) -> Result<Tensor, ModelError> {
+        let cheat = matches!(self.precision, Precision::Int4 { .. });
+        if !self.device.is_cpu() && !cheat && !names.is_empty() {
+            if let Some(t) = self.stack_on_device(names, out, inp, compute)? {
+                return Ok(t);
+            }
+        }
+        let parts = names
+            .iter()
+            .map(|n| self.get_as(n, Some(&[out, inp]), true, false, compute))
+            .collect::<Result<Vec<_>, _>>()?;
+        if parts.is_empty() {
+            return Ok(Tensor::zeros(
+                (0, out, inp),
+                candle_core::DType::F32,
+                &self.device,
+            )?);
+        }
+        let t = Tensor::stack(&parts, 0)?;
+        Ok(if !self.device.is_cpu() && compute == Compute::Bf16 {
+            t.to_dtype(candle_core::DType::BF16)?
+        } else {
+            t
+        })
+    }
+
+    /// [`Weights::stacked`] on a GPU: `None` when the tensors are not all plain bf16/f16/f32
+    /// of one dtype or all block FP8 with float tile scales of one dtype.
+    fn stack_on_device(
+        &self,
+        names: &[String],
+        out: usize,
+        inp: usize,
+        compute: Compute,
+    ) -> Result<Option<Tensor>, ModelError> {
+        use candle_core::DType as C;
+        use rayon::prelude::*;
+        let float_dtype = |d: Dtype| match d {
+            Dtype::BF16 => Some(C::BF16),
+            Dtype::F16 => Some(C::F16),
+            Dtype::F32 => Some(C::F32),
+            _ => None,
+        };
+        let mut views = Vec::with_capacity(names.len());
+        for n in names {
+            let (e, data, _) = self.bytes(n)?;
+            check_shape(n, &e.shape, Some(&[out, inp]))?;
+            views.push((e.dtype, data));
+        }
+        let dtype = views[0].0;
+        if views.iter().any(|(d, _)| *d != dtype) {
+            return Ok(None);
+        }
+        // One host buffer, filled in parallel from the maps, one copy up.
+        let gather = |parts: &[&[u8]]| -> Vec<u8> {
+            let each = parts.first().map_or(0, |p| p.len());
+            let mut buf = vec![0u8; each * parts.len()];
+            buf.par_chunks_mut(each.max(1))
+                .zip(parts.par_iter())
+                .for_each(|(dst, src)| dst.copy_from_slice(src));
+            buf
+        };
+        let dev = &self.device;
+        let e = names.len();
+        let held = |t: Tensor| -> Result<Tensor, ModelError> {
+            Ok(match compute {
+                Compute::Bf16 => t.to_dtype(C::BF16)?,
+                Compute::F32 => t.to_dtype(C::F32)?,
+            })
+        };
+        let release = |w: &Self| {
+            if w.residency == Residency::Streaming {
+                names.iter().for_each(|n| w.release_pages(n));
+            }
+        };
+        if let Some(c) = float_dtype(dtype) {
+            let parts: Vec<&[u8]> = views.iter().map(|(_, d)| *d).collect();
+            let t = Tensor::from_raw_buffer(&gather(&parts), c, &[e, out, inp], dev)?;
+            release(self);
+            return Ok(Some(held(t)?));
+        }
+        if dtype != Dtype::F8_E4M3 {
+            return Ok(None);
+        }
+        let [bn, bk] = self.fp8_block;
+        if bn == 0 || bk == 0 {
+            return Ok(None);
+        }
+        let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
+        let mut scales = Vec::with_capacity(e);
+        for n in names {
+            let Some(se) = self.entry(&format!("{n}_scale_inv")) else {
+                return Ok(None);
+            };
+            if se.shape != [tn, tk] {
+                return Ok(None);
+            }
+            let (se, sdata, _) = self.bytes(&format!("{n}_scale_inv"))?;
+            scales.push((se.dtype, sdata));
+        }
+        let sdtype = scales[0].0;
+        let Some(sc) = float_dtype(sdtype).filter(|_| scales.iter().all(|(d, _)| *d == sdtype))
+        else {
+            return Ok(None);
+        };
+        let parts: Vec<&[u8]> = scales.iter().map(|(_, d)| *d).collect();
+        let scale =
+            Tensor::from_raw_buffer(&gather(&parts), sc, &[e, tn, tk], dev)?.to_dtype(C::F32)?;
+        // Each element's tile, by row and by column (the last tiles may be partial).
+        let tile = |len: usize, b: usize| -> Result<Tensor, ModelError> {
+            let v: Vec<u32> = (0..len).map(|i| (i / b) as u32).collect();
+            Ok(Tensor::from_vec(v, len, dev)?)
+        };
+        let (row_tile, col_tile) = (tile(out, bn)?, tile(inp, bk)?);
+        let table = self.e4m3_on_device()?;
+        // Decoded a few experts at a time, so the f32 intermediate stays small on a 24 GB card.
+        let per = (1usize << 26).div_ceil(out * inp).max(1);
+        let mut done = Vec::with_capacity(e.div_ceil(per));
+        for start in (0..e).step_by(per) {
+            let n = per.min(e - start);
+            let parts: Vec<&[u8]> = views[start..start + n].iter().map(|(_, d)| *d).collect();
+            let codes = Tensor::from_raw_buffer(&gather(&parts), C::U8, &[n * out * inp], dev)?;
+            let s = scale
+                .narrow(0, start, n)?
+                .index_select(&row_tile, 1)?
+                .index_select(&col_tile, 2)?;
+            let w = (table.index_select(&codes, 0)?.reshape((n, out, inp))? * s)?;
+            done.push(held(w)?);
+        }
+        release(self);
+        Ok(Some(if done.len() == 1 {
+            done.remove(0)
+        } else {
+            Tensor::cat(&done, 0)?
+        }))
     }
 
     /// Decodes `name` to f32, dequantising a quantised weight ([`Weights::quantised`]).
@@ -631,8 +792,10 @@ impl Weights {
     ///   [`QuantMatrix::linear`] straight from the stored bytes;
     /// * more rows: `W` dequantised once and multiplied in place (no transposed copy).
     ///
-    /// Under [`Residency::Resident`] the kept transposed weight is reused. Results agree with
-    /// the plain path up to the order of f32 summation.
+    /// Under [`Residency::Resident`] the kept transposed weight is reused. On a GPU with
+    /// [`Compute::Bf16`] the product is a bf16 one (bf16 operands, f32 accumulation, the output
+    /// rounded to bf16, as a bf16 `nn.Linear`); callers round the output anyway. Results agree
+    /// with the plain path up to the order of f32 summation.
     ///
     /// # Errors
     /// As [`Weights::projection`]; [`ModelError::Shape`] when the last dimension of `x` is not
@@ -662,6 +825,15 @@ impl Weights {
     ) -> Result<Tensor, ModelError> {
         let cheat = matches!(self.precision, Precision::Int4 { .. });
         let name = format!("{module}.weight");
+        if !self.device.is_cpu() && compute == Compute::Bf16 && !cheat {
+            // A bf16 model's product: bf16 operands (`x` is a bf16 activation, the weight its
+            // bf16 value), f32 accumulation, the output rounded once (cuBLAS with
+            // CUBLAS_COMPUTE_32F, candle's default), on the tensor cores.
+            use candle_core::DType as C;
+            let w = self.get_as(&name, Some(&[out, inp]), true, false, compute)?;
+            let y = x.to_dtype(C::BF16)?.matmul(&w.to_dtype(C::BF16)?.t()?)?;
+            return Ok(y.to_dtype(C::F32)?);
+        }
         if self.residency == Residency::Resident
             || cheat
             || self.rounds(&name, compute)
@@ -1074,5 +1246,60 @@ mod tests {
             fp8 > 0,
             "no block-FP8 tensor was decoded on the device path"
         );
+    }
+
+    /// The GPU's stacked decode of one layer's experts (run here on the CPU backend) holds
+    /// each expert's host decode bit for bit, bf16-rounded for a bf16 recompute, for the bf16
+    /// and the block-FP8 oracle checkpoints.
+    #[test]
+    fn the_stacked_device_decode_is_the_host_decode() {
+        let root =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/arch");
+        let mut cases = 0;
+        for case in ["qwen3_5_moe", "qwen3_5_moe_fp8", "glm_moe_dsa_fp8"] {
+            let dir = root.join(case);
+            let cfg = crate::arch::TextConfig::read(&dir).unwrap();
+            let w = Weights::open(
+                &dir,
+                cfg.quantization.as_ref(),
+                Precision::Bf16,
+                Residency::Streaming,
+            )
+            .unwrap();
+            let layer = (0..cfg.num_hidden_layers)
+                .find(|l| w.has(&format!("model.layers.{l}.mlp.experts.0.down_proj.weight")))
+                .unwrap();
+            let names: Vec<String> = [2usize, 0, 1]
+                .iter()
+                .map(|e| format!("model.layers.{layer}.mlp.experts.{e}.down_proj.weight"))
+                .collect();
+            let [out, inp] = w.shape(&names[0]).unwrap() else {
+                panic!("{case}: a 2-D expert weight")
+            };
+            let (out, inp) = (*out, *inp);
+            for compute in [Compute::F32, Compute::Bf16] {
+                let t = w
+                    .stack_on_device(&names, out, inp, compute)
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{case}: not stacked on the device path"));
+                assert_eq!(t.dims(), &[3, out, inp], "{case}");
+                let got = t.to_dtype(candle_core::DType::F32).unwrap();
+                for (i, name) in names.iter().enumerate() {
+                    let (_, want) = w.decode(name).unwrap();
+                    let got = got.get(i).unwrap().flatten_all().unwrap();
+                    let got = got.to_vec1::<f32>().unwrap();
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == compute.round_f32(*b).to_bits());
+                    assert!(
+                        same,
+                        "{case} {name} {compute:?}: the stacked decode differs"
+                    );
+                }
+            }
+            cases += 1;
+        }
+        assert_eq!(cases, 3);
     }
 }

@@ -1,0 +1,201 @@
+//! Routed experts computed in groups: one layer's experts decoded as one stack
+//! ([`Weights::stacked`]) and multiplied as batched products, a handful of kernels per layer
+//! instead of a dozen per expert. This is how the auditor runs on a GPU (docs/AUDITOR.md "On a
+//! GPU"); the CPU keeps the per-expert loop of [`ops::moe_dispatch`], which never decodes an
+//! expert no token chose and multiplies few rows straight from the stored bytes.
+//!
+//! The arithmetic is the loop's, in transformers' order of rounding: per expert
+//! `down(round(round(silu(gate x)) * up x))` with every product rounded to the activation dtype
+//! ([`ops::swiglu_in`]); then per token the `k` outputs times their routing weights, each
+//! product rounded when the model rounds it (`round_products`), summed in f32 in the token's
+//! top-k order (transformers' `.sum(dim=1)`). Products run in the stack's dtype: bf16 stacks
+//! (a [`Compute::Bf16`] recompute on a GPU) multiply bf16 operands with f32 accumulation, as a
+//! bf16 model's `grouped_mm` does. The result is not rounded; the caller rounds the sum as its
+//! model does.
+use candle_core::{DType, Tensor};
+
+use super::ops;
+use super::Weights;
+use crate::{Compute, ModelError, Precision};
+
+/// Experts batched into one product: at most this many per group. Experts are grouped by how
+/// many tokens chose them (most first) and each group is padded to its largest count, so
+/// groups of similar counts waste little.
+const GROUP: usize = 32;
+
+/// Whether `w`'s routed experts are computed in groups ([`dispatch`]): on a GPU, for an
+/// unaltered checkpoint (the int4 cheat keeps the per-expert loop).
+pub fn grouped(w: &Weights) -> bool {
+    !w.device().is_cpu() && !matches!(w.precision(), Precision::Int4 { .. })
+}
+
+/// The routed experts of one MoE block on `x` `[T, hidden]`: `choice[t]` lists token `t`'s
+/// `(expert, routing weight)` in top-k order; `module(e)` is expert `e`'s tensor prefix
+/// (`…mlp.experts.{e}`), whose `gate_proj`/`up_proj` are `[inter, hidden]` and `down_proj`
+/// `[hidden, inter]`. Returns `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
+///
+/// # Errors
+/// Weight errors ([`Weights::stacked`]) and candle errors.
+pub fn dispatch(
+    w: &Weights,
+    module: impl Fn(usize) -> String,
+    x: &Tensor,
+    choice: &[Vec<(usize, f32)>],
+    (hidden, inter): (usize, usize),
+    c: Compute,
+    round_products: bool,
+) -> Result<Tensor, ModelError> {
+    let (t, h) = x.dims2()?;
+    let dev = x.device().clone();
+    // The tokens of each chosen expert, and each (token, j)'s position in its expert's list.
+    let mut tokens: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
+    for (tok, list) in choice.iter().enumerate() {
+        for &(e, _) in list {
+            tokens.entry(e).or_default().push(tok as u32);
+        }
+    }
+    let mut order: Vec<(usize, Vec<u32>)> = tokens.into_iter().collect();
+    order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
+    let k = choice.iter().map(Vec::len).max().unwrap_or(0);
+    if order.is_empty() || k == 0 {
+        return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
+    }
+    let stack = |proj: &str, out: usize, inp: usize| {
+        let names: Vec<String> = order
+            .iter()
+            .map(|(e, _)| format!("{}.{proj}.weight", module(*e)))
+            .collect();
+        w.stacked(&names, out, inp, c)
+    };
+    let gate = stack("gate_proj", inter, hidden)?;
+    let up = stack("up_proj", inter, hidden)?;
+    let down = stack("down_proj", hidden, inter)?;
+    let wd = gate.dtype();
+
+    // Rows of every group's output, stacked: expert `order[s]`'s i-th token lands on row
+    // `first_row[s] + i`.
+    let mut first_row = vec![0usize; order.len()];
+    let mut outs = Vec::with_capacity(order.len().div_ceil(GROUP));
+    let mut rows = 0usize;
+    for g0 in (0..order.len()).step_by(GROUP) {
+        let n = GROUP.min(order.len() - g0);
+        let cap = order[g0].1.len();
+        let mut idx = Vec::with_capacity(n * cap);
+        for (s, (_, toks)) in order[g0..g0 + n].iter().enumerate() {
+            first_row[g0 + s] = rows + s * cap;
+            idx.extend_from_slice(toks);
+            // Padding rows repeat the expert's first token; they are never read back.
+            idx.extend(std::iter::repeat_n(toks[0], cap - toks.len()));
+        }
+        rows += n * cap;
+        let xs = x
+            .index_select(&Tensor::from_vec(idx, n * cap, &dev)?, 0)?
+            .to_dtype(wd)?
+            .reshape((n, cap, h))?;
+        let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
+            let y = a.matmul(&m.narrow(0, g0, n)?.transpose(1, 2)?)?;
+            Ok(c.round(y.to_dtype(DType::F32)?)?)
+        };
+        let g = product(&gate, &xs)?;
+        let u = product(&up, &xs)?;
+        let act = c.round((c.round(ops::silu(&g)?)? * u)?)?;
+        let y = product(&down, &act.to_dtype(wd)?)?;
+        outs.push(y.reshape((n * cap, hidden))?);
+    }
+    // One zero row at the end for tokens with fewer than `k` choices.
+    outs.push(Tensor::zeros((1, hidden), DType::F32, &dev)?);
+    let all = Tensor::cat(&outs, 0)?;
+    let slot: std::collections::HashMap<usize, usize> = order
+        .iter()
+        .enumerate()
+        .map(|(s, (e, _))| (*e, s))
+        .collect();
+    let mut seen = vec![0usize; order.len()];
+    let mut pick = vec![rows as u32; t * k];
+    let mut wts = vec![0f32; t * k];
+    for (tok, list) in choice.iter().enumerate() {
+        for (j, &(e, wt)) in list.iter().enumerate() {
+            let s = slot[&e];
+            pick[tok * k + j] = (first_row[s] + seen[s]) as u32;
+            seen[s] += 1;
+            wts[tok * k + j] = wt;
+        }
+    }
+    let picked = all
+        .index_select(&Tensor::from_vec(pick, t * k, &dev)?, 0)?
+        .reshape((t, k, hidden))?;
+    let mut weighted = picked.broadcast_mul(&Tensor::from_vec(wts, (t, k, 1), &dev)?)?;
+    if round_products {
+        weighted = c.round(weighted)?;
+    }
+    Ok(weighted.sum(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::{open, LoadOptions};
+
+    /// The grouped dispatch is the per-expert loop (here both on the CPU, f32 stacks), with
+    /// uneven expert loads, a token with fewer choices, and both rounding modes.
+    #[test]
+    fn the_grouped_experts_are_the_per_expert_loop() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/vectors/arch/qwen3_5_moe");
+        for c in [Compute::F32, Compute::Bf16] {
+            let opts = LoadOptions {
+                compute: c,
+                ..LoadOptions::default()
+            };
+            let (cfg, w) = open(&dir, &opts).unwrap();
+            let hidden = cfg.hidden_size;
+            let inter = cfg.usize_req("moe_intermediate_size").unwrap();
+            let experts = cfg.usize_req("num_experts").unwrap();
+            let t = 70;
+            let x: Vec<f32> = (0..t * hidden)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+                .collect();
+            let x = c
+                .round(Tensor::from_vec(x, (t, hidden), &candle_core::Device::Cpu).unwrap())
+                .unwrap();
+            // Expert 0 takes every token, the others a few; token 5 has one choice only.
+            let choice: Vec<Vec<(usize, f32)>> = (0..t)
+                .map(|tok| {
+                    let mut l = vec![(0, c.round_f32(0.375))];
+                    if tok != 5 {
+                        l.push((1 + (tok * 7) % (experts - 1), c.round_f32(0.625)));
+                    }
+                    l
+                })
+                .collect();
+            let m = "model.layers.0.mlp.experts";
+            let module = |e: usize| format!("{m}.{e}");
+            let expert =
+                |e: usize, rows: &Tensor| ops::swiglu_in(&w, &module(e), rows, hidden, inter, c);
+            // Qwen's rounded products, and GLM's f32 sum of unrounded ones.
+            for round_products in [true, false] {
+                let want = if round_products {
+                    ops::moe_dispatch_in(&x, &choice, c, expert).unwrap()
+                } else {
+                    c.round(ops::moe_dispatch(&x, &choice, expert).unwrap())
+                        .unwrap()
+                };
+                let got = dispatch(&w, module, &x, &choice, (hidden, inter), c, round_products);
+                let got = c.round(got.unwrap()).unwrap();
+                let scale = want.abs().unwrap().max_all().unwrap();
+                let scale = scale.to_scalar::<f32>().unwrap();
+                let err = (got - &want).unwrap().abs().unwrap().max_all().unwrap();
+                let err = err.to_scalar::<f32>().unwrap();
+                // f32: summation order only; bf16: one rounding apart is 2^-8 relative.
+                let tol = match c {
+                    Compute::F32 => 1e-5 * scale,
+                    Compute::Bf16 => 8e-3 * scale,
+                };
+                assert!(
+                    scale > 0.0 && err <= tol,
+                    "{c:?} round_products {round_products}: off by {err} (scale {scale})"
+                );
+            }
+        }
+    }
+}
