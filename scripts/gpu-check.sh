@@ -88,6 +88,16 @@ bench() {
     /usr/bin/time -f "   wrote the checkpoint in %e s" "$bin/synth_checkpoint" "$ck" "$layers" "$tokens" || return 1
   fi
   cat "$ck"/*.safetensors >/dev/null # into the page cache: time the audit, not the disk
+  # A first run fills the driver's kernel cache (~/.nv/ComputeCache: candle's kernels ship as
+  # PTX and are compiled on first use); the second is the one measured.
+  "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \
+    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-first.err"
+  sed 's/^/   first run: /' "$work/engy-first.err"
+  # Where the time goes: a run with ENGY_PROFILE=1 (each phase waits for the GPU, so this run
+  # is slower than the measured one).
+  ENGY_PROFILE=1 "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \
+    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-profile.err"
+  sed 's/^/   profiled run: /' "$work/engy-profile.err"
   local t0 t1
   t0=$(date +%s.%N)
   peak_mem "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \

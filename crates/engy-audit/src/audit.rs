@@ -201,6 +201,9 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
         .filter(|(_, n)| *n > 0)
         .map(|(step, n)| format!("{} {n}", step.label()))
         .collect();
+    for (name, secs, calls) in engy_model::device::profile() {
+        eprintln!("engy-audit audit: profile: {name:<24} {secs:>8.3} s  ({calls} calls)");
+    }
     eprintln!(
         "engy-audit audit: recomputed on {} in {:.3} s{}",
         args.device,

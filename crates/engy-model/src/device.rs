@@ -133,6 +133,58 @@ pub fn host_steps() -> [(HostStep, u64); 3] {
     HostStep::ALL.map(|s| (s, HOST_STEPS[s as usize].load(Ordering::Relaxed)))
 }
 
+/// The phases of a forward pass [`phase`] times when `ENGY_PROFILE` is set (any value but
+/// `0`): each phase waits for the device before and after, so its wall time is its own, and
+/// the profile is the sum per phase ([`profile`]). Off by default: the waits cost overlap.
+static PROFILE: std::sync::Mutex<Vec<(&'static str, f64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+fn profiling() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// Runs `f` as phase `name` of the pass on `device`: with `ENGY_PROFILE` set, the device is
+/// synchronised before and after and the wall time added to the phase's total; otherwise `f`
+/// alone. Phases may nest (an inner phase's time is also in the outer one's).
+///
+/// # Errors
+/// Whatever `f` returns; a failed synchronisation is [`ModelError::Device`].
+pub fn phase<T>(
+    device: &Device,
+    name: &'static str,
+    f: impl FnOnce() -> Result<T, ModelError>,
+) -> Result<T, ModelError> {
+    if !profiling() {
+        return f();
+    }
+    let sync = || {
+        device
+            .synchronize()
+            .map_err(|e| ModelError::Device(format!("synchronising for the profile: {e}")))
+    };
+    sync()?;
+    let t0 = std::time::Instant::now();
+    let out = f()?;
+    sync()?;
+    let dt = t0.elapsed().as_secs_f64();
+    if let Ok(mut p) = PROFILE.lock() {
+        match p.iter_mut().find(|(n, _, _)| *n == name) {
+            Some(e) => {
+                e.1 += dt;
+                e.2 += 1;
+            }
+            None => p.push((name, dt, 1)),
+        }
+    }
+    Ok(out)
+}
+
+/// The profile so far: `(phase, seconds, calls)` in the order phases first ran; empty unless
+/// `ENGY_PROFILE` is set.
+pub fn profile() -> Vec<(&'static str, f64, u64)> {
+    PROFILE.lock().map(|p| p.clone()).unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

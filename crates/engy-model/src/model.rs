@@ -331,8 +331,11 @@ impl Model {
         probe: &mut Probe<'_>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let mut cache = self.new_cache();
-        let h = self.forward_probed(ids, &mut cache, probe)?;
-        Ok(h.to_vec2::<f32>()?)
+        let dev = self.opts.device.device()?;
+        crate::device::phase(&dev, "forward", || {
+            let h = self.forward_probed(ids, &mut cache, probe)?;
+            Ok(h.to_vec2::<f32>()?)
+        })
     }
 
     /// Teacher-forced, with every decoder layer's residual output: `(final [T, H], layers)`

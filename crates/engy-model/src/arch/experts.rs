@@ -16,6 +16,7 @@ use candle_core::{DType, Tensor};
 
 use super::ops;
 use super::Weights;
+use crate::device::phase;
 use crate::{Compute, ModelError, Precision};
 
 /// Experts batched into one product: at most this many per group. Experts are grouped by how
@@ -67,9 +68,13 @@ pub fn dispatch(
             .collect();
         w.stacked(&names, out, inp, c)
     };
-    let gate = stack("gate_proj", inter, hidden)?;
-    let up = stack("up_proj", inter, hidden)?;
-    let down = stack("down_proj", hidden, inter)?;
+    let (gate, up, down) = phase(&dev, "moe: expert weights", || {
+        Ok((
+            stack("gate_proj", inter, hidden)?,
+            stack("up_proj", inter, hidden)?,
+            stack("down_proj", hidden, inter)?,
+        ))
+    })?;
     let wd = gate.dtype();
 
     // Rows of every group's output, stacked: expert `order[s]`'s i-th token lands on row

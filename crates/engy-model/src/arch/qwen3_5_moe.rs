@@ -58,6 +58,7 @@ use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
     TextConfig, Weights,
 };
+use crate::device::phase;
 use crate::{Compute, ModelError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -585,7 +586,9 @@ impl Qwen3_5Moe {
         // then cast to the logits' dtype (`Qwen3_5MoeTopKRouter`); ties between bf16 logits
         // are broken as torch's `topk` breaks them.
         let logits = cm.round(linear_t(h, &router)?)?;
-        let (rank, probs, own) = ops::softmax_route_in(&logits, self.top_k, cm)?;
+        let (rank, probs, own) = phase(h.device(), "moe: routing", || {
+            Ok(ops::softmax_route_in(&logits, self.top_k, cm)?)
+        })?;
         let used = probe.route(li, off, &rank, RouteScores::new(&rank), own);
         let mut choice: Vec<Vec<(usize, f32)>> = used
             .iter()
@@ -595,29 +598,34 @@ impl Qwen3_5Moe {
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = cm.round_f32(*wgt);
         }
-        let mut out = if experts::grouped(w) {
-            let module = |e: usize| format!("{m}.experts.{e}");
-            let shape = (d, self.moe_inter);
-            cm.round(experts::dispatch(w, module, h, &choice, shape, cm, true)?)?
-        } else {
-            ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
-                ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
-            })?
-        };
+        let mut out = phase(h.device(), "moe: routed experts", || {
+            if experts::grouped(w) {
+                let module = |e: usize| format!("{m}.experts.{e}");
+                let shape = (d, self.moe_inter);
+                Ok(cm.round(experts::dispatch(w, module, h, &choice, shape, cm, true)?)?)
+            } else {
+                ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
+                    ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
+                })
+            }
+        })?;
         if self.shared_inter > 0 {
-            let shared = ops::swiglu_in(
-                w,
-                &format!("{m}.shared_expert"),
-                h,
-                d,
-                self.shared_inter,
-                cm,
-            )?;
-            let g = cm.round(ops::sigmoid(&cm.round(linear_t(
-                h,
-                &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
-            )?)?)?)?;
-            out = cm.round((out + cm.round(shared.broadcast_mul(&g)?)?)?)?;
+            let shared = phase(h.device(), "moe: shared expert", || {
+                let shared = ops::swiglu_in(
+                    w,
+                    &format!("{m}.shared_expert"),
+                    h,
+                    d,
+                    self.shared_inter,
+                    cm,
+                )?;
+                let g = cm.round(ops::sigmoid(&cm.round(linear_t(
+                    h,
+                    &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
+                )?)?)?)?;
+                Ok(cm.round(shared.broadcast_mul(&g)?)?)
+            })?;
+            out = cm.round((out + shared)?)?;
         }
         probe.push_block(li, off, h, &out);
         Ok(out)
@@ -658,9 +666,10 @@ impl Architecture for Qwen3_5Moe {
                 eps,
                 cm,
             )?;
+            let dev = h.device().clone();
             let (y, lc) = match mixer {
-                Mixer::DeltaNet => self.delta_net(&p, &h, prev)?,
-                Mixer::Attention => self.attention(&p, &h, off, prev)?,
+                Mixer::DeltaNet => phase(&dev, "gated deltanet", || self.delta_net(&p, &h, prev))?,
+                Mixer::Attention => phase(&dev, "attention", || self.attention(&p, &h, off, prev))?,
             };
             new_cache.push(lc);
             x = cm.round((x + y)?)?;
@@ -672,8 +681,8 @@ impl Architecture for Qwen3_5Moe {
                 eps,
                 cm,
             )?;
-            x = cm.round((&x + self.moe(li, &p, &h, off, probe)?)?)?;
-            probe.push_layer(&x);
+            x = cm.round((&x + phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?)?)?;
+            phase(&dev, "probe", || Ok(probe.push_layer(&x)))?;
         }
         let out = ops::rms_norm_1p_in(&x, &self.w.tensor("model.norm.weight")?, eps, cm)?;
         cache.layers = new_cache;
