@@ -46,6 +46,8 @@ pub enum Residency {
 
 struct Shard {
     path: PathBuf,
+    /// The open file, for positioned reads ([`Weights::read_into`]).
+    file: File,
     map: Mmap,
     data_start: usize,
 }
@@ -159,6 +161,7 @@ impl Weights {
             }
             shards.push(Shard {
                 path,
+                file,
                 map,
                 data_start: 8 + n,
             });
@@ -435,6 +438,59 @@ impl Weights {
         Ok(Some(w))
     }
 
+    /// Copies the stored bytes of `name` into `dst` (exactly their length) with a positioned
+    /// read of the shard file rather than through the map: a read from the page cache costs no
+    /// page faults, so many run in parallel at memory speed, and the process's resident set
+    /// does not grow. Elsewhere than unix, a copy from the map.
+    fn read_into(&self, name: &str, dst: &mut [u8]) -> Result<(), ModelError> {
+        let (e, data, path) = self.bytes(name)?;
+        if data.len() != dst.len() {
+            return Err(ModelError::Safetensors {
+                file: path.to_path_buf(),
+                msg: format!(
+                    "tensor {name}: {} bytes, expected {}",
+                    data.len(),
+                    dst.len()
+                ),
+            });
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+            let sh = &self.shards[e.shard];
+            let at = (sh.data_start + e.start) as u64;
+            sh.file
+                .read_exact_at(dst, at)
+                .map_err(|err| ModelError::Io {
+                    path: path.to_path_buf(),
+                    source: err,
+                })
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = e;
+            dst.copy_from_slice(data);
+            Ok(())
+        }
+    }
+
+    /// The stored bytes of every tensor of `names` (all of one size), one after the other,
+    /// read in parallel ([`Weights::read_into`]).
+    fn gather(&self, names: &[String]) -> Result<Vec<u8>, ModelError> {
+        use rayon::prelude::*;
+        let Some(first) = names.first() else {
+            return Ok(Vec::new());
+        };
+        let each = self.bytes(first)?.1.len();
+        crate::device::phase(&self.device, "weights: host read", || {
+            let mut buf = vec![0u8; each * names.len()];
+            buf.par_chunks_mut(each.max(1))
+                .zip(names.par_iter())
+                .try_for_each(|(dst, n)| self.read_into(n, dst))?;
+            Ok(buf)
+        })
+    }
+
     /// The E4M3 decode table on the weights' device, made once.
     fn e4m3_on_device(&self) -> Result<&Tensor, ModelError> {
         if let Some(t) = self.e4m3.get() {
@@ -501,36 +557,26 @@ impl Weights {
         compute: Compute,
     ) -> Result<Option<Tensor>, ModelError> {
         use candle_core::DType as C;
-        use rayon::prelude::*;
         let float_dtype = |d: Dtype| match d {
             Dtype::BF16 => Some(C::BF16),
             Dtype::F16 => Some(C::F16),
             Dtype::F32 => Some(C::F32),
             _ => None,
         };
-        let mut views = Vec::with_capacity(names.len());
+        let mut dtypes = Vec::with_capacity(names.len());
         for n in names {
-            let (e, data, _) = self.bytes(n)?;
-            views.push((e.dtype, data));
+            dtypes.push(self.bytes(n)?.0.dtype);
         }
-        let dtype = views[0].0;
+        let dtype = dtypes[0];
         let stored_as_is = float_dtype(dtype).is_some() || dtype == Dtype::F8_E4M3;
-        if !stored_as_is || views.iter().any(|(d, _)| *d != dtype) {
+        if !stored_as_is || dtypes.iter().any(|d| *d != dtype) {
             // NVFP4 (packed, its stored shape is not the logical one) and the like.
             return Ok(None);
         }
         for n in names {
             check_shape(n, self.shape(n).unwrap_or_default(), Some(&[out, inp]))?;
         }
-        // One host buffer, filled in parallel from the maps, one copy up.
-        let gather = |parts: &[&[u8]]| -> Vec<u8> {
-            let each = parts.first().map_or(0, |p| p.len());
-            let mut buf = vec![0u8; each * parts.len()];
-            buf.par_chunks_mut(each.max(1))
-                .zip(parts.par_iter())
-                .for_each(|(dst, src)| dst.copy_from_slice(src));
-            buf
-        };
+        // One host buffer per kind, read in parallel, one copy up.
         let dev = &self.device;
         let e = names.len();
         let held = |t: Tensor| -> Result<Tensor, ModelError> {
@@ -539,15 +585,8 @@ impl Weights {
                 Compute::F32 => t.to_dtype(C::F32)?,
             })
         };
-        let release = |w: &Self| {
-            if w.residency == Residency::Streaming {
-                names.iter().for_each(|n| w.release_pages(n));
-            }
-        };
         if let Some(c) = float_dtype(dtype) {
-            let parts: Vec<&[u8]> = views.iter().map(|(_, d)| *d).collect();
-            let t = Tensor::from_raw_buffer(&gather(&parts), c, &[e, out, inp], dev)?;
-            release(self);
+            let t = Tensor::from_raw_buffer(&self.gather(names)?, c, &[e, out, inp], dev)?;
             return Ok(Some(held(t)?));
         }
         if dtype != Dtype::F8_E4M3 {
@@ -558,25 +597,20 @@ impl Weights {
             return Ok(None);
         }
         let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
-        let mut scales = Vec::with_capacity(e);
-        for n in names {
-            let Some(se) = self.entry(&format!("{n}_scale_inv")) else {
-                return Ok(None);
-            };
-            if se.shape != [tn, tk] {
-                return Ok(None);
+        let scale_names: Vec<String> = names.iter().map(|n| format!("{n}_scale_inv")).collect();
+        let mut sdtypes = Vec::with_capacity(e);
+        for n in &scale_names {
+            match self.entry(n) {
+                Some(se) if se.shape == [tn, tk] => sdtypes.push(se.dtype),
+                _ => return Ok(None),
             }
-            let (se, sdata, _) = self.bytes(&format!("{n}_scale_inv"))?;
-            scales.push((se.dtype, sdata));
         }
-        let sdtype = scales[0].0;
-        let Some(sc) = float_dtype(sdtype).filter(|_| scales.iter().all(|(d, _)| *d == sdtype))
-        else {
+        let sdtype = sdtypes[0];
+        let Some(sc) = float_dtype(sdtype).filter(|_| sdtypes.iter().all(|d| *d == sdtype)) else {
             return Ok(None);
         };
-        let parts: Vec<&[u8]> = scales.iter().map(|(_, d)| *d).collect();
-        let scale =
-            Tensor::from_raw_buffer(&gather(&parts), sc, &[e, tn, tk], dev)?.to_dtype(C::F32)?;
+        let scale = Tensor::from_raw_buffer(&self.gather(&scale_names)?, sc, &[e, tn, tk], dev)?
+            .to_dtype(C::F32)?;
         // Each element's tile, by row and by column (the last tiles may be partial).
         let tile = |len: usize, b: usize| -> Result<Tensor, ModelError> {
             let v: Vec<u32> = (0..len).map(|i| (i / b) as u32).collect();
@@ -589,8 +623,15 @@ impl Weights {
         let mut done = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let n = per.min(e - start);
-            let parts: Vec<&[u8]> = views[start..start + n].iter().map(|(_, d)| *d).collect();
-            let codes = Tensor::from_raw_buffer(&gather(&parts), C::U8, &[n * out * inp], dev)?;
+            let bytes = self.gather(&names[start..start + n])?;
+            let codes = crate::device::phase(dev, "weights: upload", || {
+                Ok(Tensor::from_raw_buffer(
+                    &bytes,
+                    C::U8,
+                    &[n * out * inp],
+                    dev,
+                )?)
+            })?;
             let s = scale
                 .narrow(0, start, n)?
                 .index_select(&row_tile, 1)?
@@ -598,7 +639,6 @@ impl Weights {
             let w = (table.index_select(&codes, 0)?.reshape((n, out, inp))? * s)?;
             done.push(held(w)?);
         }
-        release(self);
         Ok(Some(if done.len() == 1 {
             done.remove(0)
         } else {
