@@ -158,11 +158,14 @@ pub fn causal_mask(t: usize, off: usize, device: &Device) -> candle_core::Result
     if t <= 1 {
         return Ok(None);
     }
+    // Built where it is used (on a GPU, no host loop over t × (off + t) entries and no copy).
     let total = off + t;
-    let m: Vec<f32> = (0..t)
-        .flat_map(|i| (0..total).map(move |j| if j > off + i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    Ok(Some(Tensor::from_vec(m, (t, total), device)?))
+    let keys = Tensor::arange(0u32, total as u32, device)?.unsqueeze(0)?;
+    let queries = Tensor::arange(off as u32, total as u32, device)?.unsqueeze(1)?;
+    let future = keys.broadcast_gt(&queries)?;
+    let blocked = Tensor::full(f32::NEG_INFINITY, (t, total), device)?;
+    let open = Tensor::zeros((t, total), DType::F32, device)?;
+    Ok(Some(future.where_cond(&blocked, &open)?))
 }
 
 /// RoPE tables for positions `off .. off + t`: `cos`, `sin` `[t, dim/2]` with
@@ -757,6 +760,20 @@ mod tests {
 
     /// `Qwen3_5MoeRMSNorm` rounds once (f32 `norm(x) * (1 + w)`, then bf16), where the
     /// Llama-style norm rounds the normalised row first: on this row the two differ.
+    #[test]
+    fn the_causal_mask_blocks_exactly_the_future_keys() {
+        let m = causal_mask(3, 2, &Device::Cpu).unwrap().unwrap();
+        let got = m.to_vec2::<f32>().unwrap();
+        for (i, row) in got.iter().enumerate() {
+            assert_eq!(row.len(), 5);
+            for (j, &v) in row.iter().enumerate() {
+                let want = if j > 2 + i { f32::NEG_INFINITY } else { 0.0 };
+                assert_eq!(v, want, "query {i} key {j}");
+            }
+        }
+        assert!(causal_mask(1, 4, &Device::Cpu).unwrap().is_none());
+    }
+
     #[test]
     fn zero_centred_norm_rounds_once_in_bf16() {
         let x: Vec<f32> = (0..64)
