@@ -24,6 +24,32 @@ use crate::{Compute, ModelError, Precision};
 /// groups of similar counts waste little.
 const GROUP: usize = 32;
 
+/// The stored names of `proj` (`gate_proj`, …) of `experts`, in that order.
+fn names(module: &impl Fn(usize) -> String, experts: &[usize], proj: &str) -> Vec<String> {
+    experts
+        .iter()
+        .map(|e| format!("{}.{proj}.weight", module(*e)))
+        .collect()
+}
+
+/// Starts reading the stored weights of all `experts` routed experts of one layer
+/// (`module(e)` as in [`dispatch`]) in the background ([`Weights::prefetch`]), for a
+/// [`dispatch`] of at least `experts / top_k` tokens (which stacks them all). The auditor calls
+/// it for layer `l + 1` when layer `l` starts, so the host reads while the GPU computes. Does
+/// nothing where [`grouped`] is false.
+pub fn prefetch(w: &std::sync::Arc<Weights>, module: impl Fn(usize) -> String, experts: usize) {
+    if !grouped(w) {
+        return;
+    }
+    let all: Vec<usize> = (0..experts).collect();
+    for proj in ["gate_proj", "up_proj", "down_proj"] {
+        let n = names(&module, &all, proj);
+        let scales = n.iter().map(|x| format!("{x}_scale_inv")).collect();
+        w.prefetch(n);
+        w.prefetch(scales);
+    }
+}
+
 /// Whether `w`'s routed experts are computed in groups ([`dispatch`]): on a GPU, for an
 /// unaltered checkpoint (the int4 cheat keeps the per-expert loop).
 pub fn grouped(w: &Weights) -> bool {
@@ -33,13 +59,16 @@ pub fn grouped(w: &Weights) -> bool {
 /// The routed experts of one MoE block on `x` `[T, hidden]`: `choice[t]` lists token `t`'s
 /// `(expert, routing weight)` in top-k order; `module(e)` is expert `e`'s tensor prefix
 /// (`…mlp.experts.{e}`), whose `gate_proj`/`up_proj` are `[inter, hidden]` and `down_proj`
-/// `[hidden, inter]`. Returns `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
+/// `[hidden, inter]`; `experts` the layer's expert count, when known (with `T·k` at least that,
+/// every expert is stacked, as [`prefetch`] reads them). Returns `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
 ///
 /// # Errors
 /// Weight errors ([`Weights::stacked`]) and candle errors.
+#[allow(clippy::too_many_arguments)]
 pub fn dispatch(
     w: &Weights,
     module: impl Fn(usize) -> String,
+    experts: Option<usize>,
     x: &Tensor,
     choice: &[Vec<(usize, f32)>],
     (hidden, inter): (usize, usize),
@@ -55,18 +84,25 @@ pub fn dispatch(
             tokens.entry(e).or_default().push(tok as u32);
         }
     }
-    let mut order: Vec<(usize, Vec<u32>)> = tokens.into_iter().collect();
-    order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
     let k = choice.iter().map(Vec::len).max().unwrap_or(0);
-    if order.is_empty() || k == 0 {
+    if tokens.is_empty() || k == 0 {
         return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
     }
+    // The stack holds every expert when most are chosen (what [`prefetch`] read ahead),
+    // else the chosen ones, in expert order.
+    let stacked: Vec<usize> = match experts {
+        Some(n) if t * k >= n => (0..n).collect(),
+        _ => tokens.keys().copied().collect(),
+    };
+    let at: std::collections::HashMap<usize, u32> = stacked
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (*e, i as u32))
+        .collect();
+    let mut order: Vec<(usize, Vec<u32>)> = tokens.into_iter().collect();
+    order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
     let stack = |proj: &str, out: usize, inp: usize| {
-        let names: Vec<String> = order
-            .iter()
-            .map(|(e, _)| format!("{}.{proj}.weight", module(*e)))
-            .collect();
-        w.stacked(&names, out, inp, c)
+        w.stacked(&names(&module, &stacked, proj), out, inp, c)
     };
     let (gate, up, down) = phase(&dev, "moe: expert weights", || {
         Ok((
@@ -97,8 +133,10 @@ pub fn dispatch(
             .index_select(&Tensor::from_vec(idx, n * cap, &dev)?, 0)?
             .to_dtype(wd)?
             .reshape((n, cap, h))?;
+        let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[e]).collect();
+        let members = Tensor::from_vec(members, n, &dev)?;
         let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
-            let y = a.matmul(&m.narrow(0, g0, n)?.transpose(1, 2)?)?;
+            let y = a.matmul(&m.index_select(&members, 0)?.transpose(1, 2)?)?;
             Ok(c.round(y.to_dtype(DType::F32)?)?)
         };
         let g = product(&gate, &xs)?;
@@ -185,7 +223,17 @@ mod tests {
                     c.round(ops::moe_dispatch(&x, &choice, expert).unwrap())
                         .unwrap()
                 };
-                let got = dispatch(&w, module, &x, &choice, (hidden, inter), c, round_products);
+                let all = (round_products && c == Compute::Bf16).then_some(experts);
+                let got = dispatch(
+                    &w,
+                    module,
+                    all,
+                    &x,
+                    &choice,
+                    (hidden, inter),
+                    c,
+                    round_products,
+                );
                 let got = c.round(got.unwrap()).unwrap();
                 let scale = want.abs().unwrap().max_all().unwrap();
                 let scale = scale.to_scalar::<f32>().unwrap();

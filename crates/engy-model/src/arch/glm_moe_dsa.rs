@@ -1159,7 +1159,7 @@ impl GlmMoeDsa {
         // grouped_mm experts: bf16 expert outputs times f32 weights, summed over top-k in f32).
         let routed = cm.round(if experts::grouped(&self.w) {
             let module = |e: usize| format!("{m}.experts.{e}");
-            experts::dispatch(&self.w, module, h, &routes, (hd, mi), cm, false)?
+            experts::dispatch(&self.w, module, None, h, &routes, (hd, mi), cm, false)?
         } else {
             ops::moe_dispatch(h, &routes, |e, rows| {
                 ops::swiglu_in(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi, cm)

@@ -602,7 +602,16 @@ impl Qwen3_5Moe {
             if experts::grouped(w) {
                 let module = |e: usize| format!("{m}.experts.{e}");
                 let shape = (d, self.moe_inter);
-                Ok(cm.round(experts::dispatch(w, module, h, &choice, shape, cm, true)?)?)
+                Ok(cm.round(experts::dispatch(
+                    w,
+                    module,
+                    Some(self.experts),
+                    h,
+                    &choice,
+                    shape,
+                    cm,
+                    true,
+                )?)?)
             } else {
                 ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
                     ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
@@ -659,6 +668,17 @@ impl Architecture for Qwen3_5Moe {
         let mut new_cache = Vec::with_capacity(self.mixers.len());
         for (li, mixer) in self.mixers.iter().enumerate() {
             let p = format!("model.layers.{li}");
+            // The next layer's routed experts are read while this one computes (on a GPU).
+            if ids.len() * self.top_k >= self.experts {
+                let first = if li == 0 { 0 } else { li + 1 };
+                for l in first..=(li + 1).min(self.mixers.len() - 1) {
+                    experts::prefetch(
+                        &self.w,
+                        |e| format!("model.layers.{l}.mlp.experts.{e}"),
+                        self.experts,
+                    );
+                }
+            }
             let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
             let h = ops::rms_norm_1p_in(
                 &x,

@@ -237,7 +237,14 @@ impl Qwen3Moe {
             let module = |e: usize| format!("{p}.experts.{e}");
             let shape = (d, self.moe_inter);
             c.round(experts::dispatch(
-                &self.w, module, x, &choice, shape, c, true,
+                &self.w,
+                module,
+                Some(self.experts),
+                x,
+                &choice,
+                shape,
+                c,
+                true,
             )?)?
         } else {
             ops::moe_dispatch_in(x, &choice, c, |e, rows| {

@@ -75,6 +75,14 @@ pub struct Weights {
     device: Device,
     /// The E4M3 decode table on `device`, made once ([`Weights::decode_on_device`]).
     e4m3: std::sync::OnceLock<Tensor>,
+    /// Reads started ahead by [`Weights::prefetch`], by the exact list of names they read.
+    prefetched: std::sync::Mutex<Vec<Prefetched>>,
+}
+
+/// The bytes of a list of tensors being read in the background ([`Weights::prefetch`]).
+struct Prefetched {
+    names: Vec<String>,
+    read: std::thread::JoinHandle<Result<Vec<u8>, ModelError>>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -193,6 +201,7 @@ impl Weights {
             resident: RwLock::new(HashMap::new()),
             device: Device::Cpu,
             e4m3: std::sync::OnceLock::new(),
+            prefetched: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -474,21 +483,60 @@ impl Weights {
         }
     }
 
-    /// The stored bytes of every tensor of `names` (all of one size), one after the other,
-    /// read in parallel ([`Weights::read_into`]).
+    /// Starts reading the stored bytes of `names` (all of one size) in the background, for the
+    /// next [`Weights::stacked`] of exactly these names: the auditor on a GPU reads layer
+    /// `l + 1`'s experts while the GPU computes layer `l`. The bytes wait in host memory
+    /// until taken; at most 8 lists wait (a ninth drops the oldest). Nothing is started when
+    /// a name is not in the checkpoint.
+    pub fn prefetch(self: &std::sync::Arc<Self>, names: Vec<String>) {
+        if names.iter().any(|n| !self.has(n)) {
+            return;
+        }
+        let Ok(mut p) = self.prefetched.lock() else {
+            return;
+        };
+        if p.iter().any(|q| q.names == names) {
+            return;
+        }
+        if p.len() >= 8 {
+            // The oldest was never asked for; its thread finishes and its bytes are dropped.
+            p.remove(0);
+        }
+        let w = std::sync::Arc::clone(self);
+        let list = names.clone();
+        let read = std::thread::spawn(move || w.read_all(&list));
+        p.push(Prefetched { names, read });
+    }
+
+    /// The stored bytes of every tensor of `names` (all of one size), one after the other:
+    /// a [`Weights::prefetch`] of exactly this list when there is one, else read now.
     fn gather(&self, names: &[String]) -> Result<Vec<u8>, ModelError> {
+        let ahead = self.prefetched.lock().ok().and_then(|mut p| {
+            let i = p.iter().position(|q| q.names == names)?;
+            Some(p.swap_remove(i))
+        });
+        crate::device::phase(&self.device, "weights: host read", || match ahead {
+            Some(q) => q
+                .read
+                .join()
+                .map_err(|_| ModelError::Device("a background weight read panicked".into()))?,
+            None => self.read_all(names),
+        })
+    }
+
+    /// [`Weights::gather`]'s read: every tensor of `names` in parallel
+    /// ([`Weights::read_into`]).
+    fn read_all(&self, names: &[String]) -> Result<Vec<u8>, ModelError> {
         use rayon::prelude::*;
         let Some(first) = names.first() else {
             return Ok(Vec::new());
         };
         let each = self.bytes(first)?.1.len();
-        crate::device::phase(&self.device, "weights: host read", || {
-            let mut buf = vec![0u8; each * names.len()];
-            buf.par_chunks_mut(each.max(1))
-                .zip(names.par_iter())
-                .try_for_each(|(dst, n)| self.read_into(n, dst))?;
-            Ok(buf)
-        })
+        let mut buf = vec![0u8; each * names.len()];
+        buf.par_chunks_mut(each.max(1))
+            .zip(names.par_iter())
+            .try_for_each(|(dst, n)| self.read_into(n, dst))?;
+        Ok(buf)
     }
 
     /// The E4M3 decode table on the weights' device, made once.
@@ -618,15 +666,17 @@ impl Weights {
         };
         let (row_tile, col_tile) = (tile(out, bn)?, tile(inp, bk)?);
         let table = self.e4m3_on_device()?;
-        // Decoded a few experts at a time, so the f32 intermediate stays small on a 24 GB card.
+        // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
+        // on a 24 GB card.
+        let all = self.gather(names)?;
         let per = (1usize << 26).div_ceil(out * inp).max(1);
         let mut done = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let n = per.min(e - start);
-            let bytes = self.gather(&names[start..start + n])?;
+            let bytes = &all[start * out * inp..(start + n) * out * inp];
             let codes = crate::device::phase(dev, "weights: upload", || {
                 Ok(Tensor::from_raw_buffer(
-                    &bytes,
+                    bytes,
                     C::U8,
                     &[n * out * inp],
                     dev,
@@ -1338,7 +1388,14 @@ mod tests {
                 panic!("{case}: a 2-D expert weight")
             };
             let (out, inp) = (*out, *inp);
+            // The bf16 stack is read ahead, and the read is taken by the stack.
+            let w = std::sync::Arc::new(w);
             for compute in [Compute::F32, Compute::Bf16] {
+                if compute == Compute::Bf16 {
+                    w.prefetch(names.clone());
+                    w.prefetch(vec!["model.no.such.weight".into()]);
+                    assert_eq!(w.prefetched.lock().unwrap().len(), 1, "{case}");
+                }
                 let t = w
                     .stack_on_device(&names, out, inp, compute)
                     .unwrap()
@@ -1358,6 +1415,7 @@ mod tests {
                         "{case} {name} {compute:?}: the stacked decode differs"
                     );
                 }
+                assert!(w.prefetched.lock().unwrap().is_empty(), "{case}");
             }
             cases += 1;
         }
