@@ -702,7 +702,7 @@ impl Architecture for Qwen3_5Moe {
                 cm,
             )?;
             x = cm.round((&x + phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?)?)?;
-            phase(&dev, "probe", || Ok(probe.push_layer(&x)))?;
+            probe.push_layer(&x);
         }
         let out = ops::rms_norm_1p_in(&x, &self.w.tensor("model.norm.weight")?, eps, cm)?;
         cache.layers = new_cache;
