@@ -117,7 +117,7 @@ import json, sys
 tokens, layers, engy_s, engy_mem, tf_path, tf_mem = sys.argv[1:]
 tf = json.load(open(tf_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
-rows = [("engy-audit --device cuda (bf16 recompute, f32 arithmetic)", num(engy_s), num(engy_mem)),
+rows = [("engy-audit --device cuda (bf16 recompute, weights streamed)", num(engy_s), num(engy_mem)),
         (f"transformers {tf['transformers']} (bf16, torch {tf['torch']})", tf["seconds"], num(tf_mem))]
 print(f"   real-shape Qwen3.6-35B-A3B FP8, {layers} layers, {tokens} tokens, {tf['gpu']}")
 print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
