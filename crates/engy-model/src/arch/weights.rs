@@ -77,6 +77,11 @@ pub struct Weights {
     e4m3: std::sync::OnceLock<Tensor>,
     /// Reads started ahead by [`Weights::prefetch`], by the exact list of names they read.
     prefetched: std::sync::Mutex<Vec<Prefetched>>,
+    /// Page-locked staging buffers by length, for [`Weights::upload`] on a GPU.
+    #[cfg(feature = "cuda")]
+    staging: std::sync::Mutex<
+        HashMap<usize, candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u8>>,
+    >,
 }
 
 /// The bytes of a list of tensors being read in the background ([`Weights::prefetch`]).
@@ -202,6 +207,8 @@ impl Weights {
             device: Device::Cpu,
             e4m3: std::sync::OnceLock::new(),
             prefetched: std::sync::Mutex::new(Vec::new()),
+            #[cfg(feature = "cuda")]
+            staging: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -539,6 +546,73 @@ impl Weights {
         Ok(buf)
     }
 
+    /// `bytes` as a `U8` tensor on the weights' device. On a GPU, large copies go through a
+    /// page-locked staging buffer (one per length, kept): the host copies into it in
+    /// parallel and the GPU reads it by DMA, several times the speed of a copy from pageable
+    /// memory (measured in docs/AUDITOR.md "On a GPU"). Elsewhere, and when the staging
+    /// buffer cannot be had, an ordinary copy.
+    fn upload(&self, bytes: &[u8]) -> Result<Tensor, ModelError> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cd) = &self.device {
+            if bytes.len() >= 1 << 24 {
+                if let Some(t) = self.upload_pinned(cd, bytes)? {
+                    return Ok(t);
+                }
+            }
+        }
+        Ok(Tensor::from_raw_buffer(
+            bytes,
+            candle_core::DType::U8,
+            &[bytes.len()],
+            &self.device,
+        )?)
+    }
+
+    /// [`Weights::upload`] through a staging buffer; `None` when none can be allocated.
+    #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)]
+    fn upload_pinned(
+        &self,
+        cd: &candle_core::cuda_backend::CudaDevice,
+        bytes: &[u8],
+    ) -> Result<Option<Tensor>, ModelError> {
+        use rayon::prelude::*;
+        let dev_err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
+            ModelError::Device(format!("uploading weights: {e}"))
+        };
+        let stream = cd.cuda_stream();
+        let Ok(mut staging) = self.staging.lock() else {
+            return Ok(None);
+        };
+        let pinned = match staging.entry(bytes.len()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                // SAFETY: the buffer's contents are unset; every byte is written below before
+                // the copy reads it.
+                match unsafe { stream.context().alloc_pinned::<u8>(bytes.len()) } {
+                    Ok(p) => v.insert(p),
+                    Err(_) => return Ok(None),
+                }
+            }
+        };
+        // Waits for the previous copy out of this buffer to finish before writing it.
+        let host = pinned.as_mut_slice().map_err(dev_err)?;
+        host.par_chunks_mut(1 << 22)
+            .zip(bytes.par_chunks(1 << 22))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        // SAFETY: the device buffer is fully written by the copy, which is ordered on the
+        // stream before any kernel that reads the tensor.
+        let mut dst = unsafe { stream.alloc::<u8>(bytes.len()) }.map_err(dev_err)?;
+        stream.memcpy_htod(&*pinned, &mut dst).map_err(dev_err)?;
+        let storage = candle_core::cuda_backend::CudaStorage::wrap_cuda_slice(dst, cd.clone());
+        Ok(Some(Tensor::from_storage(
+            candle_core::Storage::Cuda(storage),
+            bytes.len(),
+            candle_core::op::BackpropOp::none(),
+            false,
+        )))
+    }
+
     /// The E4M3 decode table on the weights' device, made once.
     fn e4m3_on_device(&self) -> Result<&Tensor, ModelError> {
         if let Some(t) = self.e4m3.get() {
@@ -665,6 +739,7 @@ impl Weights {
             Ok(Tensor::from_vec(v, len, dev)?)
         };
         let (row_tile, col_tile) = (tile(out, bn)?, tile(inp, bk)?);
+        let whole = out % bn == 0 && inp % bk == 0;
         let table = self.e4m3_on_device()?;
         // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
         // on a 24 GB card.
@@ -674,19 +749,19 @@ impl Weights {
         for start in (0..e).step_by(per) {
             let n = per.min(e - start);
             let bytes = &all[start * out * inp..(start + n) * out * inp];
-            let codes = crate::device::phase(dev, "weights: upload", || {
-                Ok(Tensor::from_raw_buffer(
-                    bytes,
-                    C::U8,
-                    &[n * out * inp],
-                    dev,
-                )?)
-            })?;
-            let s = scale
-                .narrow(0, start, n)?
-                .index_select(&row_tile, 1)?
-                .index_select(&col_tile, 2)?;
-            let w = (table.index_select(&codes, 0)?.reshape((n, out, inp))? * s)?;
+            let codes = crate::device::phase(dev, "weights: upload", || self.upload(bytes))?;
+            let s = scale.narrow(0, start, n)?;
+            let w = if whole {
+                // Whole tiles: one broadcast product per tile.
+                table
+                    .index_select(&codes, 0)?
+                    .reshape((n, tn, bn, tk, bk))?
+                    .broadcast_mul(&s.reshape((n, tn, 1, tk, 1))?)?
+                    .reshape((n, out, inp))?
+            } else {
+                let s = s.index_select(&row_tile, 1)?.index_select(&col_tile, 2)?;
+                (table.index_select(&codes, 0)?.reshape((n, out, inp))? * s)?
+            };
             done.push(held(w)?);
         }
         Ok(Some(if done.len() == 1 {
@@ -1420,5 +1495,38 @@ mod tests {
             cases += 1;
         }
         assert_eq!(cases, 3);
+
+        // Whole tiles (the served checkpoints' case, one broadcast product per tile): the FP8
+        // oracle's layer-0 gates `[24, 128]` read with 24×128 tiles are the same values.
+        let dir = root.join("qwen3_5_moe_fp8");
+        let quant = QuantConfig {
+            method: "fp8".into(),
+            weight_block_size: [24, 128],
+            group_size: 16,
+        };
+        let w = Weights::open(&dir, Some(&quant), Precision::Bf16, Residency::Streaming).unwrap();
+        let names: Vec<String> = (0..3)
+            .map(|e| format!("model.layers.0.mlp.experts.{e}.gate_proj.weight"))
+            .collect();
+        let t = w
+            .stack_on_device(&names, 24, 128, Compute::F32)
+            .unwrap()
+            .unwrap();
+        for (i, name) in names.iter().enumerate() {
+            let (_, want) = w.decode(name).unwrap();
+            let got = t
+                .get(i)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: the whole-tile stacked decode differs"
+            );
+        }
     }
 }
