@@ -59,8 +59,9 @@ pub fn grouped(w: &Weights) -> bool {
 /// The routed experts of one MoE block on `x` `[T, hidden]`: `choice[t]` lists token `t`'s
 /// `(expert, routing weight)` in top-k order; `module(e)` is expert `e`'s tensor prefix
 /// (`…mlp.experts.{e}`), whose `gate_proj`/`up_proj` are `[inter, hidden]` and `down_proj`
-/// `[hidden, inter]`; `experts` the layer's expert count, when known (with `T·k` at least that,
-/// every expert is stacked, as [`prefetch`] reads them). Returns `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
+/// `[hidden, inter]`; `experts` the layer's expert count, when known (with `T·k` at least
+/// that, every expert is stacked, as [`prefetch`] reads them). Returns
+/// `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
 ///
 /// # Errors
 /// Weight errors ([`Weights::stacked`]) and candle errors.
@@ -89,9 +90,10 @@ pub fn dispatch(
         return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
     }
     // The stack holds every expert when most are chosen (what [`prefetch`] read ahead),
-    // else the chosen ones, in expert order.
+    // else the chosen ones, in expert order (an id past the layer's experts, from a replayed
+    // trace, then fails as a missing tensor).
     let stacked: Vec<usize> = match experts {
-        Some(n) if t * k >= n => (0..n).collect(),
+        Some(n) if t * k >= n && tokens.keys().all(|e| *e < n) => (0..n).collect(),
         _ => tokens.keys().copied().collect(),
     };
     let at: std::collections::HashMap<usize, u32> = stacked
