@@ -739,7 +739,7 @@ impl Weights {
             Ok(Tensor::from_vec(v, len, dev)?)
         };
         let (row_tile, col_tile) = (tile(out, bn)?, tile(inp, bk)?);
-        let whole = out % bn == 0 && inp % bk == 0;
+        let whole = out.is_multiple_of(bn) && inp.is_multiple_of(bk);
         let table = self.e4m3_on_device()?;
         // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
         // on a 24 GB card.
