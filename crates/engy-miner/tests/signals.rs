@@ -114,8 +114,7 @@ async fn the_build_is_named_in_version_hello_metrics_and_health() {
     );
 
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let _m = fx.miner(&[("ENGY_METRICS_ADDR", addr.as_str())]);
+    let (_m, addr) = miner_with_metrics(&fx, &[]).await;
     let conn = fx.gw.wait_legs(1, T).await.unwrap().remove(0);
     let hello = conn.hello.unwrap();
     let v = &hello["versions"];
