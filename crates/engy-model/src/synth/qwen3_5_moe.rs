@@ -1,7 +1,4 @@
-//! Synthetic checkpoints with the *shapes* of a released model, for measuring the auditor
-//! (throughput in `benches/teacher_forced.rs`, peak memory in `examples/synth_checkpoint.rs`).
-//! The values are random (no tokenizer, no meaningful text): they exercise the same tensor
-//! layout, dtypes and code paths as the release, nothing more.
+//! A synthetic Qwen3.5/3.6-MoE checkpoint (see [`super`] for what synthetic checkpoints are for).
 //!
 //! [`Qwen36Shapes::RELEASE`] are Qwen3.6-35B-A3B's text-model shapes as its model card states
 //! them (hidden 2048, vocabulary 248320, 40 layers laid out `10 × (3 × Gated DeltaNet → MoE,
@@ -15,15 +12,11 @@
 //! expert and every routed expert; BF16 for embeddings, LM head, norms, router, shared-expert
 //! gate and the DeltaNet's small tensors (`A_log`, `conv1d`, `dt_bias`, `in_proj_a`,
 //! `in_proj_b`). Tensors use the conditional-generation layout (`model.language_model.…`).
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use half::bf16;
-use rayon::prelude::*;
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
-use crate::rng::SplitMix64;
+use super::{bf16_tensor, write_config, write_shards, Raw, Store, SynthReport};
 use crate::ModelError;
 
 /// The text-model shapes of a Qwen3.5/3.6-MoE checkpoint.
@@ -174,55 +167,15 @@ impl Qwen36Shapes {
     }
 }
 
-/// What [`write_qwen3_5_moe`] wrote.
-#[derive(Debug, Clone)]
-pub struct SynthReport {
-    /// Parameters written ([`Qwen36Shapes::parameters`]).
-    pub parameters: usize,
-    /// Bytes of tensor data over all shards.
-    pub bytes: usize,
-    /// Shard files, in order.
-    pub files: Vec<PathBuf>,
-}
-
-/// One tensor to write: name (text-only layout, `model.` → `model.language_model.` on write),
-/// dtype, shape, bytes.
-type Raw = (String, Dtype, Vec<usize>, Vec<u8>);
-
-fn bf16_tensor(seed: u64, name: &str, shape: Vec<usize>, centre: f32, spread: f32) -> Raw {
-    let n: usize = shape.iter().product();
-    let mut s = SplitMix64::for_label(seed, name);
-    let bytes = (0..n)
-        .flat_map(|_| bf16::from_f32(centre + spread * s.signed_unit()).to_le_bytes())
-        .collect();
-    (name.to_string(), Dtype::BF16, shape, bytes)
-}
-
-/// A linear weight `[out, inp]` of std ≈ `1/sqrt(inp)`: block FP8 (E4M3 codes of magnitude
-/// 0.25..2, BF16 `weight_scale_inv` per 128×128 tile) when `fp8`, else BF16.
+/// A linear weight `[out, inp]`: block FP8 with BF16 tile scales (the Qwen `-FP8` format)
+/// when `fp8`, else BF16 (see [`super::linear`]).
 fn linear(seed: u64, name: &str, out: usize, inp: usize, fp8: bool) -> Vec<Raw> {
-    let std = 1.0 / (inp as f32).sqrt();
-    if !fp8 {
-        return vec![bf16_tensor(seed, name, vec![out, inp], 0.0, std * 1.7)];
-    }
-    let mut s = SplitMix64::for_label(seed, name);
-    // sign | exponent 5..=8 (2^-2..2^1) | mantissa: never the NaN code.
-    let codes: Vec<u8> = (0..out * inp)
-        .map(|_| {
-            let r = s.next_u64();
-            ((r & 0x80) as u8) | ((5 + (r >> 8) % 4) as u8) << 3 | ((r >> 16) & 7) as u8
-        })
-        .collect();
-    let grid = vec![out.div_ceil(128), inp.div_ceil(128)];
-    let scale: Vec<u8> = (0..grid[0] * grid[1])
-        .flat_map(|_| {
-            bf16::from_f32(std * (0.9 + 0.2 * (s.signed_unit() + 1.0) / 2.0)).to_le_bytes()
-        })
-        .collect();
-    vec![
-        (name.to_string(), Dtype::F8_E4M3, vec![out, inp], codes),
-        (format!("{name}_scale_inv"), Dtype::BF16, grid, scale),
-    ]
+    let store = if fp8 {
+        Store::Fp8 { scale: Dtype::BF16 }
+    } else {
+        Store::Bf16
+    };
+    super::linear(seed, name, out, inp, store)
 }
 
 /// Writes a synthetic Qwen3.5/3.6-MoE checkpoint of `shapes` to `dir`: `config.json` and one
@@ -239,78 +192,42 @@ pub fn write_qwen3_5_moe(
     fp8: bool,
     seed: u64,
 ) -> Result<SynthReport, ModelError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| ModelError::Io { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let cfg = serde_json::to_vec_pretty(&shapes.config_json(fp8))
-        .map_err(|e| ModelError::Config(format!("config.json: {e}")))?;
-    std::fs::write(dir.join("config.json"), cfg).map_err(io(&dir.join("config.json")))?;
+    write_config(dir, &shapes.config_json(fp8))?;
     let (d, n_shards) = (shapes.hidden, shapes.layers + 2);
-    let mut report = SynthReport {
-        parameters: shapes.parameters(),
-        bytes: 0,
-        files: Vec::new(),
+    // Text-only names, `model.` → `model.language_model.` (the conditional-generation layout).
+    let rename = |name: &str| match name.strip_prefix("model.") {
+        Some(rest) => format!("model.language_model.{rest}"),
+        None => name.to_string(),
     };
-    // Shards are independent (every tensor is seeded by its name), so they are made and
-    // written in parallel; each holds one layer's bytes while it is written.
-    let written = (0..n_shards)
-        .into_par_iter()
-        .map(|shard| -> Result<(usize, PathBuf), ModelError> {
-            let mut t: Vec<Raw> = Vec::new();
-            if shard == 0 {
-                t.push(bf16_tensor(
-                    seed,
-                    "model.embed_tokens.weight",
-                    vec![shapes.vocab, d],
-                    0.0,
-                    0.03,
-                ));
-            } else if shard == n_shards - 1 {
-                t.push(bf16_tensor(seed, "model.norm.weight", vec![d], 0.0, 0.1));
-                t.push(bf16_tensor(
-                    seed,
-                    "lm_head.weight",
-                    vec![shapes.vocab, d],
-                    0.0,
-                    0.03,
-                ));
-            } else {
-                layer_tensors(&mut t, shapes, shard - 1, fp8, seed);
-            }
-            let file = dir.join(format!(
-                "model-{:05}-of-{:05}.safetensors",
-                shard + 1,
-                n_shards
+    let (bytes, files) = write_shards(dir, n_shards, rename, |shard| {
+        let mut t: Vec<Raw> = Vec::new();
+        if shard == 0 {
+            t.push(bf16_tensor(
+                seed,
+                "model.embed_tokens.weight",
+                vec![shapes.vocab, d],
+                0.0,
+                0.03,
             ));
-            let bad = |msg: String| ModelError::Safetensors {
-                file: file.clone(),
-                msg,
-            };
-            let mut bytes_total = 0;
-            let mut views = Vec::with_capacity(t.len());
-            for (name, dtype, shape, bytes) in &t {
-                bytes_total += bytes.len();
-                let full = match name.strip_prefix("model.") {
-                    Some(rest) => format!("model.language_model.{rest}"),
-                    None => name.clone(),
-                };
-                let v = TensorView::new(*dtype, shape.clone(), bytes)
-                    .map_err(|e| bad(format!("{name}: {e}")))?;
-                views.push((full, v));
-            }
-            let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-            safetensors::tensor::serialize_to_file(views, Some(meta), &file)
-                .map_err(|e| bad(e.to_string()))?;
-            Ok((bytes_total, file))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    for (bytes, file) in written {
-        report.bytes += bytes;
-        report.files.push(file);
-    }
-    Ok(report)
+        } else if shard == n_shards - 1 {
+            t.push(bf16_tensor(seed, "model.norm.weight", vec![d], 0.0, 0.1));
+            t.push(bf16_tensor(
+                seed,
+                "lm_head.weight",
+                vec![shapes.vocab, d],
+                0.0,
+                0.03,
+            ));
+        } else {
+            layer_tensors(&mut t, shapes, shard - 1, fp8, seed);
+        }
+        t
+    })?;
+    Ok(SynthReport {
+        parameters: shapes.parameters(),
+        bytes,
+        files,
+    })
 }
 
 fn layer_tensors(t: &mut Vec<Raw>, s: &Qwen36Shapes, i: usize, fp8: bool, seed: u64) {
@@ -507,3 +424,4 @@ mod tests {
         assert!(r.bytes > r.parameters && r.bytes < 2 * r.parameters);
     }
 }
+
