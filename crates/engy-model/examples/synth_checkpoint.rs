@@ -1,27 +1,60 @@
-//! Writes a synthetic block-FP8 checkpoint with Qwen3.6-35B-A3B's real text-model shapes
-//! ([`engy_model::synth::Qwen36Shapes::RELEASE`]) at a reduced layer count, and a commitment
-//! to audit against it, for measuring the auditor's peak memory (docs/AUDITOR.md "Memory").
+//! Writes a synthetic block-FP8 checkpoint with a released model's real shapes at a reduced
+//! layer count, and a commitment to audit against it, for measuring the auditor's peak memory
+//! (docs/AUDITOR.md "Memory") and its speed on a GPU (docs/AUDITOR.md "On a GPU").
 //!
 //! ```text
-//! cargo run --release -p engy-model --example synth_checkpoint -- OUT_DIR [LAYERS] [TOKENS]
+//! cargo run --release -p engy-model --example synth_checkpoint -- \
+//!     [--arch qwen3_5_moe|glm_moe_dsa] OUT_DIR [LAYERS] [TOKENS]
 //! /usr/bin/time -v target/release/engy-audit audit --checkpoint OUT_DIR \
 //!     --commitment OUT_DIR/commitment.json
 //! ```
 //!
-//! `LAYERS` (default 4: three Gated DeltaNet layers and one gated-attention layer, as in the
-//! release's repeating block) and `TOKENS` (default 256: prompt and output ids, half each). The
-//! values are random, so the commitment's proofs are built from random rows and the verdict is
-//! `cheat`: the measurement is of the teacher-forced pass, which runs in full either way.
+//! The architecture (`--arch` first, else env `ENGY_SYNTH_ARCH`, else `qwen3_5_moe`):
+//!
+//! * `qwen3_5_moe`: Qwen3.6-35B-A3B ([`engy_model::synth::Qwen36Shapes::RELEASE`]); `LAYERS`
+//!   default 4, three Gated DeltaNet layers and one gated-attention layer, as in the release's
+//!   repeating block;
+//! * `glm_moe_dsa`: GLM-5 / GLM-5.1 ([`engy_model::synth::GlmShapes::RELEASE`]); `LAYERS`
+//!   default 5, the release's 3 dense layers then 2 MoE layers (every layer with its DSA
+//!   indexer, as in the release).
+//!
+//! `TOKENS` (default 256: prompt and output ids, half each). The values are random, so the
+//! commitment's proofs are built from random rows of the model's hidden size and the verdict
+//! is `cheat`: the measurement is of the teacher-forced pass, which runs in full either way.
+//! Exit codes: 0 written, 2 bad arguments, 1 a write failed.
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use engy_core::toploc::{self, Dtype, Params};
-use engy_model::synth::{self, Qwen36Shapes};
+use engy_model::synth::{self, GlmShapes, Qwen36Shapes, SynthReport};
+
+const USAGE: &str =
+    "usage: synth_checkpoint [--arch qwen3_5_moe|glm_moe_dsa] OUT_DIR [LAYERS] [TOKENS]";
 
 fn main() -> ExitCode {
-    let mut args = std::env::args_os().skip(1);
+    let mut args = std::env::args_os().skip(1).peekable();
+    let arch = if args.peek().is_some_and(|a| a == "--arch") {
+        args.next();
+        match args.next().and_then(|a| a.into_string().ok()) {
+            Some(a) => a,
+            None => {
+                eprintln!("--arch needs a value\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        std::env::var("ENGY_SYNTH_ARCH").unwrap_or_else(|_| "qwen3_5_moe".to_string())
+    };
+    let default_layers = match arch.as_str() {
+        "qwen3_5_moe" => 4,
+        "glm_moe_dsa" => GlmShapes::RELEASE.first_k_dense + 2,
+        other => {
+            eprintln!("unknown architecture `{other}` (--arch or ENGY_SYNTH_ARCH): qwen3_5_moe or glm_moe_dsa\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
     let Some(out) = args.next().map(PathBuf::from) else {
-        eprintln!("usage: synth_checkpoint OUT_DIR [LAYERS] [TOKENS]");
+        eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
     let num = |a: Option<std::ffi::OsString>, default: usize| -> Option<usize> {
@@ -30,23 +63,34 @@ fn main() -> ExitCode {
             Some(s) => s.to_str().and_then(|s| s.parse().ok()),
         }
     };
-    let (Some(layers), Some(tokens)) = (num(args.next(), 4), num(args.next(), 256)) else {
-        eprintln!("LAYERS and TOKENS must be whole numbers");
+    let (Some(layers), Some(tokens)) = (num(args.next(), default_layers), num(args.next(), 256))
+    else {
+        eprintln!("LAYERS and TOKENS must be whole numbers\n{USAGE}");
         return ExitCode::from(2);
     };
-    let shapes = Qwen36Shapes {
-        layers,
-        ..Qwen36Shapes::RELEASE
+    // (hidden size, vocabulary, what was written)
+    let written: Result<(usize, usize, SynthReport), _> = if arch == "glm_moe_dsa" {
+        let shapes = GlmShapes {
+            layers,
+            ..GlmShapes::RELEASE
+        };
+        synth::write_glm_moe_dsa(&out, &shapes, true, 36).map(|r| (shapes.hidden, shapes.vocab, r))
+    } else {
+        let shapes = Qwen36Shapes {
+            layers,
+            ..Qwen36Shapes::RELEASE
+        };
+        synth::write_qwen3_5_moe(&out, &shapes, true, 36).map(|r| (shapes.hidden, shapes.vocab, r))
     };
-    let report = match synth::write_qwen3_5_moe(&out, &shapes, true, 36) {
-        Ok(r) => r,
+    let (hidden, vocab, report) = match written {
+        Ok(w) => w,
         Err(e) => {
             eprintln!("writing {}: {e}", out.display());
             return ExitCode::FAILURE;
         }
     };
     eprintln!(
-        "{}: {} layers, {} parameters, {} bytes of tensor data ({:.3} bytes/parameter)",
+        "{}: {arch}, {} layers, {} parameters, {} bytes of tensor data ({:.3} bytes/parameter)",
         out.display(),
         layers,
         report.parameters,
@@ -55,14 +99,14 @@ fn main() -> ExitCode {
     );
     let n = tokens / 2;
     let prompt: Vec<u32> = (0..tokens - n)
-        .map(|i| (i as u32 * 7919 + 13) % shapes.vocab as u32)
+        .map(|i| (i as u32 * 7919 + 13) % vocab as u32)
         .collect();
     let output: Vec<u32> = (0..n)
-        .map(|i| (i as u32 * 104_729 + 7) % shapes.vocab as u32)
+        .map(|i| (i as u32 * 104_729 + 7) % vocab as u32)
         .collect();
     let rows: Vec<Vec<u16>> = (0..n)
         .map(|i| {
-            (0..shapes.hidden)
+            (0..hidden)
                 .map(|j| toploc::f32_to_bf16_bits(((i * 31 + j * 17) % 101) as f32 / 50.0 - 1.0))
                 .collect()
         })

@@ -424,4 +424,3 @@ mod tests {
         assert!(r.bytes > r.parameters && r.bytes < 2 * r.parameters);
     }
 }
-
