@@ -2,15 +2,22 @@
 teacher-forced forward pass over the same real-shape checkpoint config and the same number of
 tokens as `engy-audit audit --device cuda`, on the same GPU.
 
-    python3 bench/gpu/transformers_anchor.py CHECKPOINT_DIR TOKENS
+    python3 bench/gpu/transformers_anchor.py CHECKPOINT_DIR TOKENS [REPEATS]
 
-The model is built from the checkpoint's `config.json` (its `text_config`, without the FP8
-quantisation) in bf16 on the GPU, with transformers' own random initialisation: the time of a
+Any architecture transformers knows from the checkpoint's `config.json` (the benchmark runs it
+on the synthetic Qwen3.6 and GLM-5 checkpoints of `synth_checkpoint`). The model is built from
+that config (its `text_config` when it has one, without the FP8 quantisation) in bf16 on the
+GPU, with transformers' own random initialisation: the time of a
 forward pass does not depend on the weights' values, and loading 35B parameters from FP8
 would measure the loader, not the pass. Prints one JSON line: tokens, seconds (the median of
-the timed passes after one warm-up), tokens/s, peak GPU memory in GiB, versions.
+the timed passes after one warm-up), tokens/s, whether the last hidden states are all finite,
+peak GPU memory in GiB, versions.
+
+ENGY_ANCHOR_DEVICE (default `cuda`) runs it elsewhere, e.g. `cpu` to check on a small
+checkpoint that transformers builds and runs a config (peak memory is then not measured).
 """
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,24 +35,28 @@ def main() -> None:
     for attr in ("quantization_config",):
         if hasattr(text, attr):
             delattr(text, attr)
+    device = torch.device(os.environ.get("ENGY_ANCHOR_DEVICE", "cuda"))
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with device:
         model = AutoModelForCausalLM.from_config(text, dtype=torch.bfloat16)
     model.eval()
     params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, text.vocab_size, (1, tokens), device="cuda")
+    ids = torch.randint(0, text.vocab_size, (1, tokens), device=device)
     times = []
     with torch.inference_mode():
         for i in range(repeats + 1):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             # The decoder only: the auditor compares the last hidden states, not logits.
-            model.model(input_ids=ids, use_cache=False)
-            torch.cuda.synchronize()
+            out = model.model(input_ids=ids, use_cache=False)
+            sync()
             if i > 0:
                 times.append(time.perf_counter() - t0)
-            else:
+            elif cuda:
                 torch.cuda.reset_peak_memory_stats()
+    finite = bool(torch.isfinite(out.last_hidden_state).all())
     s = statistics.median(times)
     print(json.dumps({
         "engine": "transformers",
@@ -55,10 +66,11 @@ def main() -> None:
         "tokens": tokens,
         "seconds": round(s, 3),
         "tokens_per_s": round(tokens / s, 1),
-        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "finite": finite,
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(device) if cuda else str(device),
     }))
 
 
