@@ -12,11 +12,18 @@
 #   1. the architecture oracle on the GPU (same tolerances as on the CPU);
 #   2. the audit oracle on the GPU (honest serves pass, cheats are caught);
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
-#   4. unless ENGY_GPU_BENCH=0: the side-by-side benchmark, a teacher-forced audit of
-#      ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape Qwen3.6-35B-A3B FP8 checkpoint of
-#      ENGY_GPU_BENCH_LAYERS (40) layers written here, by engy-audit and by transformers
-#      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory.
-# ENGY_GPU_CHECKS=0 runs the benchmark alone.
+#   4. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_QWEN=0): the side-by-side benchmark, a
+#      teacher-forced audit of ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape
+#      Qwen3.6-35B-A3B FP8 checkpoint of ENGY_GPU_BENCH_LAYERS (40) layers written here, by
+#      engy-audit and by transformers (bench/gpu/transformers_anchor.py), with time, tokens/s
+#      and peak GPU memory;
+#   5. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_GLM=0): the same on a real-shape GLM-5 FP8
+#      checkpoint of ENGY_GPU_BENCH_GLM_LAYERS (5: the release's 3 dense layers, then 2 MoE
+#      layers) at ENGY_GPU_BENCH_TOKENS tokens.
+# Each benchmark writes its checkpoint under ENGY_GPU_WORK and first deletes the other one
+# (Qwen3.6 at 40 layers is 35.7 GB, GLM-5 at 5 layers about 25 GB; the GPU machine has 64 GB
+# of disk); a checkpoint already there with its commitment.json is reused.
+# ENGY_GPU_CHECKS=0 runs the benchmarks alone.
 # Env: ENGY_CUDA_LIB_DIR (where libcublas.so.13 and friends are; default: found under the
 # Python install, e.g. PyTorch's nvidia/cu13/lib), ENGY_GPU_WORK (scratch, default /tmp/engy-gpu).
 set -uo pipefail
@@ -81,54 +88,69 @@ peak_mem() { # command... : runs it while sampling GPU memory; prints the peak (
   return $rc
 }
 
-bench() {
-  local tokens="${ENGY_GPU_BENCH_TOKENS:-4096}" layers="${ENGY_GPU_BENCH_LAYERS:-40}"
-  local ck="$work/qwen36-fp8-$layers"
+bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --arch ARCH)
+  local label="$1" arch="$2" layers="$3" tokens="${ENGY_GPU_BENCH_TOKENS:-4096}"
+  local ck="$work/$arch-fp8-$layers" old
+  # One synthetic checkpoint on disk at a time.
+  for old in "$work"/*-fp8-*; do
+    if [ -d "$old" ] && [ "$old" != "$ck" ]; then echo "   deleting $old (disk)"; rm -rf "$old"; fi
+  done
   if [ ! -f "$ck/commitment.json" ]; then
-    /usr/bin/time -f "   wrote the checkpoint in %e s" "$bin/synth_checkpoint" "$ck" "$layers" "$tokens" || return 1
+    echo "   disk before writing: $(df -h --output=avail "$work" | tail -n1 | tr -d ' ') free"
+    /usr/bin/time -f "   wrote the checkpoint in %e s" \
+      "$bin/synth_checkpoint" --arch "$arch" "$ck" "$layers" "$tokens" || return 1
   fi
   cat "$ck"/*.safetensors >/dev/null # into the page cache: time the audit, not the disk
+  local audit=("$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json"
+    --device cuda --recompute bf16)
   # A first run fills the driver's kernel cache (~/.nv/ComputeCache: candle's kernels ship as
   # PTX and are compiled on first use); the second is the one measured.
-  "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \
-    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-first.err"
-  sed 's/^/   first run: /' "$work/engy-first.err"
+  "${audit[@]}" >/dev/null 2>"$work/$arch-engy-first.err"
+  sed 's/^/   first run: /' "$work/$arch-engy-first.err"
   # Where the time goes: a run with ENGY_PROFILE=1 (each phase waits for the GPU, so this run
   # is slower than the measured one).
-  ENGY_PROFILE=1 "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \
-    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-profile.err"
-  sed 's/^/   profiled run: /' "$work/engy-profile.err"
+  ENGY_PROFILE=1 "${audit[@]}" >/dev/null 2>"$work/$arch-engy-profile.err"
+  sed 's/^/   profiled run: /' "$work/$arch-engy-profile.err"
   local t0 t1
   t0=$(date +%s.%N)
-  peak_mem "$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json" \
-    --device cuda --recompute bf16 >"$work/engy.out" 2>"$work/engy.err"
+  peak_mem "${audit[@]}" >"$work/$arch-engy.out" 2>"$work/$arch-engy.err"
   t1=$(date +%s.%N)
-  cat "$work/engy.err"
+  cat "$work/$arch-engy.err"
   local engy_s engy_mem
-  engy_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/engy.err")"
+  engy_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/$arch-engy.err")"
   engy_mem="$(cat "$work/peak")"
-  echo "   engy-audit: verdict $(head -n1 "$work/engy.out"), process wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s"
-  peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" >"$work/tf.json" 2>"$work/tf.err"
+  echo "   engy-audit: $(head -n1 "$work/$arch-engy.out"), process wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s"
+  peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" \
+    >"$work/$arch-tf.json" 2>"$work/$arch-tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
-  tail -n 3 "$work/tf.err"
-  cat "$work/tf.json"
-  python3 - "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/tf.json" "$tf_mem" <<'PY'
+  tail -n 3 "$work/$arch-tf.err"
+  cat "$work/$arch-tf.json"
+  python3 - "$label" "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/$arch-tf.json" "$tf_mem" <<'PY'
 import json, sys
-tokens, layers, engy_s, engy_mem, tf_path, tf_mem = sys.argv[1:]
+label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem = sys.argv[1:]
 tf = json.load(open(tf_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
 rows = [("engy-audit --device cuda (bf16 recompute, weights streamed)", num(engy_s), num(engy_mem)),
         (f"transformers {tf['transformers']} (bf16, torch {tf['torch']})", tf["seconds"], num(tf_mem))]
-print(f"   real-shape Qwen3.6-35B-A3B FP8, {layers} layers, {tokens} tokens, {tf['gpu']}")
+print(f"   {label}, {layers} layers, {tokens} tokens, {tf['gpu']}")
 print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
 print("   |---|---|---|---|")
 for name, s, mem in rows:
     print(f"   | {name} | {s:.2f} | {int(tokens)/s:.0f} | {mem/1024:.1f} |")
+if not tf.get("finite", True):
+    print("   note: transformers' last hidden states were not all finite")
 if engy_s in ("", None):
     sys.exit(1)
 PY
 }
 if [ "${ENGY_GPU_BENCH:-1}" != 0 ]; then
-  step "benchmark: engy-audit vs transformers" bench
+  if [ "${ENGY_GPU_BENCH_QWEN:-1}" != 0 ]; then
+    step "benchmark: engy-audit vs transformers" \
+      bench "real-shape Qwen3.6-35B-A3B FP8" qwen3_5_moe "${ENGY_GPU_BENCH_LAYERS:-40}"
+  fi
+  if [ "${ENGY_GPU_BENCH_GLM:-1}" != 0 ]; then
+    step "benchmark: GLM-5.x few layers" \
+      bench "real-shape GLM-5 FP8" glm_moe_dsa "${ENGY_GPU_BENCH_GLM_LAYERS:-5}"
+  fi
 fi
 exit $status
