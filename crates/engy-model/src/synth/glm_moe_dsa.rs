@@ -23,6 +23,10 @@
 //!   256 experts, 8 routed + 1 shared, vocabulary 154880) and NVIDIA NeMo's GLM-5 model page
 //!   (78 layers, `first_k_dense_replace` 3, `max_position_embeddings` 202752).
 //!
+//! At its 78 layers the set counts 743.9 G parameters ([`GlmShapes::parameters`]), the
+//! report's "744B"; transformers 5.17.0 and 5.24.0 build the written `config.json` (on the meta
+//! device) with exactly that many.
+//!
 //! GLM-5 / GLM-5.1's `config.json` has no `indexer_types` / `index_topk_pattern`, so with
 //! transformers' default schedule (`index_topk_freq` 1) every layer runs its own DSA indexer:
 //! [`GlmShapes::indexer_pattern`] `"F"`. (GLM-5.2's IndexShare layers, `"S"`, reuse the
@@ -558,6 +562,13 @@ mod tests {
         assert_eq!(c.sparse_mlp, vec![false, false, false, true, true]);
         assert_eq!(c.indexer_types, vec![Full; 5]);
         assert_eq!((c.hidden_size, c.qk_head_dim()), (6144, 256));
+    }
+
+    #[test]
+    fn the_release_shapes_count_glm5s_744b_parameters() {
+        // GLM-5 technical report: 744B total parameters (the MTP layer is not counted here).
+        let p = GlmShapes::RELEASE.parameters() as f64;
+        assert!((p / 744e9 - 1.0).abs() < 0.001, "{p}");
     }
 
     #[test]
