@@ -44,6 +44,12 @@ pub struct SynthReport {
 /// One tensor to write: name, dtype, shape, little-endian bytes.
 pub(crate) type Raw = (String, Dtype, Vec<usize>, Vec<u8>);
 
+/// `n` uniform values in `centre ± spread`, seeded by the tensor's name.
+fn uniform(seed: u64, name: &str, n: usize, centre: f32, spread: f32) -> impl Iterator<Item = f32> {
+    let mut s = SplitMix64::for_label(seed, name);
+    (0..n).map(move |_| centre + spread * s.signed_unit())
+}
+
 /// A BF16 tensor of uniform values in `centre ± spread`.
 pub(crate) fn bf16_tensor(
     seed: u64,
@@ -53,9 +59,8 @@ pub(crate) fn bf16_tensor(
     spread: f32,
 ) -> Raw {
     let n: usize = shape.iter().product();
-    let mut s = SplitMix64::for_label(seed, name);
-    let bytes = (0..n)
-        .flat_map(|_| bf16::from_f32(centre + spread * s.signed_unit()).to_le_bytes())
+    let bytes = uniform(seed, name, n, centre, spread)
+        .flat_map(|v| bf16::from_f32(v).to_le_bytes())
         .collect();
     (name.to_string(), Dtype::BF16, shape, bytes)
 }
@@ -69,9 +74,8 @@ pub(crate) fn f32_tensor(
     spread: f32,
 ) -> Raw {
     let n: usize = shape.iter().product();
-    let mut s = SplitMix64::for_label(seed, name);
-    let bytes = (0..n)
-        .flat_map(|_| (centre + spread * s.signed_unit()).to_le_bytes())
+    let bytes = uniform(seed, name, n, centre, spread)
+        .flat_map(f32::to_le_bytes)
         .collect();
     (name.to_string(), Dtype::F32, shape, bytes)
 }
@@ -175,4 +179,19 @@ pub(crate) fn write_shards(
         .collect::<Result<Vec<_>, _>>()?;
     let bytes = written.iter().map(|(b, _)| b).sum();
     Ok((bytes, written.into_iter().map(|(_, f)| f).collect()))
+}
+
+/// What the writers' tests share: a written checkpoint opened as engy-model opens a real one
+/// (streaming), run over `ids`: one row of final hidden states per id, all finite.
+#[cfg(test)]
+pub(crate) fn open_and_run(dir: &Path, ids: &[u32]) -> crate::Model {
+    let opts = crate::LoadOptions {
+        residency: crate::Residency::Streaming,
+        ..crate::LoadOptions::default()
+    };
+    let m = crate::Model::open(dir, &opts).unwrap();
+    let h = m.hidden_states(ids).unwrap();
+    assert_eq!(h.len(), ids.len());
+    assert!(h.iter().flatten().all(|v| v.is_finite()));
+    m
 }
