@@ -36,14 +36,23 @@ fn names(module: &impl Fn(usize) -> String, experts: &[usize], proj: &str) -> Ve
 /// (`module(e)` as in [`dispatch`]) in the background ([`Weights::prefetch`]), for a
 /// [`dispatch`] of at least `experts / top_k` tokens (which stacks them all). The auditor calls
 /// it for layer `l + 1` when layer `l` starts, so the host reads while the GPU computes. Does
-/// nothing where [`grouped`] is false.
-pub fn prefetch(w: &std::sync::Arc<Weights>, module: impl Fn(usize) -> String, experts: usize) {
+/// nothing where [`grouped`] is false, nor for a projection whose stack for `c` is kept
+/// ([`Weights::holds_stack`]).
+pub fn prefetch(
+    w: &std::sync::Arc<Weights>,
+    module: impl Fn(usize) -> String,
+    experts: usize,
+    c: Compute,
+) {
     if !grouped(w) {
         return;
     }
     let all: Vec<usize> = (0..experts).collect();
     for proj in ["gate_proj", "up_proj", "down_proj"] {
         let n = names(&module, &all, proj);
+        if w.holds_stack(&n, c) {
+            continue;
+        }
         let scales = n.iter().map(|x| format!("{x}_scale_inv")).collect();
         w.prefetch(n);
         w.prefetch(scales);
@@ -60,7 +69,8 @@ pub fn grouped(w: &Weights) -> bool {
 /// `(expert, routing weight)` in top-k order; `module(e)` is expert `e`'s tensor prefix
 /// (`…mlp.experts.{e}`), whose `gate_proj`/`up_proj` are `[inter, hidden]` and `down_proj`
 /// `[hidden, inter]`; `experts` the layer's expert count, when known (with `T·k` at least
-/// that, every expert is stacked, as [`prefetch`] reads them). Returns
+/// that, every expert is stacked, as [`prefetch`] reads them; also when the stacks are kept,
+/// [`Weights::keeps_stacks`], so that every later pass finds them). Returns
 /// `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
 ///
 /// # Errors
@@ -89,11 +99,13 @@ pub fn dispatch(
     if tokens.is_empty() || k == 0 {
         return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
     }
-    // The stack holds every expert when most are chosen (what [`prefetch`] read ahead),
-    // else the chosen ones, in expert order (an id past the layer's experts, from a replayed
-    // trace, then fails as a missing tensor).
+    // The stack holds every expert when most are chosen (what [`prefetch`] read ahead) or
+    // when it is kept, else the chosen ones, in expert order (an id past the layer's experts,
+    // from a replayed trace, then fails as a missing tensor).
     let stacked: Vec<usize> = match experts {
-        Some(n) if t * k >= n && tokens.keys().all(|e| *e < n) => (0..n).collect(),
+        Some(n) if (t * k >= n || w.keeps_stacks(c)) && tokens.keys().all(|e| *e < n) => {
+            (0..n).collect()
+        }
         _ => tokens.keys().copied().collect(),
     };
     let at: std::collections::HashMap<usize, u32> = stacked

@@ -668,14 +668,16 @@ impl Architecture for Qwen3_5Moe {
         let mut new_cache = Vec::with_capacity(self.mixers.len());
         for (li, mixer) in self.mixers.iter().enumerate() {
             let p = format!("model.layers.{li}");
-            // The next layer's routed experts are read while this one computes (on a GPU).
-            if ids.len() * self.top_k >= self.experts {
+            // The next layer's routed experts are read while this one computes (on a GPU,
+            // when every expert is stacked: `experts::dispatch`).
+            if ids.len() * self.top_k >= self.experts || self.w.keeps_stacks(cm) {
                 let first = if li == 0 { 0 } else { li + 1 };
                 for l in first..=(li + 1).min(self.mixers.len() - 1) {
                     experts::prefetch(
                         &self.w,
                         |e| format!("model.layers.{l}.mlp.experts.{e}"),
                         self.experts,
+                        cm,
                     );
                 }
             }
