@@ -63,9 +63,24 @@ devnet_verdicts() { # DIR: a devnet model and its saved commitments
   echo "   $(basename "$d"): $same/$n commitments get the CPU verdict on cuda"
   [ "$n" -gt 0 ] && [ "$same" -eq "$n" ]
 }
+devnet_resident() { # DIR: the same commitments in one run, weights kept on the GPU (--resident)
+  local d="$1" args=() file want got n=0 same=0
+  while IFS=$'\t' read -r file want; do args+=(--commitment "$d/$file"); done <"$d/verdicts.tsv"
+  "$bin/engy-audit" audit --checkpoint "$d/model" --device cuda --resident --json "${args[@]}" \
+    2>/dev/null | python3 -c 'import json, sys; [print(json.loads(l)["verdict"]) for l in sys.stdin]' \
+    >"$work/resident.verdicts"
+  while IFS=$'\t' read -r file want && read -r got <&3; do
+    n=$((n + 1))
+    if [ "$got" = "$want" ]; then same=$((same + 1)); else echo "   $file: cpu $want, cuda resident $got"; fi
+  done <"$d/verdicts.tsv" 3<"$work/resident.verdicts"
+  echo "   $(basename "$d"): $same/$n commitments get the CPU verdict in one resident run on cuda"
+  [ "$n" -gt 0 ] && [ "$same" -eq "$n" ] && [ "$n" -eq "$(wc -l <"$d/verdicts.tsv")" ]
+}
 for tsv in "$bin"/devnet*/verdicts.tsv; do
   [ -f "$tsv" ] || continue
   step "devnet commitments on cuda ($(basename "$(dirname "$tsv")"))" devnet_verdicts "$(dirname "$tsv")"
+  step "devnet commitments in one resident run on cuda ($(basename "$(dirname "$tsv")"))" \
+    devnet_resident "$(dirname "$tsv")"
 done
 fi
 
@@ -108,17 +123,31 @@ bench() {
   engy_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/engy.err")"
   engy_mem="$(cat "$work/peak")"
   echo "   engy-audit: verdict $(head -n1 "$work/engy.out"), process wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s"
+  # Weights resident: the same commitment audited twice in one process with --resident; the
+  # second audit, on the weights the first kept on the GPU as bf16, is the one measured (the
+  # anchor's weights are resident too). Then the same with ENGY_PROFILE=1 for the split.
+  local twice=(--commitment "$ck/commitment.json" --commitment "$ck/commitment.json")
+  peak_mem "$bin/engy-audit" audit --checkpoint "$ck" "${twice[@]}" --resident \
+    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-resident.err"
+  sed 's/^/   resident run: /' "$work/engy-resident.err"
+  local res_s res_mem
+  res_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/engy-resident.err" | tail -n1)"
+  res_mem="$(cat "$work/peak")"
+  ENGY_PROFILE=1 "$bin/engy-audit" audit --checkpoint "$ck" "${twice[@]}" --resident \
+    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-resident-profile.err"
+  sed 's/^/   resident profiled run: /' "$work/engy-resident-profile.err"
   peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" >"$work/tf.json" 2>"$work/tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
   tail -n 3 "$work/tf.err"
   cat "$work/tf.json"
-  python3 - "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/tf.json" "$tf_mem" <<'PY'
+  python3 - "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/tf.json" "$tf_mem" "$res_s" "$res_mem" <<'PY'
 import json, sys
-tokens, layers, engy_s, engy_mem, tf_path, tf_mem = sys.argv[1:]
+tokens, layers, engy_s, engy_mem, tf_path, tf_mem, res_s, res_mem = sys.argv[1:]
 tf = json.load(open(tf_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
 rows = [("engy-audit --device cuda (bf16 recompute, weights streamed)", num(engy_s), num(engy_mem)),
-        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']})", tf["seconds"], num(tf_mem))]
+        ("engy-audit --device cuda --resident (bf16 recompute, second audit, weights resident)", num(res_s), num(res_mem)),
+        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']}, weights resident)", tf["seconds"], num(tf_mem))]
 print(f"   real-shape Qwen3.6-35B-A3B FP8, {layers} layers, {tokens} tokens, {tf['gpu']}")
 print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
 print("   |---|---|---|---|")
