@@ -108,6 +108,9 @@ impl From<RecomputeArg> for Recompute {
     }
 }
 
+/// Bytes per GiB, for memory in reports.
+const GIB: f64 = (1u64 << 30) as f64;
+
 const EXIT_PASS: u8 = 0;
 const EXIT_CHEAT: u8 = 1;
 const EXIT_UNPROVEN: u8 = 2;
@@ -295,19 +298,37 @@ fn audit_one(
             );
         }
     }
+    let peak = engy_model::device::profile_peak_memory();
+    if peak > 0 {
+        eprintln!(
+            "engy-audit audit: profile: device memory in use, most {:.1} GiB",
+            peak as f64 / GIB
+        );
+    }
     let what = if args.commitment.len() > 1 {
         format!("{}: ", path.display())
     } else {
         String::new()
     };
+    let mut notes = Vec::new();
+    if !host.is_empty() {
+        notes.push(format!("steps done on the host: {}", host.join(", ")));
+    }
+    let in_use = args.device.device().ok();
+    if let Some(m) = in_use.as_ref().and_then(engy_model::device::memory_in_use) {
+        notes.push(format!(
+            "device memory in use after it: {:.1} GiB",
+            m as f64 / GIB
+        ));
+    }
     eprintln!(
         "engy-audit audit: {what}recomputed on {} in {:.3} s{}",
         args.device,
         started.elapsed().as_secs_f64(),
-        if host.is_empty() {
+        if notes.is_empty() {
             String::new()
         } else {
-            format!(" (steps done on the host: {})", host.join(", "))
+            format!(" ({})", notes.join("; "))
         }
     );
     Ok(report)

@@ -251,6 +251,15 @@ impl Weights {
         self.residency
     }
 
+    /// Whether an architecture decodes (and so keeps) every tensor when it opens, checking
+    /// them all up front: under [`Residency::Resident`] on the CPU. On a GPU resident weights
+    /// are kept as the recompute first uses them, in the form it multiplies (bf16 for a bf16
+    /// recompute, [`Weights::keeps_stacks`]); decoding all of them to f32 at open would need
+    /// 4 bytes per parameter of device memory (140 GB for a 35B model).
+    pub fn preloads(&self) -> bool {
+        self.residency == Residency::Resident && self.device.is_cpu()
+    }
+
     /// The stored name of `name` (text-only layout → the checkpoint's layout).
     pub fn resolve(&self, name: &str) -> String {
         match name.strip_prefix("model.") {
