@@ -136,6 +136,10 @@ bench() {
   ENGY_PROFILE=1 "$bin/engy-audit" audit --checkpoint "$ck" "${twice[@]}" --resident \
     --device cuda --recompute bf16 >/dev/null 2>"$work/engy-resident-profile.err"
   sed 's/^/   resident profiled run: /' "$work/engy-resident-profile.err"
+  # The experts' padded batched products instead of the grouped GEMM, for comparison.
+  ENGY_PROFILE=1 ENGY_GROUPED_GEMM=0 "$bin/engy-audit" audit --checkpoint "$ck" "${twice[@]}" --resident \
+    --device cuda --recompute bf16 >/dev/null 2>"$work/engy-resident-padded.err"
+  sed 's/^/   resident profiled run, ENGY_GROUPED_GEMM=0: /' "$work/engy-resident-padded.err"
   peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" >"$work/tf.json" 2>"$work/tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
   tail -n 3 "$work/tf.err"
