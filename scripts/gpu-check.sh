@@ -15,14 +15,14 @@
 #   4. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_QWEN=0): the side-by-side benchmark, a
 #      teacher-forced audit of ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape
 #      Qwen3.6-35B-A3B FP8 checkpoint of ENGY_GPU_BENCH_LAYERS (40) layers written here, by
-#      engy-audit and by transformers (bench/gpu/transformers_anchor.py), with time, tokens/s
-#      and peak GPU memory;
+#      engy-audit (streamed, then --resident) and by transformers
+#      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory;
 #   5. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_GLM=0): the same on a real-shape GLM-5 FP8
 #      checkpoint of ENGY_GPU_BENCH_GLM_LAYERS (5: the release's 3 dense layers, then 2 MoE
 #      layers) at ENGY_GPU_BENCH_TOKENS tokens.
 # Each benchmark writes its checkpoint under ENGY_GPU_WORK and first deletes the other one
-# (Qwen3.6 at 40 layers is 35.7 GB, GLM-5 at 5 layers about 25 GB; the GPU machine has 64 GB
-# of disk); a checkpoint already there with its commitment.json is reused.
+# (Qwen3.6 at 40 layers is 35.7 GB, GLM-5 at 5 layers 24.8 GB; the GPU machine has 64 GB of
+# disk); a checkpoint already there with its commitment.json is reused.
 # ENGY_GPU_CHECKS=0 runs the benchmarks alone.
 # Env: ENGY_CUDA_LIB_DIR (where libcublas.so.13 and friends are; default: found under the
 # Python install, e.g. PyTorch's nvidia/cu13/lib), ENGY_GPU_WORK (scratch, default /tmp/engy-gpu).
@@ -70,9 +70,24 @@ devnet_verdicts() { # DIR: a devnet model and its saved commitments
   echo "   $(basename "$d"): $same/$n commitments get the CPU verdict on cuda"
   [ "$n" -gt 0 ] && [ "$same" -eq "$n" ]
 }
+devnet_resident() { # DIR: the same commitments in one run, weights kept on the GPU (--resident)
+  local d="$1" args=() file want got n=0 same=0
+  while IFS=$'\t' read -r file want; do args+=(--commitment "$d/$file"); done <"$d/verdicts.tsv"
+  "$bin/engy-audit" audit --checkpoint "$d/model" --device cuda --resident --json "${args[@]}" \
+    2>/dev/null | python3 -c 'import json, sys; [print(json.loads(l)["verdict"]) for l in sys.stdin]' \
+    >"$work/resident.verdicts"
+  while IFS=$'\t' read -r file want && read -r got <&3; do
+    n=$((n + 1))
+    if [ "$got" = "$want" ]; then same=$((same + 1)); else echo "   $file: cpu $want, cuda resident $got"; fi
+  done <"$d/verdicts.tsv" 3<"$work/resident.verdicts"
+  echo "   $(basename "$d"): $same/$n commitments get the CPU verdict in one resident run on cuda"
+  [ "$n" -gt 0 ] && [ "$same" -eq "$n" ] && [ "$n" -eq "$(wc -l <"$d/verdicts.tsv")" ]
+}
 for tsv in "$bin"/devnet*/verdicts.tsv; do
   [ -f "$tsv" ] || continue
   step "devnet commitments on cuda ($(basename "$(dirname "$tsv")"))" devnet_verdicts "$(dirname "$tsv")"
+  step "devnet commitments in one resident run on cuda ($(basename "$(dirname "$tsv")"))" \
+    devnet_resident "$(dirname "$tsv")"
 done
 fi
 
@@ -101,37 +116,54 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
       "$bin/synth_checkpoint" --arch "$arch" "$ck" "$layers" "$tokens" || return 1
   fi
   cat "$ck"/*.safetensors >/dev/null # into the page cache: time the audit, not the disk
-  local audit=("$bin/engy-audit" audit --checkpoint "$ck" --commitment "$ck/commitment.json"
-    --device cuda --recompute bf16)
+  local audit=("$bin/engy-audit" audit --checkpoint "$ck" --device cuda --recompute bf16)
+  local once=(--commitment "$ck/commitment.json")
   # A first run fills the driver's kernel cache (~/.nv/ComputeCache: candle's kernels ship as
   # PTX and are compiled on first use); the second is the one measured.
-  "${audit[@]}" >/dev/null 2>"$work/$arch-engy-first.err"
+  "${audit[@]}" "${once[@]}" >/dev/null 2>"$work/$arch-engy-first.err"
   sed 's/^/   first run: /' "$work/$arch-engy-first.err"
   # Where the time goes: a run with ENGY_PROFILE=1 (each phase waits for the GPU, so this run
   # is slower than the measured one).
-  ENGY_PROFILE=1 "${audit[@]}" >/dev/null 2>"$work/$arch-engy-profile.err"
+  ENGY_PROFILE=1 "${audit[@]}" "${once[@]}" >/dev/null 2>"$work/$arch-engy-profile.err"
   sed 's/^/   profiled run: /' "$work/$arch-engy-profile.err"
   local t0 t1
   t0=$(date +%s.%N)
-  peak_mem "${audit[@]}" >"$work/$arch-engy.out" 2>"$work/$arch-engy.err"
+  peak_mem "${audit[@]}" "${once[@]}" >"$work/$arch-engy.out" 2>"$work/$arch-engy.err"
   t1=$(date +%s.%N)
   cat "$work/$arch-engy.err"
   local engy_s engy_mem
   engy_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/$arch-engy.err")"
   engy_mem="$(cat "$work/peak")"
   echo "   engy-audit: $(head -n1 "$work/$arch-engy.out"), process wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s"
+  # Weights resident: the same commitment audited twice in one process with --resident; the
+  # second audit, on the weights the first kept on the GPU as bf16, is the one measured (the
+  # anchor's weights are resident too). Then the same with ENGY_PROFILE=1 for the split.
+  local twice=("${once[@]}" "${once[@]}")
+  peak_mem "${audit[@]}" "${twice[@]}" --resident >/dev/null 2>"$work/$arch-engy-resident.err"
+  sed 's/^/   resident run: /' "$work/$arch-engy-resident.err"
+  local res_s res_mem
+  res_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/$arch-engy-resident.err" | tail -n1)"
+  res_mem="$(cat "$work/peak")"
+  ENGY_PROFILE=1 "${audit[@]}" "${twice[@]}" --resident >/dev/null 2>"$work/$arch-engy-resident-profile.err"
+  sed 's/^/   resident profiled run: /' "$work/$arch-engy-resident-profile.err"
+  # The experts' padded batched products instead of the grouped GEMM, for comparison.
+  ENGY_PROFILE=1 ENGY_GROUPED_GEMM=0 "${audit[@]}" "${twice[@]}" --resident \
+    >/dev/null 2>"$work/$arch-engy-resident-padded.err"
+  sed 's/^/   resident profiled run, ENGY_GROUPED_GEMM=0: /' "$work/$arch-engy-resident-padded.err"
   peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" \
     >"$work/$arch-tf.json" 2>"$work/$arch-tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
   tail -n 3 "$work/$arch-tf.err"
   cat "$work/$arch-tf.json"
-  python3 - "$label" "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/$arch-tf.json" "$tf_mem" <<'PY'
+  python3 - "$label" "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/$arch-tf.json" "$tf_mem" \
+    "$res_s" "$res_mem" <<'PY'
 import json, sys
-label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem = sys.argv[1:]
+label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem, res_s, res_mem = sys.argv[1:]
 tf = json.load(open(tf_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
 rows = [("engy-audit --device cuda (bf16 recompute, weights streamed)", num(engy_s), num(engy_mem)),
-        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']})", tf["seconds"], num(tf_mem))]
+        ("engy-audit --device cuda --resident (bf16 recompute, second audit, weights resident)", num(res_s), num(res_mem)),
+        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']}, weights resident)", tf["seconds"], num(tf_mem))]
 print(f"   {label}, {layers} layers, {tokens} tokens, {tf['gpu']}")
 print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
 print("   |---|---|---|---|")

@@ -3,12 +3,16 @@
 //! [`engy_model::audit`]). The checkpoint may be any architecture `engy_model::arch`
 //! implements (`qwen3_moe`, `qwen3_5_moe`, `glm_moe_dsa`), in bf16, block FP8 or NVFP4; weights
 //! are dequantised layer by layer from the mmapped shards (`--resident` keeps them decoded).
+//! `--commitment` may be given several times: the checkpoint is opened once and the
+//! commitments are audited one after the other, so with `--resident` the later audits reuse
+//! the decoded weights (docs/AUDITOR.md "Several commitments in one run").
 //!
 //! Exit codes: 0 `pass`, 1 `cheat`, 2 `unproven` (the commitment is malformed or mis-shaped:
 //! the reason is printed), 3 the audit itself could not run (unreadable checkpoint or
-//! commitment file, unsupported architecture). A reader that closes standard output early
-//! (`engy-audit audit … | head -1`) ends the printing quietly; the exit code is still the
-//! verdict's.
+//! commitment file, unsupported architecture). With several commitments: 1 when any is a
+//! cheat, else 3 when any could not be audited, else 2 when any is unproven, else 0. A reader
+//! that closes standard output early (`engy-audit audit … | head -1`) ends the printing
+//! quietly; the exit code is still the verdict's.
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -28,9 +32,10 @@ pub struct AuditArgs {
     #[arg(long, env = "ENGY_CHECKPOINT", value_name = "DIR")]
     pub checkpoint: PathBuf,
     /// JSON file holding the commitment (PROTOCOL.md §3.10), or a gateway `response` frame
-    /// containing it under "commitment"; `-` reads standard input.
-    #[arg(long)]
-    pub commitment: PathBuf,
+    /// containing it under "commitment"; `-` reads standard input (once). Give it several
+    /// times to audit several commitments against the checkpoint opened once.
+    #[arg(long, required = true, value_name = "FILE")]
+    pub commitment: Vec<PathBuf>,
     /// Proof top-k the commitment must use (model spec `toploc_k`).
     #[arg(long, default_value_t = 128)]
     pub toploc_k: usize,
@@ -103,6 +108,9 @@ impl From<RecomputeArg> for Recompute {
     }
 }
 
+/// Bytes per GiB, for memory in reports.
+const GIB: f64 = (1u64 << 30) as f64;
+
 const EXIT_PASS: u8 = 0;
 const EXIT_CHEAT: u8 = 1;
 const EXIT_UNPROVEN: u8 = 2;
@@ -110,23 +118,73 @@ const EXIT_ERROR: u8 = 3;
 
 /// Runs `engy-audit audit` (exit codes in the module docs).
 pub fn main(args: &AuditArgs) -> ExitCode {
-    let report = match run(args) {
-        Ok(report) => report,
+    let ready = check_args(args).and_then(|params| Ok((params, open_model(args)?)));
+    let (params, (model, model_root)) = match ready {
+        Ok(r) => r,
         Err(e) => {
             eprintln!("engy-audit audit: error: {e:#}");
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    let code = match report.verdict {
-        Verdict::Pass => EXIT_PASS,
-        Verdict::Cheat => EXIT_CHEAT,
-        Verdict::Unproven { .. } => EXIT_UNPROVEN,
-    };
-    crate::emit("audit", &report, args.json, report_text, code, EXIT_ERROR)
+    let several = args.commitment.len() > 1;
+    let mut codes = Vec::with_capacity(args.commitment.len());
+    for path in &args.commitment {
+        let report = match audit_one(args, &model, &model_root, &params, path) {
+            Ok(report) => report,
+            Err(e) => {
+                let what = if several {
+                    format!("{}: ", path.display())
+                } else {
+                    String::new()
+                };
+                eprintln!("engy-audit audit: error: {what}{e:#}");
+                eprintln!("no verdict: fix the input above and run the audit again");
+                codes.push(EXIT_ERROR);
+                continue;
+            }
+        };
+        let code = match report.verdict {
+            Verdict::Pass => EXIT_PASS,
+            Verdict::Cheat => EXIT_CHEAT,
+            Verdict::Unproven { .. } => EXIT_UNPROVEN,
+        };
+        let code = if several {
+            // Each report names its commitment: a header line in text, a field in JSON.
+            let named = Named {
+                commitment: path.display().to_string(),
+                report: &report,
+            };
+            let text =
+                |n: &Named<'_>| format!("commitment: {}\n{}", n.commitment, report_text(n.report));
+            crate::emit_code("audit", &named, args.json, text, code, EXIT_ERROR)
+        } else {
+            crate::emit_code("audit", &report, args.json, report_text, code, EXIT_ERROR)
+        };
+        codes.push(code);
+    }
+    ExitCode::from(combined_code(&codes))
 }
 
-fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
+/// A report with the commitment file it is about, for runs of several commitments.
+#[derive(serde::Serialize)]
+struct Named<'a> {
+    commitment: String,
+    #[serde(flatten)]
+    report: &'a AuditReport,
+}
+
+/// The exit code of a run of several audits from theirs: a cheat first (it is what the run
+/// is for), then an audit that could not run, then an unproven commitment, else pass.
+fn combined_code(codes: &[u8]) -> u8 {
+    [EXIT_CHEAT, EXIT_ERROR, EXIT_UNPROVEN]
+        .into_iter()
+        .find(|c| codes.contains(c))
+        .unwrap_or(EXIT_PASS)
+}
+
+/// The audit parameters from the flags, checked.
+fn check_args(args: &AuditArgs) -> anyhow::Result<AuditParams> {
     anyhow::ensure!(
         (0.0..=1.0).contains(&args.toploc_p),
         "--toploc-p must be within 0..=1, got {}",
@@ -144,13 +202,16 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
             "--routing-margin (ENGY_AUDIT_ROUTING_MARGIN) must be a finite score ≥ 0, got {m}"
         );
     }
-    let text = if args.commitment.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")?
-    } else {
-        std::fs::read_to_string(&args.commitment)
-            .with_context(|| format!("reading {}", args.commitment.display()))?
-    };
-    let params = AuditParams {
+    let stdin = args
+        .commitment
+        .iter()
+        .filter(|p| p.as_os_str() == "-")
+        .count();
+    anyhow::ensure!(
+        stdin <= 1,
+        "--commitment - (standard input) can be given once, got it {stdin} times"
+    );
+    Ok(AuditParams {
         toploc_k: args.toploc_k,
         toploc_v: args.toploc_v,
         toploc_p: args.toploc_p,
@@ -159,17 +220,11 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
             max_mismatch_rate: args.max_routing_mismatch,
             replay: !args.no_routing_replay,
         },
-    };
-    let value: serde_json::Value = match serde_json::from_str(&text) {
-        Ok(v) => v,
-        // Not JSON at all: the commitment is unproven, the audit itself worked.
-        Err(e) => {
-            return Ok(AuditReport::unproven(
-                format!("the commitment file is not JSON: {e}"),
-                params,
-            ))
-        }
-    };
+    })
+}
+
+/// The checkpoint opened on the device, and its `model_root`.
+fn open_model(args: &AuditArgs) -> anyhow::Result<(Model, String)> {
     let opts = LoadOptions {
         residency: if args.resident {
             Residency::Resident
@@ -188,30 +243,92 @@ fn run(args: &AuditArgs) -> anyhow::Result<AuditReport> {
     })?;
     let model_root = engy_core::identity::model_root(&args.checkpoint)
         .with_context(|| format!("model_root of {}", args.checkpoint.display()))?;
+    Ok((model, model_root))
+}
+
+/// Audits the commitment at `path` (`-`: standard input).
+fn audit_one(
+    args: &AuditArgs,
+    model: &Model,
+    model_root: &str,
+    params: &AuditParams,
+    path: &std::path::Path,
+) -> anyhow::Result<AuditReport> {
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+    };
+    let value: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        // Not JSON at all: the commitment is unproven, the audit itself worked.
+        Err(e) => {
+            return Ok(AuditReport::unproven(
+                format!("the commitment file is not JSON: {e}"),
+                *params,
+            ))
+        }
+    };
+    let steps_before = host_steps();
+    let profile_before = engy_model::device::profile();
     let started = std::time::Instant::now();
-    let report = audit_with(&model, &model_root, &value, &params, args.recompute.into())
+    let report = audit_with(model, model_root, &value, params, args.recompute.into())
         .context("recomputing hidden states")?;
     // On a GPU only (a CPU audit stays quiet on stderr), and on stderr, so the report on
-    // stdout reads the same on every device.
+    // stdout reads the same on every device. Counts and times are this audit's own.
     if args.device == DeviceSpec::Cpu {
         return Ok(report);
     }
     let host: Vec<String> = host_steps()
         .iter()
-        .filter(|(_, n)| *n > 0)
-        .map(|(step, n)| format!("{} {n}", step.label()))
+        .zip(steps_before)
+        .filter(|((_, n), (_, b))| n > b)
+        .map(|((step, n), (_, b))| format!("{} {}", step.label(), n - b))
         .collect();
     for (name, secs, calls) in engy_model::device::profile() {
-        eprintln!("engy-audit audit: profile: {name:<24} {secs:>8.3} s  ({calls} calls)");
+        let (s0, c0) = profile_before
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map_or((0.0, 0), |(_, s, c)| (*s, *c));
+        if calls > c0 {
+            eprintln!(
+                "engy-audit audit: profile: {name:<24} {:>8.3} s  ({} calls)",
+                secs - s0,
+                calls - c0
+            );
+        }
+    }
+    let peak = engy_model::device::profile_peak_memory();
+    if peak > 0 {
+        eprintln!(
+            "engy-audit audit: profile: device memory in use, most {:.1} GiB",
+            peak as f64 / GIB
+        );
+    }
+    let what = if args.commitment.len() > 1 {
+        format!("{}: ", path.display())
+    } else {
+        String::new()
+    };
+    let mut notes = Vec::new();
+    if !host.is_empty() {
+        notes.push(format!("steps done on the host: {}", host.join(", ")));
+    }
+    let in_use = args.device.device().ok();
+    if let Some(m) = in_use.as_ref().and_then(engy_model::device::memory_in_use) {
+        notes.push(format!(
+            "device memory in use after it: {:.1} GiB",
+            m as f64 / GIB
+        ));
     }
     eprintln!(
-        "engy-audit audit: recomputed on {} in {:.3} s{}",
+        "engy-audit audit: {what}recomputed on {} in {:.3} s{}",
         args.device,
         started.elapsed().as_secs_f64(),
-        if host.is_empty() {
+        if notes.is_empty() {
             String::new()
         } else {
-            format!(" (steps done on the host: {})", host.join(", "))
+            format!(" ({})", notes.join("; "))
         }
     );
     Ok(report)

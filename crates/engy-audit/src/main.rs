@@ -69,13 +69,25 @@ fn emit<R: serde::Serialize>(
     code: u8,
     error_code: u8,
 ) -> ExitCode {
+    ExitCode::from(emit_code(cmd, report, json, text, code, error_code))
+}
+
+/// [`emit`], returning the exit code as a number (for runs that combine several).
+fn emit_code<R: serde::Serialize>(
+    cmd: &str,
+    report: &R,
+    json: bool,
+    text: impl FnOnce(&R) -> String,
+    code: u8,
+    error_code: u8,
+) -> u8 {
     use std::io::Write as _;
     let text = if json {
         match serde_json::to_string(report) {
             Ok(s) => s + "\n",
             Err(e) => {
                 eprintln!("engy-audit {cmd}: error: serialising the report: {e}");
-                return ExitCode::from(error_code);
+                return error_code;
             }
         }
     } else {
@@ -83,11 +95,11 @@ fn emit<R: serde::Serialize>(
     };
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Ok(()) => ExitCode::from(code),
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(code),
+        Ok(()) => code,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code,
         Err(e) => {
             eprintln!("engy-audit {cmd}: error: writing the report to standard output: {e}");
-            ExitCode::from(error_code)
+            error_code
         }
     }
 }

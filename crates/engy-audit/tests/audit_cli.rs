@@ -100,6 +100,102 @@ fn audit_exit_codes_follow_the_verdict() {
     assert_eq!(code, 3);
 }
 
+/// Several `--commitment`s are audited in one run against the checkpoint opened once (here
+/// kept decoded, `--resident`): a report per commitment, in order, each naming its file, and
+/// one exit code: a cheat first, then an audit that could not run, then unproven.
+#[test]
+fn several_commitments_are_audited_in_one_run() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    let (honest, prompt, good) = honest_commitment(&dir);
+    let cheat = Checkpoint::open(&dir, Precision::Int4 { group_size: 32 }).unwrap();
+    let bad = commit_greedy(
+        &cheat.model,
+        &cheat.model_root,
+        &prompt,
+        40,
+        &[],
+        &Params::ENGY,
+    )
+    .unwrap();
+    drop(honest);
+    let write = |name: &str, bytes: &[u8]| {
+        let p = t.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let good = write("good.json", &serde_json::to_vec(&good).unwrap());
+    let bad = write("bad.json", &serde_json::to_vec(&bad).unwrap());
+    let junk = write("junk.json", b"{not json");
+    let missing = t.path().join("gone.json").to_string_lossy().into_owned();
+    let ck = dir.to_string_lossy().into_owned();
+    let audit = |files: &[&str], json: bool| {
+        let mut args = vec!["--checkpoint", ck.as_str(), "--resident"];
+        for f in files {
+            args.extend(["--commitment", f]);
+        }
+        if json {
+            args.push("--json");
+        }
+        run(&args)
+    };
+
+    let (code, out) = audit(&[&good, &bad, &junk], false);
+    assert_eq!(code, 1, "{out}");
+    let heads: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("commitment: "))
+        .collect();
+    assert_eq!(
+        heads,
+        [good.as_str(), bad.as_str(), junk.as_str()].map(|f| format!("commitment: {f}")),
+        "{out}"
+    );
+    let verdicts: Vec<&str> = out.lines().filter(|l| l.starts_with("verdict: ")).collect();
+    assert_eq!(verdicts.len(), 3, "{out}");
+    assert_eq!(verdicts[0], "verdict: pass", "{out}");
+    assert_eq!(verdicts[1], "verdict: cheat", "{out}");
+    assert!(verdicts[2].starts_with("verdict: unproven"), "{out}");
+
+    let (code, out) = audit(&[&good, &junk, &bad], true);
+    assert_eq!(code, 1, "{out}");
+    let reports: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seen: Vec<(&str, &str)> = reports
+        .iter()
+        .map(|r| {
+            (
+                r["commitment"].as_str().unwrap(),
+                r["verdict"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (good.as_str(), "pass"),
+            (junk.as_str(), "unproven"),
+            (bad.as_str(), "cheat")
+        ],
+        "{out}"
+    );
+
+    // The same commitment twice: both pass (the second on the kept weights).
+    let (code, out) = audit(&[&good, &good], false);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out.matches("verdict: pass").count(), 2, "{out}");
+    // An unreadable file does not stop the others; it outranks an unproven one.
+    let (code, out) = audit(&[&missing, &good, &junk], false);
+    assert_eq!(code, 3, "{out}");
+    assert_eq!(out.matches("verdict: pass").count(), 1, "{out}");
+    assert_eq!(out.matches("verdict: unproven").count(), 1, "{out}");
+    // Standard input can be read once only.
+    let (code, _) = audit(&["-", "-"], false);
+    assert_eq!(code, 3);
+}
+
 /// A seed-3 devnet checkpoint, its honest greedy commitment for a short chat prompt, and the
 /// model it came from.
 fn honest_commitment(dir: &Path) -> (Checkpoint, Vec<u32>, serde_json::Value) {

@@ -167,6 +167,9 @@ pub fn phase<T>(
     let out = f()?;
     sync()?;
     let dt = t0.elapsed().as_secs_f64();
+    if let Some(m) = memory_in_use(device) {
+        PEAK_IN_USE.fetch_max(m, Ordering::Relaxed);
+    }
     if let Ok(mut p) = PROFILE.lock() {
         match p.iter_mut().find(|(n, _, _)| *n == name) {
             Some(e) => {
@@ -183,6 +186,27 @@ pub fn phase<T>(
 /// `ENGY_PROFILE` is set.
 pub fn profile() -> Vec<(&'static str, f64, u64)> {
     PROFILE.lock().map(|p| p.clone()).unwrap_or_default()
+}
+
+/// The most device memory in use (bytes) seen at the end of a profiled [`phase`] so far; 0
+/// unless `ENGY_PROFILE` is set on a GPU.
+static PEAK_IN_USE: AtomicU64 = AtomicU64::new(0);
+
+/// [`PEAK_IN_USE`]: the most device memory in use at the end of a profiled phase, in bytes.
+pub fn profile_peak_memory() -> u64 {
+    PEAK_IN_USE.load(Ordering::Relaxed)
+}
+
+/// Memory in use on `device` (bytes, every process's, as the driver counts it: total less
+/// free), or `None` on the CPU and when the driver cannot say.
+pub fn memory_in_use(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cd) = device {
+        let (free, total) = cd.cuda_stream().context().mem_get_info().ok()?;
+        return Some(total.saturating_sub(free) as u64);
+    }
+    let _ = device;
+    None
 }
 
 #[cfg(test)]

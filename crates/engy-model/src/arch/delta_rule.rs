@@ -86,22 +86,29 @@ pub fn chunked(
     let value = inv.matmul(&v_beta)?; // [h, n, c, dv]
     let k_cumdecay = inv.matmul(&k_beta.broadcast_mul(&gc.exp()?.unsqueeze(3)?)?)?;
 
+    // Everything that does not depend on the state, for all chunks at once; the loop then
+    // runs a handful of kernels per chunk. Chunk-major ([n, h, ..], contiguous) so that each
+    // chunk's slice is contiguous.
+    let by_chunk = |x: Tensor| x.transpose(0, 1)?.contiguous();
+    let gexp = gc.exp()?; // [h, n, c]
+    let attn = by_chunk((q.matmul(&k.transpose(2, 3)?.contiguous()?)? * &decay)?)?; // [n, h, c, c]
+    let q_dec = by_chunk(q.broadcast_mul(&gexp.unsqueeze(3)?)?)?; // [n, h, c, dk]
+    let g_last = gc.narrow(2, c - 1, 1)?; // [h, n, 1]
+    let k_dec_t = by_chunk(
+        k.broadcast_mul(&g_last.broadcast_sub(&gc)?.exp()?.unsqueeze(3)?)?
+            .transpose(2, 3)?,
+    )?; // [n, h, dk, c]
+    let last_decay = by_chunk(g_last.exp()?.unsqueeze(3)?)?; // [n, h, 1, 1]
+    let value = by_chunk(value)?; // [n, h, c, dv]
+    let k_cumdecay = by_chunk(k_cumdecay)?; // [n, h, c, dk]
+
     let mut s = state.contiguous()?;
     let mut outs = Vec::with_capacity(n);
     for i in 0..n {
-        let qi = q.narrow(1, i, 1)?.squeeze(1)?; // [h, c, dk]
-        let ki = k.narrow(1, i, 1)?.squeeze(1)?;
-        let vi = value.narrow(1, i, 1)?.squeeze(1)?; // [h, c, dv]
-        let gi = gc.narrow(1, i, 1)?.squeeze(1)?; // [h, c]
-        let di = decay.narrow(1, i, 1)?.squeeze(1)?; // [h, c, c]
-        let attn = (qi.matmul(&ki.transpose(1, 2)?.contiguous()?)? * di)?;
-        let v_new = (vi - k_cumdecay.narrow(1, i, 1)?.squeeze(1)?.matmul(&s)?)?;
-        let inter = qi.broadcast_mul(&gi.exp()?.unsqueeze(2)?)?.matmul(&s)?;
-        outs.push((inter + attn.matmul(&v_new)?)?);
-        let g_last = gi.narrow(1, c - 1, 1)?; // [h, 1]
-        let k_dec = ki.broadcast_mul(&g_last.broadcast_sub(&gi)?.exp()?.unsqueeze(2)?)?;
-        s = (s.broadcast_mul(&g_last.exp()?.unsqueeze(2)?)?
-            + k_dec.transpose(1, 2)?.contiguous()?.matmul(&v_new)?)?;
+        let at = |x: &Tensor| x.narrow(0, i, 1)?.squeeze(0);
+        let v_new = (at(&value)? - at(&k_cumdecay)?.matmul(&s)?)?;
+        outs.push((at(&q_dec)?.matmul(&s)? + at(&attn)?.matmul(&v_new)?)?);
+        s = (s.broadcast_mul(&at(&last_decay)?)? + at(&k_dec_t)?.matmul(&v_new)?)?;
     }
     let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?;
     Ok((out, s))

@@ -14,6 +14,7 @@
 //! model does.
 use candle_core::{DType, Tensor};
 
+use super::grouped_gemm;
 use super::ops;
 use super::Weights;
 use crate::device::phase;
@@ -36,14 +37,23 @@ fn names(module: &impl Fn(usize) -> String, experts: &[usize], proj: &str) -> Ve
 /// (`module(e)` as in [`dispatch`]) in the background ([`Weights::prefetch`]), for a
 /// [`dispatch`] of at least `experts / top_k` tokens (which stacks them all). The auditor calls
 /// it for layer `l + 1` when layer `l` starts, so the host reads while the GPU computes. Does
-/// nothing where [`grouped`] is false.
-pub fn prefetch(w: &std::sync::Arc<Weights>, module: impl Fn(usize) -> String, experts: usize) {
+/// nothing where [`grouped`] is false, nor for a projection whose stack for `c` is kept
+/// ([`Weights::holds_stack`]).
+pub fn prefetch(
+    w: &std::sync::Arc<Weights>,
+    module: impl Fn(usize) -> String,
+    experts: usize,
+    c: Compute,
+) {
     if !grouped(w) {
         return;
     }
     let all: Vec<usize> = (0..experts).collect();
     for proj in ["gate_proj", "up_proj", "down_proj"] {
         let n = names(&module, &all, proj);
+        if w.holds_stack(&n, c) {
+            continue;
+        }
         let scales = n.iter().map(|x| format!("{x}_scale_inv")).collect();
         w.prefetch(n);
         w.prefetch(scales);
@@ -60,7 +70,8 @@ pub fn grouped(w: &Weights) -> bool {
 /// `(expert, routing weight)` in top-k order; `module(e)` is expert `e`'s tensor prefix
 /// (`…mlp.experts.{e}`), whose `gate_proj`/`up_proj` are `[inter, hidden]` and `down_proj`
 /// `[hidden, inter]`; `experts` the layer's expert count, when known (with `T·k` at least
-/// that, every expert is stacked, as [`prefetch`] reads them). Returns
+/// that, every expert is stacked, as [`prefetch`] reads them; also when the stacks are kept,
+/// [`Weights::keeps_stacks`], so that every later pass finds them). Returns
 /// `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
 ///
 /// # Errors
@@ -89,11 +100,13 @@ pub fn dispatch(
     if tokens.is_empty() || k == 0 {
         return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
     }
-    // The stack holds every expert when most are chosen (what [`prefetch`] read ahead),
-    // else the chosen ones, in expert order (an id past the layer's experts, from a replayed
-    // trace, then fails as a missing tensor).
+    // The stack holds every expert when most are chosen (what [`prefetch`] read ahead) or
+    // when it is kept, else the chosen ones, in expert order (an id past the layer's experts,
+    // from a replayed trace, then fails as a missing tensor).
     let stacked: Vec<usize> = match experts {
-        Some(n) if t * k >= n && tokens.keys().all(|e| *e < n) => (0..n).collect(),
+        Some(n) if (t * k >= n || w.keeps_stacks(c)) && tokens.keys().all(|e| *e < n) => {
+            (0..n).collect()
+        }
         _ => tokens.keys().copied().collect(),
     };
     let at: std::collections::HashMap<usize, u32> = stacked
@@ -113,40 +126,18 @@ pub fn dispatch(
             stack("down_proj", hidden, inter)?,
         ))
     })?;
-    let wd = gate.dtype();
 
-    // Rows of every group's output, stacked: expert `order[s]`'s i-th token lands on row
-    // `first_row[s] + i`.
-    let mut first_row = vec![0usize; order.len()];
-    let mut outs = Vec::with_capacity(order.len().div_ceil(GROUP));
-    let mut rows = 0usize;
-    for g0 in (0..order.len()).step_by(GROUP) {
-        let n = GROUP.min(order.len() - g0);
-        let cap = order[g0].1.len();
-        let mut idx = Vec::with_capacity(n * cap);
-        for (s, (_, toks)) in order[g0..g0 + n].iter().enumerate() {
-            first_row[g0 + s] = rows + s * cap;
-            idx.extend_from_slice(toks);
-            // Padding rows repeat the expert's first token; they are never read back.
-            idx.extend(std::iter::repeat_n(toks[0], cap - toks.len()));
+    // Rows of every expert's output, stacked: expert `order[s]`'s i-th token lands on row
+    // `first_row[s] + i`. One grouped GEMM per projection where cuBLAS has it (bf16 stacks
+    // on a GPU, [`grouped_gemm`]), else batched products over groups padded to their largest
+    // count.
+    let (mut outs, first_row, rows) = match segmented(x, &order, &at, [&gate, &up, &down], c)? {
+        Some((y, first_row)) => {
+            let rows = y.dim(0)?;
+            (vec![y], first_row, rows)
         }
-        rows += n * cap;
-        let xs = x
-            .index_select(&Tensor::from_vec(idx, n * cap, &dev)?, 0)?
-            .to_dtype(wd)?
-            .reshape((n, cap, h))?;
-        let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[e]).collect();
-        let members = Tensor::from_vec(members, n, &dev)?;
-        let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
-            let y = a.matmul(&m.index_select(&members, 0)?.transpose(1, 2)?)?;
-            Ok(c.round(y.to_dtype(DType::F32)?)?)
-        };
-        let g = product(&gate, &xs)?;
-        let u = product(&up, &xs)?;
-        let act = c.round((c.round(ops::silu(&g)?)? * u)?)?;
-        let y = product(&down, &act.to_dtype(wd)?)?;
-        outs.push(y.reshape((n * cap, hidden))?);
-    }
+        None => padded(x, &order, &at, [&gate, &up, &down], c)?,
+    };
     // One zero row at the end for tokens with fewer than `k` choices.
     outs.push(Tensor::zeros((1, hidden), DType::F32, &dev)?);
     let all = Tensor::cat(&outs, 0)?;
@@ -174,6 +165,94 @@ pub fn dispatch(
         weighted = c.round(weighted)?;
     }
     Ok(weighted.sum(1)?)
+}
+
+/// The experts of `order` (`(expert, its tokens)`, the stack entry of each expert in `at`) on
+/// their tokens' rows of `x`, as one grouped GEMM per projection of the stacks
+/// `[gate, up, down]` ([`grouped_gemm::segmented`]): the outputs `[Σ tokens, hidden]` f32, in
+/// `order`, and each expert's first row. `None` where the grouped GEMM does not apply.
+fn segmented(
+    x: &Tensor,
+    order: &[(usize, Vec<u32>)],
+    at: &std::collections::HashMap<usize, u32>,
+    [gate, up, down]: [&Tensor; 3],
+    c: Compute,
+) -> Result<Option<(Tensor, Vec<usize>)>, ModelError> {
+    let wd = gate.dtype();
+    if x.device().is_cpu() || wd != DType::BF16 || !grouped_gemm::enabled() {
+        return Ok(None);
+    }
+    let mut first_row = Vec::with_capacity(order.len());
+    let mut idx = Vec::new();
+    let mut segs = Vec::with_capacity(order.len());
+    for (e, toks) in order {
+        first_row.push(idx.len());
+        idx.extend_from_slice(toks);
+        segs.push((at[e] as usize, toks.len()));
+    }
+    let n = idx.len();
+    let xs = x
+        .index_select(&Tensor::from_vec(idx, n, x.device())?, 0)?
+        .to_dtype(wd)?;
+    let product = |m: &Tensor, a: &Tensor| -> Result<Option<Tensor>, ModelError> {
+        Ok(match grouped_gemm::segmented(a, m, &segs)? {
+            Some(y) => Some(c.round(y.to_dtype(DType::F32)?)?),
+            None => None,
+        })
+    };
+    let (Some(g), Some(u)) = (product(gate, &xs)?, product(up, &xs)?) else {
+        return Ok(None);
+    };
+    let act = c.round((c.round(ops::silu(&g)?)? * u)?)?;
+    Ok(product(down, &act.to_dtype(wd)?)?.map(|y| (y, first_row)))
+}
+
+/// The padded path of [`dispatch`]: the experts of `order` in groups of up to [`GROUP`] of
+/// similar load, each group's rows padded to its largest count and multiplied as one batched
+/// product per projection. Returns the groups' outputs (f32, padded rows included), each
+/// expert's first row, and the rows in all.
+fn padded(
+    x: &Tensor,
+    order: &[(usize, Vec<u32>)],
+    at: &std::collections::HashMap<usize, u32>,
+    [gate, up, down]: [&Tensor; 3],
+    c: Compute,
+) -> Result<(Vec<Tensor>, Vec<usize>, usize), ModelError> {
+    let (_, h) = x.dims2()?;
+    let hidden = down.dim(1)?;
+    let dev = x.device().clone();
+    let wd = gate.dtype();
+    let mut first_row = vec![0usize; order.len()];
+    let mut outs = Vec::with_capacity(order.len().div_ceil(GROUP));
+    let mut rows = 0usize;
+    for g0 in (0..order.len()).step_by(GROUP) {
+        let n = GROUP.min(order.len() - g0);
+        let cap = order[g0].1.len();
+        let mut idx = Vec::with_capacity(n * cap);
+        for (s, (_, toks)) in order[g0..g0 + n].iter().enumerate() {
+            first_row[g0 + s] = rows + s * cap;
+            idx.extend_from_slice(toks);
+            // Padding rows repeat the expert's first token; they are never read back.
+            idx.extend(std::iter::repeat_n(toks[0], cap - toks.len()));
+        }
+        rows += n * cap;
+        let xs = x
+            .index_select(&Tensor::from_vec(idx, n * cap, &dev)?, 0)?
+            .to_dtype(wd)?
+            .reshape((n, cap, h))?;
+        let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[e]).collect();
+        let members = Tensor::from_vec(members, n, &dev)?;
+        let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
+            let y = a.matmul(&m.index_select(&members, 0)?.transpose(1, 2)?)?;
+            Ok(c.round(y.to_dtype(DType::F32)?)?)
+        };
+        let g = product(gate, &xs)?;
+        let u = product(up, &xs)?;
+        let act = c.round((c.round(ops::silu(&g)?)? * u)?)?;
+        let y = product(down, &act.to_dtype(wd)?)?;
+        outs.push(y.reshape((n * cap, hidden))?);
+    }
+    Ok((outs, first_row, rows))
 }
 
 #[cfg(test)]

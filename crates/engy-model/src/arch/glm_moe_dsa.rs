@@ -52,8 +52,8 @@ use serde_json::Value;
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
-    TextConfig, Weights,
+    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
+    Weights,
 };
 use crate::device::{count_host_step, HostStep};
 use crate::{Compute, ModelError};
@@ -439,7 +439,7 @@ pub struct GlmTrace {
 }
 
 /// The loaded `glm_moe_dsa` model. Weights are read from [`Weights`] as each layer runs (with
-/// [`Residency::Streaming`] nothing stays decoded between layers).
+/// [`Residency::Streaming`](crate::Residency::Streaming) nothing stays decoded between layers).
 ///
 /// Cache per layer ([`LayerCache`]): `[k, v]` or, on full-indexer layers, `[k, v, index_k]`
 /// with `k` `[heads, positions, qk_head_dim]`, `v` `[heads, positions, v_head_dim]` and
@@ -575,8 +575,8 @@ fn route(c: &GlmMoeDsaConfig, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)>
 
 impl GlmMoeDsa {
     /// Reads the `glm_moe_dsa` fields of `text` ([`GlmMoeDsaConfig::from_json`] on its raw
-    /// text config) and checks every tensor the forward pass uses (decoding them now under
-    /// [`Residency::Resident`]; checking only their presence under [`Residency::Streaming`]).
+    /// text config) and checks every tensor the forward pass uses (decoding them now when
+    /// [`Weights::preloads`](super::Weights::preloads), else checking only their presence).
     /// The activations are computed in `opts.compute` (see the module documentation).
     ///
     /// # Errors
@@ -622,7 +622,7 @@ impl GlmMoeDsa {
         let c = &self.cfg;
         let (d, v) = (c.hidden_size, c.vocab_size);
         let w = &*self.w;
-        let streaming = w.residency() == Residency::Streaming;
+        let streaming = !w.preloads();
         // What each tensor is fetched as in the forward pass (so that, resident, the decoded
         // form the forward pass asks for is the one cached).
         #[derive(Clone, Copy)]

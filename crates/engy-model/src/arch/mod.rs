@@ -25,6 +25,7 @@ pub mod config;
 pub mod delta_rule;
 pub mod experts;
 pub mod glm_moe_dsa;
+pub mod grouped_gemm;
 pub mod ops;
 pub mod qlinear;
 pub mod quant;

@@ -55,8 +55,8 @@ use super::delta_rule;
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
-    TextConfig, Weights,
+    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
+    Weights,
 };
 use crate::device::phase;
 use crate::{Compute, ModelError};
@@ -194,7 +194,7 @@ impl Qwen3_5Moe {
     fn check_tensors(&self) -> Result<(), ModelError> {
         let (d, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let w = &*self.w;
-        let streaming = w.residency() == Residency::Streaming;
+        let streaming = !w.preloads();
         let need = |name: String, shape: &[usize], proj: bool| -> Result<(), ModelError> {
             if streaming {
                 return if w.has(&name) {
@@ -335,7 +335,9 @@ impl Qwen3_5Moe {
         let cd = self.conv_dim();
         let w = &*self.w;
         let cm = self.compute;
-        let [qkv, z, bb, aa] = self.delta_net_inputs(&a, h)?;
+        let [qkv, z, bb, aa] = phase(dev, "gated deltanet: projections", || {
+            self.delta_net_inputs(&a, h)
+        })?;
         let conv_w = w
             .tensor(&format!("{a}.conv1d.weight"))?
             .reshape((cd, kk))?
@@ -386,8 +388,16 @@ impl Qwen3_5Moe {
             None => Tensor::zeros((nv, dk, dv), DType::F32, dev)?,
         };
         let tr = |x: Tensor| x.transpose(0, 1)?.contiguous();
-        let (o, state) =
-            delta_rule::chunked(&tr(q)?, &tr(k)?, &tr(v)?, &tr(beta)?, &tr(g)?, &state)?;
+        let (o, state) = phase(dev, "gated deltanet: chunked rule", || {
+            Ok(delta_rule::chunked(
+                &tr(q)?,
+                &tr(k)?,
+                &tr(v)?,
+                &tr(beta)?,
+                &tr(g)?,
+                &state,
+            )?)
+        })?;
         // Gated RMSNorm per head on the rounded output (see the host path).
         let o = cm.round(o.transpose(0, 1)?.contiguous()?)?; // [t, nv, dv]
         let eps = self.cfg.rms_norm_eps;
@@ -398,7 +408,9 @@ impl Qwen3_5Moe {
         let core = cm
             .round((weighted * ops::silu(&z)?)?)?
             .reshape((t, nv * dv))?;
-        let y = cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?;
+        let y = phase(dev, "gated deltanet: projections", || {
+            Ok(cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?)
+        })?;
         Ok((y, LayerCache(vec![conv_state, state])))
     }
 
@@ -668,14 +680,16 @@ impl Architecture for Qwen3_5Moe {
         let mut new_cache = Vec::with_capacity(self.mixers.len());
         for (li, mixer) in self.mixers.iter().enumerate() {
             let p = format!("model.layers.{li}");
-            // The next layer's routed experts are read while this one computes (on a GPU).
-            if ids.len() * self.top_k >= self.experts {
+            // The next layer's routed experts are read while this one computes (on a GPU,
+            // when every expert is stacked: `experts::dispatch`).
+            if ids.len() * self.top_k >= self.experts || self.w.keeps_stacks(cm) {
                 let first = if li == 0 { 0 } else { li + 1 };
                 for l in first..=(li + 1).min(self.mixers.len() - 1) {
                     experts::prefetch(
                         &self.w,
                         |e| format!("model.layers.{l}.mlp.experts.{e}"),
                         self.experts,
+                        cm,
                     );
                 }
             }

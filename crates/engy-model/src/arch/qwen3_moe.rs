@@ -27,8 +27,8 @@ use candle_core::{DType, Tensor};
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, Cache, LayerCache, LoadOptions, Probe, Residency, RouteScores, RoutingShape,
-    TextConfig, Weights,
+    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
+    Weights,
 };
 use crate::{Compute, ModelError};
 
@@ -51,7 +51,7 @@ pub struct Qwen3Moe {
 
 impl Qwen3Moe {
     /// Reads the Qwen3(-MoE) fields of `cfg` and checks every tensor the forward pass uses
-    /// (decoding them all now under [`Residency::Resident`]).
+    /// (decoding them all now when [`Weights::preloads`](super::Weights::preloads)).
     ///
     /// # Errors
     /// [`ModelError::Config`] for inconsistent settings, [`ModelError::MissingTensor`] /
@@ -119,7 +119,7 @@ impl Qwen3Moe {
         let (d, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let w = &*self.w;
-        let streaming = w.residency() == Residency::Streaming;
+        let streaming = !w.preloads();
         let need = |name: String, shape: Vec<usize>, proj: bool| -> Result<(), ModelError> {
             if streaming {
                 return if w.has(&name) {

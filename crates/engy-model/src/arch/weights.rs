@@ -37,7 +37,11 @@ pub const FUSED_MAX_ROWS: usize = 4;
 /// Whether decoded weights are kept between calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Residency {
-    /// Keep every decoded tensor (f32) for reuse: fastest, 4 bytes per parameter in memory.
+    /// Keep every decoded tensor for reuse: fastest. On the CPU, f32 (4 bytes per parameter).
+    /// On a GPU, a bf16 recompute keeps the bf16 values it multiplies (2 bytes per parameter
+    /// for the projections and the routed experts' stacks, [`Weights::keeps_stacks`]: about
+    /// 65 GiB for Qwen3.6-35B-A3B), so a second audit on the same weights reads and decodes
+    /// nothing; an f32 recompute there keeps its smaller tensors and streams the experts.
     #[default]
     Resident,
     /// Decode on every call and keep nothing: the forward pass holds one layer at a time.
@@ -245,6 +249,15 @@ impl Weights {
     /// Whether decoded tensors are kept.
     pub fn residency(&self) -> Residency {
         self.residency
+    }
+
+    /// Whether an architecture decodes (and so keeps) every tensor when it opens, checking
+    /// them all up front: under [`Residency::Resident`] on the CPU. On a GPU resident weights
+    /// are kept as the recompute first uses them, in the form it multiplies (bf16 for a bf16
+    /// recompute, [`Weights::keeps_stacks`]); decoding all of them to f32 at open would need
+    /// 4 bytes per parameter of device memory (140 GB for a 35B model).
+    pub fn preloads(&self) -> bool {
+        self.residency == Residency::Resident && self.device.is_cpu()
     }
 
     /// The stored name of `name` (text-only layout → the checkpoint's layout).
@@ -644,6 +657,66 @@ impl Weights {
         inp: usize,
         compute: Compute,
     ) -> Result<Tensor, ModelError> {
+        let key = self
+            .keeps_stacks(compute)
+            .then(|| format!("stack#{compute:?}#{}", names.join(",")));
+        if let Some(t) = key.as_deref().and_then(|k| self.kept(k)) {
+            return Ok(t);
+        }
+        let t = self.stack_fresh(names, out, inp, compute, key.is_none())?;
+        if let Some(k) = key {
+            self.keep(k, &t);
+        }
+        Ok(t)
+    }
+
+    /// Whether [`Weights::stacked`] keeps the stacks it makes for a recompute in `compute`:
+    /// under [`Residency::Resident`], on a GPU, for a bf16 recompute of an unaltered
+    /// checkpoint. The routed experts then stack every expert of a layer
+    /// ([`super::experts::dispatch`]), so the next pass reuses the stacks whatever it routes.
+    pub fn keeps_stacks(&self, compute: Compute) -> bool {
+        self.residency == Residency::Resident
+            && !self.device.is_cpu()
+            && compute == Compute::Bf16
+            && !matches!(self.precision, Precision::Int4 { .. })
+    }
+
+    /// Whether the stack of exactly `names` for `compute` is kept ([`Weights::keeps_stacks`]):
+    /// nothing of it needs reading again.
+    pub fn holds_stack(&self, names: &[String], compute: Compute) -> bool {
+        self.keeps_stacks(compute)
+            && self
+                .kept(&format!("stack#{compute:?}#{}", names.join(",")))
+                .is_some()
+    }
+
+    /// The kept tensor `key` under [`Residency::Resident`].
+    fn kept(&self, key: &str) -> Option<Tensor> {
+        if self.residency != Residency::Resident {
+            return None;
+        }
+        self.resident.read().ok()?.get(key).cloned()
+    }
+
+    /// Keeps `t` as `key` under [`Residency::Resident`].
+    fn keep(&self, key: String, t: &Tensor) {
+        if self.residency == Residency::Resident {
+            if let Ok(mut m) = self.resident.write() {
+                m.insert(key, t.clone());
+            }
+        }
+    }
+
+    /// [`Weights::stacked`] made now; `keep_parts`: whether the tensors decoded one by one (off
+    /// the device path) are kept under [`Residency::Resident`].
+    fn stack_fresh(
+        &self,
+        names: &[String],
+        out: usize,
+        inp: usize,
+        compute: Compute,
+        keep_parts: bool,
+    ) -> Result<Tensor, ModelError> {
         let cheat = matches!(self.precision, Precision::Int4 { .. });
         if !self.device.is_cpu() && !cheat && !names.is_empty() {
             if let Some(t) = self.stack_on_device(names, out, inp, compute)? {
@@ -652,7 +725,7 @@ impl Weights {
         }
         let parts = names
             .iter()
-            .map(|n| self.get_as(n, Some(&[out, inp]), true, false, compute))
+            .map(|n| self.get_kept(n, Some(&[out, inp]), true, false, compute, keep_parts))
             .collect::<Result<Vec<_>, _>>()?;
         if parts.is_empty() {
             return Ok(Tensor::zeros(
@@ -828,6 +901,20 @@ impl Weights {
         transpose: bool,
         compute: Compute,
     ) -> Result<Tensor, ModelError> {
+        self.get_kept(name, want, cheat, transpose, compute, true)
+    }
+
+    /// [`Weights::get_as`]; `keep`: whether a tensor decoded now is kept under
+    /// [`Residency::Resident`] (a kept one is returned either way).
+    fn get_kept(
+        &self,
+        name: &str,
+        want: Option<&[usize]>,
+        cheat: bool,
+        transpose: bool,
+        compute: Compute,
+        keep: bool,
+    ) -> Result<Tensor, ModelError> {
         let cheat = cheat && matches!(self.precision, Precision::Int4 { .. });
         let round = self.rounds(name, compute);
         let key = format!(
@@ -836,10 +923,8 @@ impl Weights {
             if transpose { "#t" } else { "" },
             if round { "#bf16" } else { "" }
         );
-        if self.residency == Residency::Resident {
-            if let Some(t) = self.resident.read().ok().and_then(|m| m.get(&key).cloned()) {
-                return Ok(t);
-            }
+        if let Some(t) = self.kept(&key) {
+            return Ok(t);
         }
         if !self.device.is_cpu() && !cheat {
             if let Some(mut t) = self.decode_on_device(name)? {
@@ -853,10 +938,8 @@ impl Weights {
                 if transpose {
                     t = t.t()?.contiguous()?;
                 }
-                if self.residency == Residency::Resident {
-                    if let Ok(mut m) = self.resident.write() {
-                        m.insert(key, t.clone());
-                    }
+                if keep {
+                    self.keep(key, &t);
                 }
                 return Ok(t);
             }
@@ -876,10 +959,8 @@ impl Weights {
         if transpose {
             t = t.t()?.contiguous()?;
         }
-        if self.residency == Residency::Resident {
-            if let Ok(mut m) = self.resident.write() {
-                m.insert(key, t.clone());
-            }
+        if keep {
+            self.keep(key, &t);
         }
         Ok(t)
     }
@@ -998,9 +1079,21 @@ impl Weights {
             // A bf16 model's product: bf16 operands (`x` is a bf16 activation, the weight its
             // bf16 value), f32 accumulation, the output rounded once (cuBLAS with
             // CUBLAS_COMPUTE_32F, candle's default), on the tensor cores.
+            // Under [`Residency::Resident`] the bf16 weight itself is kept (2 bytes per
+            // parameter), not its f32 decode.
             use candle_core::DType as C;
-            let w = self.get_as(&name, Some(&[out, inp]), true, false, compute)?;
-            let y = x.to_dtype(C::BF16)?.matmul(&w.to_dtype(C::BF16)?.t()?)?;
+            let key = format!("{name}#bf16-held");
+            let w = match self.kept(&key) {
+                Some(w) => w,
+                None => {
+                    let w = self
+                        .get_kept(&name, Some(&[out, inp]), true, false, compute, false)?
+                        .to_dtype(C::BF16)?;
+                    self.keep(key, &w);
+                    w
+                }
+            };
+            let y = x.to_dtype(C::BF16)?.matmul(&w.t()?)?;
             return Ok(y.to_dtype(C::F32)?);
         }
         if self.residency == Residency::Resident
