@@ -663,7 +663,10 @@ impl Weights {
         if let Some(t) = key.as_deref().and_then(|k| self.kept(k)) {
             return Ok(t);
         }
-        let t = self.stack_fresh(names, out, inp, compute, key.is_none())?;
+        // Parts decoded one by one (NVFP4 and the like) are kept only on the CPU: on a GPU
+        // an f32 copy of every expert would not fit beside the kept bf16 stacks.
+        let keep_parts = key.is_none() && self.device.is_cpu();
+        let t = self.stack_fresh(names, out, inp, compute, keep_parts)?;
         if let Some(k) = key {
             self.keep(k, &t);
         }
