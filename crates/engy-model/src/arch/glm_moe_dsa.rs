@@ -55,7 +55,7 @@ use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
     Weights,
 };
-use crate::device::{count_host_step, HostStep};
+use crate::device::{count_host_step, phase, HostStep};
 use crate::{Compute, ModelError};
 
 /// Epsilon of the MLA latent RMSNorms (`DeepseekV3RMSNorm(q_lora_rank)` and
@@ -765,12 +765,35 @@ impl GlmMoeDsa {
         }
     }
 
-    fn linear_b(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-        let y = linear_t(x, w)?;
-        match b {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
+    /// `x · Wᵀ` (+ the bias `<module>.bias` when the config has attention biases) for the
+    /// projection `module` `[out, inp]`. On a GPU, without a bias, through
+    /// [`Weights::linear_in`] (a bf16 recompute multiplies bf16 operands with f32 accumulation
+    /// and rounds once, as the serve's bf16 `nn.Linear`); otherwise the f32 product of the
+    /// weight as the recompute holds it, unrounded.
+    fn proj(
+        &self,
+        module: &str,
+        x: &Tensor,
+        out: usize,
+        inp: usize,
+        biased: bool,
+    ) -> Result<Tensor, ModelError> {
+        let cm = self.compute;
+        let b = if biased {
+            self.bias(&format!("{module}.bias"), out)?
+        } else {
+            None
+        };
+        // A bias is added to the unrounded product (the serve's GEMM epilogue), so a biased
+        // projection keeps the f32 product on every device.
+        if let (None, false) = (&b, x.device().is_cpu()) {
+            return self.w.linear_in(module, x, out, inp, cm);
         }
+        let y = linear_t(x, &self.w.projection_t_in(module, out, inp, cm)?)?;
+        Ok(match b {
+            Some(b) => y.broadcast_add(&b)?,
+            None => y,
+        })
     }
 
     /// [`Architecture::forward`] that also records each layer's expert choices and attended
@@ -815,24 +838,29 @@ impl GlmMoeDsa {
             let p = format!("model.layers.{l}");
             let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
             let h = ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?;
-            let (attn, layer_cache, sel) =
-                self.attention(l, &p, &h, off, &cache.layers[l].0, selection.take())?;
+            let dev = h.device().clone();
+            let prev = selection.take();
+            let (attn, layer_cache, sel) = phase(&dev, "mla attention", || {
+                self.attention(l, &p, &h, off, &cache.layers[l].0, prev)
+            })?;
             probe.push_attended(l, off, &sel);
             x = cm.round((x + attn)?)?;
             let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
             let h2 = ops::rms_norm_in(&x, &ln2, c.rms_norm_eps, cm)?;
             let (mlp, experts) = if c.sparse_mlp[l] {
-                let (y, e) = self.moe(l, &p, &h2, off, probe)?;
+                let (y, e) = phase(&dev, "moe", || self.moe(l, &p, &h2, off, probe))?;
                 (y, Some(e))
             } else {
-                let y = ops::swiglu_in(
-                    &self.w,
-                    &format!("{p}.mlp"),
-                    &h2,
-                    hd,
-                    c.intermediate_size,
-                    cm,
-                )?;
+                let y = phase(&dev, "dense mlp", || {
+                    ops::swiglu_in(
+                        &self.w,
+                        &format!("{p}.mlp"),
+                        &h2,
+                        hd,
+                        c.intermediate_size,
+                        cm,
+                    )
+                })?;
                 (y, None)
             };
             x = cm.round((x + mlp)?)?;
@@ -918,21 +946,14 @@ impl GlmMoeDsa {
             return Err(cfg_err("glm_moe_dsa: the cache does not match its length"));
         }
         // Query latent and queries [nh, t, dqk].
-        let q_a = self
-            .w
-            .projection_t_in(&format!("{a}.q_a_proj"), qr, hd, cm)?;
-        let q_a_b = self.bias(&format!("{a}.q_a_proj.bias"), qr)?;
         let q_resid = ops::rms_norm_in(
-            &cm.round(Self::linear_b(h, &q_a, q_a_b.as_ref())?)?,
+            &cm.round(self.proj(&format!("{a}.q_a_proj"), h, qr, hd, true)?)?,
             &self.norm(&format!("{a}.q_a_layernorm.weight"), qr)?,
             LATENT_NORM_EPS,
             cm,
         )?;
-        let q_b = self
-            .w
-            .projection_t_in(&format!("{a}.q_b_proj"), nh * dqk, qr, cm)?;
         let mut q = cm
-            .round(linear_t(&q_resid, &q_b)?)?
+            .round(self.proj(&format!("{a}.q_b_proj"), &q_resid, nh * dqk, qr, false)?)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         count_host_step(&dev, HostStep::Rope);
@@ -941,11 +962,8 @@ impl GlmMoeDsa {
             .transpose(0, 1)?
             .contiguous()?;
         // Keys [nkv, t, dqk] (one rope head shared by all) and values [nkv, t, dv].
-        let kv_a = self
-            .w
-            .projection_t_in(&format!("{a}.kv_a_proj_with_mqa"), kvr + dr, hd, cm)?;
-        let kv_a_b = self.bias(&format!("{a}.kv_a_proj_with_mqa.bias"), kvr + dr)?;
-        let ckv = cm.round(Self::linear_b(h, &kv_a, kv_a_b.as_ref())?)?;
+        let ckv =
+            cm.round(self.proj(&format!("{a}.kv_a_proj_with_mqa"), h, kvr + dr, hd, true)?)?;
         let latent = ops::rms_norm_in(
             &ckv.narrow(1, 0, kvr)?,
             &self.norm(&format!("{a}.kv_a_layernorm.weight"), kvr)?,
@@ -959,11 +977,14 @@ impl GlmMoeDsa {
             .to_vec1::<f32>()?;
         rope_inplace(&self.inv_freq, &mut k_rot, 1, dr, 0, off, cm);
         let k_rot = Tensor::from_vec(k_rot, (1, t, dr), &dev)?;
-        let kv_b = self
-            .w
-            .projection_t_in(&format!("{a}.kv_b_proj"), nkv * (dn + dv), kvr, cm)?;
         let kv = cm
-            .round(linear_t(&latent, &kv_b)?)?
+            .round(self.proj(
+                &format!("{a}.kv_b_proj"),
+                &latent,
+                nkv * (dn + dv),
+                kvr,
+                false,
+            )?)?
             .reshape((t, nkv, dn + dv))?
             .transpose(0, 1)?; // [nkv, t, dn + dv]
         let k_new = Tensor::cat(
@@ -981,7 +1002,9 @@ impl GlmMoeDsa {
         // DSA selection.
         let (sel, index_k) = match c.indexer_types[l] {
             IndexerType::Full => {
-                let (sel, ik) = self.indexer(&a, h, &q_resid, off, past_ik)?;
+                let (sel, ik) = phase(h.device(), "mla attention: dsa indexer", || {
+                    self.indexer(&a, h, &q_resid, off, past_ik)
+                })?;
                 (sel, Some(ik))
             }
             IndexerType::Shared => match prev_sel {
@@ -1017,11 +1040,7 @@ impl GlmMoeDsa {
             )?);
         }
         let y = cm.round(Tensor::cat(&ys, 0)?)?; // [t, nh * dv]
-        let o = self
-            .w
-            .projection_t_in(&format!("{a}.o_proj"), hd, nh * dv, cm)?;
-        let o_b = self.bias(&format!("{a}.o_proj.bias"), hd)?;
-        let out = cm.round(Self::linear_b(&y, &o, o_b.as_ref())?)?;
+        let out = cm.round(self.proj(&format!("{a}.o_proj"), &y, hd, nh * dv, true)?)?;
         let mut lc = vec![k_all, v_all];
         if let Some(ik) = index_k {
             lc.push(ik);
@@ -1052,19 +1071,15 @@ impl GlmMoeDsa {
         );
         let cm = self.compute;
         let ix = format!("{a}.indexer");
-        let wq = self
-            .w
-            .projection_t_in(&format!("{ix}.wq_b"), ni * di, qr, cm)?;
         let mut qi = cm
-            .round(linear_t(q_resid, &wq)?)?
+            .round(self.proj(&format!("{ix}.wq_b"), q_resid, ni * di, qr, false)?)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         rope_inplace(&self.inv_freq, &mut qi, ni, di, 0, off, cm);
         let qi = Tensor::from_vec(qi, (t, ni, di), &dev)?;
-        let wk = self.w.projection_t_in(&format!("{ix}.wk"), di, hd, cm)?;
         // torch's LayerNorm on a bf16 input computes in f32 and rounds its output once.
         let ki = cm.round(ops::layer_norm(
-            &cm.round(linear_t(h, &wk)?)?,
+            &cm.round(self.proj(&format!("{ix}.wk"), h, di, hd, false)?)?,
             &self.norm(&format!("{ix}.k_norm.weight"), di)?,
             &self.norm(&format!("{ix}.k_norm.bias"), di)?,
             INDEXER_NORM_EPS,
@@ -1103,8 +1118,10 @@ impl GlmMoeDsa {
                 .squeeze(1)?;
             index.extend(rows.to_vec2::<f32>()?);
         }
+        // Row by row in parallel: 4,096 rows of 4,096 keys take about a second on one core.
+        use rayon::prelude::*;
         let sel = index
-            .iter()
+            .par_iter()
             .enumerate()
             .map(|(r, row)| {
                 // Keys after the query are masked (finfo.min): a query with no more than

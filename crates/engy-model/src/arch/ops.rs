@@ -356,14 +356,23 @@ pub fn topk_indices(row: &[f32], k: usize) -> Vec<usize> {
 
 /// [`topk_indices`] with equal values taken in `ties` order.
 pub fn topk_indices_ordered(row: &[f32], k: usize, ties: TieOrder) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..row.len()).collect();
-    idx.sort_by(|&a, &b| {
+    // A strict total order (value, then index), so selecting the first `k` and sorting them
+    // gives exactly the first `k` of a full sort.
+    let order = |&a: &usize, &b: &usize| {
         row[b].total_cmp(&row[a]).then(match ties {
             TieOrder::LowerFirst => a.cmp(&b),
             TieOrder::HigherFirst => b.cmp(&a),
         })
-    });
-    idx.truncate(k);
+    };
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_by(order);
     idx
 }
 
@@ -717,6 +726,37 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The selected top-k is the first `k` of the whole row sorted by (value, tie order):
+    /// rows full of ties, a NaN, every `k` from 0 past the row's length, both tie orders.
+    #[test]
+    fn the_selected_topk_is_the_full_sort_prefix() {
+        for n in [1usize, 2, 7, 64, 300] {
+            let mut row: Vec<f32> = (0..n)
+                .map(|i| ((i * i * 7 + 3) % 11) as f32 / 4.0)
+                .collect();
+            if n > 5 {
+                row[5] = f32::NAN;
+            }
+            for ties in [TieOrder::LowerFirst, TieOrder::HigherFirst] {
+                let mut all: Vec<usize> = (0..n).collect();
+                all.sort_by(|&a, &b| {
+                    row[b].total_cmp(&row[a]).then(match ties {
+                        TieOrder::LowerFirst => a.cmp(&b),
+                        TieOrder::HigherFirst => b.cmp(&a),
+                    })
+                });
+                for k in 0..=n + 2 {
+                    let want = &all[..k.min(n)];
+                    assert_eq!(
+                        topk_indices_ordered(&row, k, ties),
+                        want,
+                        "n {n} k {k} {ties:?}"
+                    );
+                }
+            }
+        }
+    }
 
     /// `torch.tensor(v).topk(k).indices` (torch 2.15, CPU) for
     /// `v[i] = [0.25, 0.5, 0.75, 1.0, 1.5][(7i² + 3i + 1) % 5]`: rows full of exact ties, through
