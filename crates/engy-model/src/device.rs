@@ -101,7 +101,9 @@ pub enum HostStep {
     Routing,
     /// The DSA indexer's per-query top-k of key positions and the mask built from it.
     DsaTopK,
-    /// GLM's interleaved rotary embedding of MLA and indexer queries/keys.
+    /// GLM's interleaved rotary embedding of MLA and indexer queries/keys on the host. A GPU
+    /// pass now rotates on the device (`glm_moe_dsa::rope_tensor`), so it stays 0 there; kept
+    /// so that reports and the counters' order do not change.
     Rope,
 }
 

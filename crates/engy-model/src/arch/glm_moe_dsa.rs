@@ -526,6 +526,58 @@ fn rope_inplace(
     }
 }
 
+/// [`rope_inplace`] as tensor operations on `x` `[t, heads, stride]` (row `r` at position
+/// `pos0 + r`), for a tensor on a GPU: the same angles, taken on the host in f32 as
+/// [`rope_inplace`] takes them (`[t, d/2]` cos and sin, copied up), and the same products and
+/// roundings, so the values are the host's exactly.
+///
+/// # Errors
+/// Candle errors when the rope slice does not fit in `stride`.
+fn rope_tensor(
+    inv_freq: &[f32],
+    x: &Tensor,
+    start: usize,
+    pos0: usize,
+    c: Compute,
+) -> Result<Tensor, ModelError> {
+    let (t, heads, stride) = x.dims3()?;
+    let half = inv_freq.len();
+    let dev = x.device();
+    let mut cos = Vec::with_capacity(t * half);
+    let mut sin = Vec::with_capacity(t * half);
+    for r in 0..t {
+        let p = (pos0 + r) as f32;
+        for f in inv_freq {
+            let (s, co) = (p * f).sin_cos();
+            sin.push(c.round_f32(s));
+            cos.push(c.round_f32(co));
+        }
+    }
+    let cos = Tensor::from_vec(cos, (t, 1, half), dev)?;
+    let sin = Tensor::from_vec(sin, (t, 1, half), dev)?;
+    // De-interleave: pair i is (x[start + 2i], x[start + 2i + 1]).
+    let pairs = x
+        .narrow(2, start, 2 * half)?
+        .contiguous()?
+        .reshape((t, heads, half, 2))?;
+    let even = pairs.narrow(3, 0, 1)?.squeeze(3)?;
+    let odd = pairs.narrow(3, 1, 1)?.squeeze(3)?;
+    let turn = |a: &Tensor, b: &Tensor| c.round(a.broadcast_mul(b)?);
+    let first = c.round((turn(&even, &cos)? - turn(&odd, &sin)?)?)?;
+    let second = c.round((turn(&odd, &cos)? + turn(&even, &sin)?)?)?;
+    let mut parts = Vec::with_capacity(4);
+    if start > 0 {
+        parts.push(x.narrow(2, 0, start)?);
+    }
+    parts.push(first);
+    parts.push(second);
+    let end = start + 2 * half;
+    if end < stride {
+        parts.push(x.narrow(2, end, stride - end)?);
+    }
+    Ok(Tensor::cat(&parts, 2)?)
+}
+
 /// The routing rule of one token (transformers' `route_tokens_to_experts`), scoring half:
 /// `s = sigmoid(logits)` and the choice scores `s + bias`; with `n_group > 1` only the
 /// `topk_group` groups with the largest sum of their top-2 choices compete (the others' choice
@@ -765,6 +817,37 @@ impl GlmMoeDsa {
         }
     }
 
+    /// [`rope_inplace`] on the rows of `x` (`[t, heads · stride]`, position `pos0 + r` for row
+    /// `r`), returned as `[t, heads, stride]`: on the host for a CPU tensor ([`HostStep::Rope`]
+    /// counts it), else by [`rope_tensor`] on the device, with the same values.
+    fn rope(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        stride: usize,
+        start: usize,
+        pos0: usize,
+    ) -> Result<Tensor, ModelError> {
+        let t = x.dim(0)?;
+        let dev = x.device();
+        if !dev.is_cpu() {
+            let x = x.reshape((t, heads, stride))?;
+            return rope_tensor(&self.inv_freq, &x, start, pos0, self.compute);
+        }
+        count_host_step(dev, HostStep::Rope);
+        let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+        rope_inplace(
+            &self.inv_freq,
+            &mut v,
+            heads,
+            stride,
+            start,
+            pos0,
+            self.compute,
+        );
+        Ok(Tensor::from_vec(v, (t, heads, stride), dev)?)
+    }
+
     /// `x · Wᵀ` (+ the bias `<module>.bias` when the config has attention biases) for the
     /// projection `module` `[out, inp]`. On a GPU, without a bias, through
     /// [`Weights::linear_in`] (a bf16 recompute multiplies bf16 operands with f32 accumulation
@@ -952,13 +1035,9 @@ impl GlmMoeDsa {
             LATENT_NORM_EPS,
             cm,
         )?;
-        let mut q = cm
-            .round(self.proj(&format!("{a}.q_b_proj"), &q_resid, nh * dqk, qr, false)?)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        count_host_step(&dev, HostStep::Rope);
-        rope_inplace(&self.inv_freq, &mut q, nh, dqk, dn, off, cm);
-        let q = Tensor::from_vec(q, (t, nh, dqk), &dev)?
+        let q = cm.round(self.proj(&format!("{a}.q_b_proj"), &q_resid, nh * dqk, qr, false)?)?;
+        let q = self
+            .rope(&q, nh, dqk, dn, off)?
             .transpose(0, 1)?
             .contiguous()?;
         // Keys [nkv, t, dqk] (one rope head shared by all) and values [nkv, t, dv].
@@ -970,13 +1049,9 @@ impl GlmMoeDsa {
             LATENT_NORM_EPS,
             cm,
         )?;
-        let mut k_rot = ckv
-            .narrow(1, kvr, dr)?
-            .contiguous()?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut k_rot, 1, dr, 0, off, cm);
-        let k_rot = Tensor::from_vec(k_rot, (1, t, dr), &dev)?;
+        let k_rot = self
+            .rope(&ckv.narrow(1, kvr, dr)?.contiguous()?, 1, dr, 0, off)?
+            .reshape((1, t, dr))?;
         let kv = cm
             .round(self.proj(
                 &format!("{a}.kv_b_proj"),
@@ -1060,7 +1135,6 @@ impl GlmMoeDsa {
         past: Option<&Tensor>,
     ) -> Result<(Vec<Vec<usize>>, Tensor), ModelError> {
         let c = &self.cfg;
-        let dev = h.device().clone();
         let t = h.dim(0)?;
         let total = off + t;
         let (hd, ni, di, qr) = (
@@ -1071,12 +1145,8 @@ impl GlmMoeDsa {
         );
         let cm = self.compute;
         let ix = format!("{a}.indexer");
-        let mut qi = cm
-            .round(self.proj(&format!("{ix}.wq_b"), q_resid, ni * di, qr, false)?)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut qi, ni, di, 0, off, cm);
-        let qi = Tensor::from_vec(qi, (t, ni, di), &dev)?;
+        let qi = cm.round(self.proj(&format!("{ix}.wq_b"), q_resid, ni * di, qr, false)?)?;
+        let qi = self.rope(&qi, ni, di, 0, off)?;
         // torch's LayerNorm on a bf16 input computes in f32 and rounds its output once.
         let ki = cm.round(ops::layer_norm(
             &cm.round(self.proj(&format!("{ix}.wk"), h, di, hd, false)?)?,
@@ -1084,9 +1154,7 @@ impl GlmMoeDsa {
             &self.norm(&format!("{ix}.k_norm.bias"), di)?,
             INDEXER_NORM_EPS,
         )?)?;
-        let mut ki = ki.flatten_all()?.to_vec1::<f32>()?;
-        rope_inplace(&self.inv_freq, &mut ki, 1, di, 0, off, cm);
-        let ki = Tensor::from_vec(ki, (t, di), &dev)?;
+        let ki = self.rope(&ki, 1, di, 0, off)?.reshape((t, di))?;
         let ki_all = match past {
             Some(old) => Tensor::cat(&[old, &ki], 0)?,
             None => ki,
@@ -1345,6 +1413,33 @@ mod tests {
         let mut j = tiny_json();
         j["indexer_types"] = serde_json::json!(["full", "sparse", "full", "full"]);
         assert!(GlmMoeDsaConfig::from_json(&j).is_err());
+    }
+
+    /// The device rope (tensor operations, here on the CPU backend) is the host rope exactly:
+    /// a rope slice inside the head (values before and after it), several heads, a position
+    /// offset, f32 and bf16 roundings.
+    #[test]
+    fn the_tensor_rope_is_the_host_rope() {
+        let f = inv_freq(1e4, 4);
+        let (t, heads, stride, start, pos0) = (5, 3, 7, 2, 11);
+        let x: Vec<f32> = (0..t * heads * stride)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 3.0)
+            .collect();
+        for c in [Compute::F32, Compute::Bf16] {
+            let x: Vec<f32> = x.iter().map(|v| c.round_f32(*v)).collect();
+            let mut want = x.clone();
+            rope_inplace(&f, &mut want, heads, stride, start, pos0, c);
+            let dev = candle_core::Device::Cpu;
+            let xt = Tensor::from_vec(x.clone(), (t, heads, stride), &dev).unwrap();
+            let got = rope_tensor(&f, &xt, start, pos0, c)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(got, want, "{c:?}");
+            assert_ne!(got, x, "the rope changed nothing");
+        }
     }
 
     #[test]
