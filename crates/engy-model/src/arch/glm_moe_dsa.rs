@@ -575,7 +575,9 @@ fn rope_tensor(
     if end < stride {
         parts.push(x.narrow(2, end, stride - end)?);
     }
-    Ok(Tensor::cat(&parts, 2)?)
+    // candle concatenates along a later dimension through a transposed view: made
+    // contiguous, as the products that read it on a GPU require.
+    Ok(Tensor::cat(&parts, 2)?.contiguous()?)
 }
 
 /// The routing rule of one token (transformers' `route_tokens_to_experts`), scoring half:
@@ -1431,12 +1433,10 @@ mod tests {
             rope_inplace(&f, &mut want, heads, stride, start, pos0, c);
             let dev = candle_core::Device::Cpu;
             let xt = Tensor::from_vec(x.clone(), (t, heads, stride), &dev).unwrap();
-            let got = rope_tensor(&f, &xt, start, pos0, c)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let got = rope_tensor(&f, &xt, start, pos0, c).unwrap();
+            // A GPU matmul takes contiguous operands only.
+            assert!(got.is_contiguous(), "{c:?}: {:?}", got.layout());
+            let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(got, want, "{c:?}");
             assert_ne!(got, x, "the rope changed nothing");
         }
