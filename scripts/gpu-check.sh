@@ -146,10 +146,13 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
   res_mem="$(cat "$work/peak")"
   ENGY_PROFILE=1 "${audit[@]}" "${twice[@]}" --resident >/dev/null 2>"$work/$arch-engy-resident-profile.err"
   sed 's/^/   resident profiled run: /' "$work/$arch-engy-resident-profile.err"
-  # The experts' padded batched products instead of the grouped GEMM, for comparison.
-  ENGY_PROFILE=1 ENGY_GROUPED_GEMM=0 "${audit[@]}" "${twice[@]}" --resident \
-    >/dev/null 2>"$work/$arch-engy-resident-padded.err"
-  sed 's/^/   resident profiled run, ENGY_GROUPED_GEMM=0: /' "$work/$arch-engy-resident-padded.err"
+  # The experts' padded batched products instead of the grouped GEMM, for comparison
+  # (ENGY_GPU_BENCH_PADDED=0 skips it).
+  if [ "${ENGY_GPU_BENCH_PADDED:-1}" != 0 ]; then
+    ENGY_PROFILE=1 ENGY_GROUPED_GEMM=0 "${audit[@]}" "${twice[@]}" --resident \
+      >/dev/null 2>"$work/$arch-engy-resident-padded.err"
+    sed 's/^/   resident profiled run, ENGY_GROUPED_GEMM=0: /' "$work/$arch-engy-resident-padded.err"
+  fi
   peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" \
     >"$work/$arch-tf.json" 2>"$work/$arch-tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
