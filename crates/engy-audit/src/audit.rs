@@ -118,8 +118,37 @@ const EXIT_ERROR: u8 = 3;
 
 /// Runs `engy-audit audit` (exit codes in the module docs).
 pub fn main(args: &AuditArgs) -> ExitCode {
-    let ready = check_args(args).and_then(|params| Ok((params, open_model(args)?)));
-    let (params, (model, model_root)) = match ready {
+    let several = args.commitment.len() > 1;
+    let failed = |path: &std::path::Path, e: &anyhow::Error| {
+        let what = if several {
+            format!("{}: ", path.display())
+        } else {
+            String::new()
+        };
+        eprintln!("engy-audit audit: error: {what}{e:#}");
+        eprintln!("no verdict: fix the input above and run the audit again");
+    };
+    // Every commitment is read before the checkpoint is opened (which may decode all of it):
+    // a wrong path fails at once.
+    let params = match check_args(args) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("engy-audit audit: error: {e:#}");
+            eprintln!("no verdict: fix the input above and run the audit again");
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
+    let texts: Vec<anyhow::Result<String>> =
+        args.commitment.iter().map(|p| read_commitment(p)).collect();
+    if texts.iter().all(|t| t.is_err()) {
+        for (path, text) in args.commitment.iter().zip(&texts) {
+            if let Err(e) = text {
+                failed(path, e);
+            }
+        }
+        return ExitCode::from(EXIT_ERROR);
+    }
+    let (model, model_root) = match open_model(args) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("engy-audit audit: error: {e:#}");
@@ -127,19 +156,16 @@ pub fn main(args: &AuditArgs) -> ExitCode {
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    let several = args.commitment.len() > 1;
     let mut codes = Vec::with_capacity(args.commitment.len());
-    for path in &args.commitment {
-        let report = match audit_one(args, &model, &model_root, &params, path) {
+    for (path, text) in args.commitment.iter().zip(&texts) {
+        let report = match text
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{e:#}"))
+            .and_then(|text| audit_one(args, &model, &model_root, &params, path, text))
+        {
             Ok(report) => report,
             Err(e) => {
-                let what = if several {
-                    format!("{}: ", path.display())
-                } else {
-                    String::new()
-                };
-                eprintln!("engy-audit audit: error: {what}{e:#}");
-                eprintln!("no verdict: fix the input above and run the audit again");
+                failed(path, &e);
                 codes.push(EXIT_ERROR);
                 continue;
             }
@@ -246,20 +272,25 @@ fn open_model(args: &AuditArgs) -> anyhow::Result<(Model, String)> {
     Ok((model, model_root))
 }
 
-/// Audits the commitment at `path` (`-`: standard input).
+/// The text of the commitment file `path` (`-`: standard input).
+fn read_commitment(path: &std::path::Path) -> anyhow::Result<String> {
+    if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    }
+}
+
+/// Audits the commitment `text` read from `path`.
 fn audit_one(
     args: &AuditArgs,
     model: &Model,
     model_root: &str,
     params: &AuditParams,
     path: &std::path::Path,
+    text: &str,
 ) -> anyhow::Result<AuditReport> {
-    let text = if path.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")?
-    } else {
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
-    };
-    let value: serde_json::Value = match serde_json::from_str(&text) {
+    let value: serde_json::Value = match serde_json::from_str(text) {
         Ok(v) => v,
         // Not JSON at all: the commitment is unproven, the audit itself worked.
         Err(e) => {

@@ -196,6 +196,28 @@ fn several_commitments_are_audited_in_one_run() {
     assert_eq!(code, 3);
 }
 
+/// The commitment files are read before the checkpoint is opened (which may decode all of
+/// it): a wrong commitment path is the error reported, even beside a wrong checkpoint.
+#[test]
+fn an_unreadable_commitment_fails_before_the_checkpoint_is_opened() {
+    let t = tempfile::tempdir().unwrap();
+    let gone = t.path().join("gone.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .args(["audit", "--checkpoint"])
+        .arg(t.path().join("no-checkpoint"))
+        .arg("--commitment")
+        .arg(&gone)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains(&format!("reading {}", gone.display())),
+        "{err}"
+    );
+    assert!(!err.contains("opening checkpoint"), "{err}");
+}
+
 /// A seed-3 devnet checkpoint, its honest greedy commitment for a short chat prompt, and the
 /// model it came from.
 fn honest_commitment(dir: &Path) -> (Checkpoint, Vec<u32>, serde_json::Value) {
