@@ -82,7 +82,8 @@ pub(crate) struct Cur<S> {
     /// Absolute offset of `b[0]` in the reply.
     pub(crate) base: usize,
     pub(crate) eof: bool,
-    /// Absolute offset past which no more input is read ([`ScanError::TooLarge`]).
+    /// Absolute offset past which a scanned value is too long ([`ScanError::TooLarge`]);
+    /// no input is read a [`LOOKAHEAD`] past it.
     pub(crate) limit: usize,
     pub(crate) cap: usize,
     /// SSE: `\n` ends the event, so it is not JSON whitespace here.
@@ -125,6 +126,20 @@ impl<S: ReplySource> Cur<S> {
         }
     }
 
+    /// [`ScanError::TooLarge`] when a value scanned to the absolute offset `end` (exclusive)
+    /// ends past the limit. [`Self::fill`] refuses to read once the buffer is past the
+    /// limit, but the read that carries a reply past it may be its last (the tail of a body,
+    /// or a whole body or several events in one read): the end of each scanned value is
+    /// checked here as well, so whether a reply is refused never depends on how its bytes
+    /// were split into reads.
+    pub(crate) fn within_limit(&self, end: usize) -> Result<(), ScanError> {
+        if end > self.limit {
+            Err(ScanError::TooLarge { cap: self.cap })
+        } else {
+            Ok(())
+        }
+    }
+
     /// Drop the read bytes and append more from the source. False at the end of input.
     pub(crate) async fn fill(&mut self) -> Result<bool, ScanError> {
         if self.eof {
@@ -135,7 +150,10 @@ impl<S: ReplySource> Cur<S> {
             self.base += self.i;
             self.i = 0;
         }
-        if self.base + self.b.len() > self.limit {
+        // Reading stops a lookahead past the limit (memory stays bounded by the cap), and
+        // never sooner: a value that ends within the limit may need a lookahead past its
+        // end (a number's, or the start of the next SSE event's line) to be scanned.
+        if self.base + self.b.len() > self.limit.saturating_add(LOOKAHEAD) {
             return Err(ScanError::TooLarge { cap: self.cap });
         }
         let before = self.b.len();
@@ -212,20 +230,22 @@ impl<S: ReplySource> Cur<S> {
         }
     }
 
-    /// Skip to the end of the line, which must end (before blanks) with `}` or `]`.
+    /// Skip to the end of the line, which must end (before blanks) with `}` or `]`, and
+    /// that end must be within the limit ([`Self::within_limit`]).
     pub(crate) async fn skip_line_ending_in_close(&mut self) -> Result<(), ScanError> {
         let mut last: Option<u8> = None;
+        let mut last_end = self.pos();
         loop {
             let (line, done) = match memchr::memchr(b'\n', self.rest()) {
                 Some(k) => (self.rest().get(..k).unwrap_or(&[]), Some(k)),
                 None => (self.rest(), None),
             };
-            if let Some(b) = line
+            if let Some(j) = line
                 .iter()
-                .rev()
-                .find(|b| !matches!(b, b' ' | b'\t' | b'\r'))
+                .rposition(|b| !matches!(b, b' ' | b'\t' | b'\r'))
             {
-                last = Some(*b);
+                last = line.get(j).copied();
+                last_end = self.pos() + j + 1;
             }
             match done {
                 Some(k) => {
@@ -241,7 +261,7 @@ impl<S: ReplySource> Cur<S> {
             }
         }
         if matches!(last, Some(b'}' | b']')) {
-            Ok(())
+            self.within_limit(last_end)
         } else {
             Err(self.err("the end of the event after its JSON value"))
         }

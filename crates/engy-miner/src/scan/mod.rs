@@ -233,8 +233,10 @@ pub fn scan_reply(b: &[u8], hidden: HiddenMode, want_text: bool) -> Result<Reply
 }
 
 /// Scan a non-stream reply as its bytes arrive from `src`, handing kept rows to `sink`
-/// ([`Rows::bits`] stays empty). At most `cap` bytes are read. Memory: a window of a few
-/// KiB plus the strings picked out (`text`, rid) and the output ids; never the body.
+/// ([`Rows::bits`] stays empty). A reply longer than `cap` bytes is refused, however its
+/// bytes are split into reads; no read is made once `cap` bytes are buffered, so at most
+/// `cap` plus one read is held. Memory: a window of a few KiB plus the strings picked out
+/// (`text`, rid) and the output ids; never the body.
 ///
 /// # Errors
 /// [`ScanError`] on malformed JSON, non-numeric hidden values, a reply over `cap`
@@ -247,7 +249,9 @@ pub async fn scan_reply_from<S: ReplySource>(
     sink: &mut dyn RowSink,
 ) -> Result<Reply, ScanError> {
     let mut c = Cur::new(src, cap);
-    scan_one(&mut c, hidden, want_text, sink).await
+    let r = scan_one(&mut c, hidden, want_text, sink).await?;
+    c.within_limit(c.pos())?;
+    Ok(r)
 }
 
 async fn scan_one<S: ReplySource>(
@@ -759,18 +763,35 @@ mod tests {
     #[test]
     fn the_cap_and_a_broken_source_are_errors() {
         let mut sink = DropRows;
+        // However the bytes arrive: a body whose last read carries it past the cap (and
+        // the whole body in one read) is refused as well as one that needs a read after.
+        for step in [1, 7, 64, 99, 100, 101, EXAMPLE.len()] {
+            let src = Drip {
+                rest: EXAMPLE.as_bytes(),
+                step,
+            };
+            let r = run_ready(scan_reply_from(
+                src,
+                HiddenMode::Always,
+                false,
+                100,
+                &mut sink,
+            ));
+            assert_eq!(r, Err(ScanError::TooLarge { cap: 100 }), "step {step}");
+        }
+        // Exactly at the cap is not over it.
         let src = Drip {
             rest: EXAMPLE.as_bytes(),
-            step: 7,
+            step: EXAMPLE.len(),
         };
         let r = run_ready(scan_reply_from(
             src,
             HiddenMode::Always,
             false,
-            100,
+            EXAMPLE.len(),
             &mut sink,
         ));
-        assert_eq!(r, Err(ScanError::TooLarge { cap: 100 }));
+        assert!(r.is_ok(), "{r:?}");
         struct Broken;
         impl ReplySource for Broken {
             async fn read_into(&mut self, buf: &mut Vec<u8>) -> Result<bool, ScanError> {
@@ -833,16 +854,39 @@ mod tests {
             run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows)),
             Err(ScanError::Malformed { .. })
         ));
-        // An event over the cap.
-        let src = Drip {
-            rest: stream.as_bytes(),
-            step: 16,
-        };
-        let mut rd = SseReader::new(src, 64);
-        assert_eq!(
-            run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows)),
-            Err(ScanError::TooLarge { cap: 64 })
-        );
+        // An event over the cap, however the bytes arrive (the whole stream in one read
+        // included).
+        for step in [1, 16, 64, stream.len()] {
+            let src = Drip {
+                rest: stream.as_bytes(),
+                step,
+            };
+            let mut rd = SseReader::new(src, 64);
+            assert_eq!(
+                run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows)),
+                Err(ScanError::TooLarge { cap: 64 }),
+                "step {step}"
+            );
+        }
+        // Each event is held to the cap on its own: a cap that fits the longer event lets
+        // both through, however many events one read carries.
+        let longest = stream
+            .lines()
+            .filter(|l| l.starts_with("data:"))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        for step in [1, 16, stream.len()] {
+            let src = Drip {
+                rest: stream.as_bytes(),
+                step,
+            };
+            let mut rd = SseReader::new(src, longest);
+            for _ in 0..2 {
+                let ev = run_ready(rd.next_event(HiddenMode::IfFinished, true, &mut DropRows));
+                assert!(matches!(ev, Ok(Some(_))), "step {step}: {ev:?}");
+            }
+        }
     }
 
     #[test]

@@ -10,7 +10,8 @@ pub struct SseReader<S> {
 }
 
 impl<S: ReplySource> SseReader<S> {
-    /// A reader over `src`; `cap` bounds each event's length in bytes.
+    /// A reader over `src`; `cap` bounds each event's length in bytes: from the start of
+    /// its `data:` line to the end of its JSON value.
     pub fn new(src: S, cap: usize) -> Self {
         let mut cur = Cur::new(src, cap);
         cur.line_mode = true;
@@ -64,6 +65,7 @@ impl<S: ReplySource> SseReader<S> {
                         if c.abandoned {
                             c.skip_line_ending_in_close().await?;
                         } else {
+                            c.within_limit(c.pos())?;
                             c.end_of_line().await?;
                         }
                         return Ok(Some(r));
