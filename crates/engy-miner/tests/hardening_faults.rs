@@ -473,8 +473,10 @@ async fn cancel_floods_duplicates_and_unknown_corr_ids_leave_no_stuck_slot() {
         .iter()
         .map(|l| l.id)
         .collect();
+    // 120 tokens at 20 ms: the cancelled calls are still generating when their cancels
+    // arrive, however slowly a loaded machine dispatches all eight.
     fx.sglang
-        .set_fault(Some(Fault::Slow(Duration::from_millis(5))));
+        .set_fault(Some(Fault::Slow(Duration::from_millis(20))));
     let reqs: Vec<(u64, String)> = (0..8)
         .map(|i| {
             fx.gw

@@ -360,7 +360,8 @@ async fn an_unreachable_chain_for_half_the_activity_cutoff_is_an_error() {
     let old = State {
         last_applied: Some(5),
         last_submit_block: Some(1000),
-        last_submit_ts: Some(now - 40_000),
+        // 3333 × 12 s: the tick reads ~3333 blocks as long as it runs within 11 s.
+        last_submit_ts: Some(now - 39_996),
         cached_weights: Some(weights()),
         cached_digest: None,
     };
