@@ -234,9 +234,9 @@ pub fn scan_reply(b: &[u8], hidden: HiddenMode, want_text: bool) -> Result<Reply
 
 /// Scan a non-stream reply as its bytes arrive from `src`, handing kept rows to `sink`
 /// ([`Rows::bits`] stays empty). A reply longer than `cap` bytes is refused, however its
-/// bytes are split into reads; no read is made once `cap` bytes are buffered, so at most
-/// `cap` plus one read is held. Memory: a window of a few KiB plus the strings picked out
-/// (`text`, rid) and the output ids; never the body.
+/// bytes are split into reads; no read is made once `cap` bytes and a number's lookahead
+/// (66 B) are buffered. Memory: the unread part of the last read plus the strings picked
+/// out (`text`, rid) and the output ids; never the body.
 ///
 /// # Errors
 /// [`ScanError`] on malformed JSON, non-numeric hidden values, a reply over `cap`
