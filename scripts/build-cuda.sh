@@ -5,6 +5,7 @@
 #   DIR/engy-audit        the auditor (`--device cuda`)
 #   DIR/arch_vectors      the architecture oracle test (ENGY_TEST_DEVICE=cuda)
 #   DIR/audit_oracle      the audit oracle test (ENGY_TEST_DEVICE=cuda)
+#   DIR/gpu_kernels       engy's own kernels against the unfused rules (ENGY_TEST_DEVICE=cuda)
 #   DIR/synth_checkpoint  writes the real-shape Qwen3.6 FP8 checkpoint for the benchmark
 # docs/AUDITOR.md "On a GPU" says how to run them. Binaries are stripped (they carry the
 # kernels' PTX); at run time they need only the NVIDIA driver and the CUDA 13 libraries
@@ -17,7 +18,7 @@ mkdir -p "$out"
 cargo build --release --locked -p engy-audit --features cuda
 cargo build --release --locked -p engy-model --example synth_checkpoint
 tests="$(cargo test --release --locked -p engy-model --features cuda \
-  --test arch_vectors --test audit_oracle --no-run 2>&1 | tee /dev/stderr \
+  --test arch_vectors --test audit_oracle --test gpu_kernels --no-run 2>&1 | tee /dev/stderr \
   | sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p')"
 target="${CARGO_TARGET_DIR:-target}"
 install -m 755 "$target/release/engy-audit" "$out/engy-audit"

@@ -9,7 +9,8 @@
 # --save-commitments BIN_DIR/devnet` kept, with the CPU verdicts in verdicts.tsv).
 # Steps (each prints a `== ` header and `-> ok|FAIL`; the exit code is 1 when any check
 # failed):
-#   1. the architecture oracle on the GPU (same tolerances as on the CPU);
+#   1. the architecture oracle on the GPU (same tolerances as on the CPU), and engy's own
+#      kernels (fused attention, the delta rule's chunk loop) against the unfused rules;
 #   2. the audit oracle on the GPU (honest serves pass, cheats are caught);
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
 #   4. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_QWEN=0): the side-by-side benchmark, a
@@ -55,6 +56,7 @@ export ENGY_TEST_DEVICE=cuda
 if [ "${ENGY_GPU_CHECKS:-1}" != 0 ]; then
 step "architecture oracle on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/arch_vectors" --nocapture --test-threads 1
+step "engy's kernels on cuda" "$bin/gpu_kernels" --nocapture --test-threads 1
 step "audit oracle on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
   "$bin/audit_oracle" --nocapture --test-threads 1

@@ -102,6 +102,18 @@ pub fn chunked(
     let value = by_chunk(value)?; // [n, h, c, dv]
     let k_cumdecay = by_chunk(k_cumdecay)?; // [n, h, c, dk]
 
+    // On a GPU, the loop as one kernel ([`chunk_loop`]).
+    let parts = ChunkParts {
+        value: &value,
+        k_cumdecay: &k_cumdecay,
+        q_dec: &q_dec,
+        attn: &attn,
+        k_dec_t: &k_dec_t,
+        last_decay: &last_decay,
+    };
+    if let Some((out, s)) = chunk_loop(&parts, state)? {
+        return Ok((out.narrow(1, 0, t)?, s));
+    }
     let mut s = state.contiguous()?;
     let mut outs = Vec::with_capacity(n);
     for i in 0..n {
@@ -112,6 +124,145 @@ pub fn chunked(
     }
     let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?;
     Ok((out, s))
+}
+
+/// What the chunk-to-chunk loop of [`chunked`] reads, chunk-major and contiguous: `value`
+/// `[n, h, c, dv]`, `k_cumdecay` and `q_dec` `[n, h, c, dk]`, `attn` `[n, h, c, c]`,
+/// `k_dec_t` `[n, h, dk, c]`, `last_decay` `[n, h, 1, 1]`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct ChunkParts<'a> {
+    value: &'a Tensor,
+    k_cumdecay: &'a Tensor,
+    q_dec: &'a Tensor,
+    attn: &'a Tensor,
+    k_dec_t: &'a Tensor,
+    last_decay: &'a Tensor,
+}
+
+/// Whether [`chunk_loop`] may be used: not turned off by `ENGY_FUSED_DELTA_RULE=0`.
+pub fn fused_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_FUSED_DELTA_RULE").map_or(true, |v| v != "0"))
+}
+
+/// The chunk-to-chunk loop of [`chunked`] as one kernel (`kernels/delta_rule.cu`) on a GPU:
+/// from `state` `[h, dk, dv]`, the outputs `[h, n·c, dv]` (padding included) and the state
+/// after the last chunk. The kernel keeps each head's state in shared memory, a block per
+/// head and 16 columns of the state (columns never mix), instead of a handful of kernels per
+/// chunk; sums run in another order than the matmuls', products and updates are the same.
+/// `None` on the CPU, in a build without the `cuda` feature, or with
+/// `ENGY_FUSED_DELTA_RULE=0`.
+fn chunk_loop(p: &ChunkParts<'_>, state: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+    if !fused_enabled() || state.device().is_cpu() {
+        return Ok(None);
+    }
+    cuda::chunk_loop(p, state)
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use super::*;
+
+    pub(super) fn chunk_loop(
+        _p: &ChunkParts<'_>,
+        _state: &Tensor,
+    ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, wrap};
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::Device;
+
+    const OP: &str = "delta rule chunks";
+    /// State columns per block (`COLS` in the kernel).
+    const COLS: usize = 16;
+    const THREADS: u32 = 256;
+
+    #[allow(unsafe_code)]
+    pub(super) fn chunk_loop(
+        p: &ChunkParts<'_>,
+        state: &Tensor,
+    ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        let Device::Cuda(cd) = state.device() else {
+            return Ok(None);
+        };
+        let (n, h, c, dv) = p.value.dims4()?;
+        let (h2, dk, dv2) = state.dims3()?;
+        let fits = h2 == h
+            && dv2 == dv
+            && p.k_cumdecay.dims() == [n, h, c, dk]
+            && p.q_dec.dims() == [n, h, c, dk]
+            && p.attn.dims() == [n, h, c, c]
+            && p.k_dec_t.dims() == [n, h, dk, c]
+            && p.last_decay.elem_count() == n * h;
+        if !fits {
+            candle_core::bail!("{OP}: the chunk tensors do not fit the state {:?}", state.dims());
+        }
+        let shared = (dk + c) * COLS * std::mem::size_of::<f32>();
+        if shared > 48 * 1024 {
+            // Past the default shared-memory window: the unfused loop runs instead.
+            return Ok(None);
+        }
+        let stream = cd.cuda_stream();
+        // SAFETY: `st` is filled from `state` right here; the kernel writes every element of
+        // `out` (every chunk's rows of every head, all `dv` columns across the blocks) before
+        // it is read.
+        let mut st = unsafe { alloc::<f32>(&stream, h * dk * dv)? };
+        let mut out = unsafe { alloc::<f32>(&stream, h * n * c * dv)? };
+        // The kernel updates the state in place: this call's own copy.
+        with_view::<f32, _>(state, DType::F32, |s0| {
+            stream
+                .memcpy_dtod(&s0, &mut st)
+                .map_err(|e| err(OP, "copying the state", e))
+        })?;
+        let func =
+            cd.get_or_load_custom_func("engy_delta_rule_chunks", "engy_delta_rule", kernels::DELTA_RULE)?;
+        let dims = [
+            u32_arg(OP, "chunks", n)?,
+            u32_arg(OP, "heads", h)?,
+            u32_arg(OP, "chunk size", c)?,
+            u32_arg(OP, "key width", dk)?,
+            u32_arg(OP, "value width", dv)?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (dims[1], u32_arg(OP, "column blocks", dv.div_ceil(COLS))?, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        let f32v = DType::F32;
+        with_view::<f32, _>(p.value, f32v, |value| {
+            with_view::<f32, _>(p.k_cumdecay, f32v, |kc| {
+                with_view::<f32, _>(p.q_dec, f32v, |qd| {
+                    with_view::<f32, _>(p.attn, f32v, |attn| {
+                        with_view::<f32, _>(p.k_dec_t, f32v, |kdt| {
+                            with_view::<f32, _>(p.last_decay, f32v, |lam| {
+                                let mut b = func.builder();
+                                b.arg(&value).arg(&kc).arg(&qd).arg(&attn).arg(&kdt);
+                                b.arg(&lam).arg(&mut st).arg(&mut out);
+                                for d in &dims {
+                                    b.arg(d);
+                                }
+                                // SAFETY: the kernel's signature is (6 × const float*, float*
+                                // state, float* out, 5 × unsigned), as pushed; the shapes were
+                                // checked above, so block (head, column block) reads and
+                                // writes only inside those buffers; `st` is this call's own
+                                // copy of the state, which the kernel updates in place.
+                                unsafe { b.launch(cfg) }
+                                    .map(|_| ())
+                                    .map_err(|e| err(OP, "launching", e))
+                            })
+                        })
+                    })
+                })
+            })
+        })?;
+        Ok(Some((wrap(out, cd, (h, n * c, dv))?, wrap(st, cd, (h, dk, dv))?)))
+    }
 }
 
 /// The token-by-token rule on the host, the reference [`chunked`] is tested against (the

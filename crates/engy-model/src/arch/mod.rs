@@ -24,8 +24,11 @@ use crate::{Compute, ModelError, Precision};
 pub mod config;
 pub mod delta_rule;
 pub mod experts;
+pub mod fused_attention;
 pub mod glm_moe_dsa;
 pub mod grouped_gemm;
+#[cfg(feature = "cuda")]
+mod kernels;
 pub mod ops;
 pub mod qlinear;
 pub mod quant;

@@ -339,13 +339,19 @@ pub fn attention_in(
     if c == Compute::F32 {
         return attention(q, k, v, scale, mask);
     }
-    let (att, v) = scores(q, k, v, scale, mask)?;
     let (h, t, _) = q.dims3()?;
     let dv = v.dim(2)?;
-    let max = att.max_keepdim(D::Minus1)?;
-    let e = att.broadcast_sub(&max)?.exp()?;
-    let sum = e.sum_keepdim(D::Minus1)?;
-    let y = c.round(e)?.matmul(&v.contiguous()?)?.broadcast_div(&sum)?;
+    // On a GPU, three kernels with these rounding points ([`super::fused_attention`]).
+    let y = match super::fused_attention::attention(q, k, v, scale, mask)? {
+        Some(y) => y,
+        None => {
+            let (att, v) = scores(q, k, v, scale, mask)?;
+            let max = att.max_keepdim(D::Minus1)?;
+            let e = att.broadcast_sub(&max)?.exp()?;
+            let sum = e.sum_keepdim(D::Minus1)?;
+            c.round(e)?.matmul(&v.contiguous()?)?.broadcast_div(&sum)?
+        }
+    };
     c.round(y.transpose(0, 1)?.contiguous()?.reshape((t, h * dv))?)
 }
 

@@ -1,0 +1,273 @@
+//! [`ops::attention_in`](super::ops::attention_in) in a bf16 recompute on a GPU, in three
+//! kernels instead of a dozen: the scores `q·kᵀ` as one strided-batched cuBLAS GEMM (bf16
+//! operands, f32 accumulation and f32 output), one softmax kernel (`kernels/attention.cu`)
+//! that scales, masks, takes each row's max, exponentiates, sums the f32 exponentials and
+//! writes them rounded to bf16, and `e·v` as a second such GEMM. Query heads of one KV group
+//! are one batch entry (`[kv, rep·t, d]`), so K and V are never expanded to every query head.
+//!
+//! The arithmetic is the unfused path's (docs/AUDITOR.md "bf16 recompute"): in a bf16
+//! recompute `q`, `k` and `v` hold bf16 values, so a bf16 operand is the same number and each
+//! product is exact in f32; scores, max, exponentials and sums stay f32; only the
+//! exponentials fed to `e·v` are rounded, as the unfused path rounds them. What differs is the
+//! order of the f32 sums (cuBLAS's tiles), as between any two GEMM kernels.
+//!
+//! On by default on a GPU; `ENGY_FUSED_ATTENTION=0` turns it off (the unfused candle
+//! operations then run), for comparing the two.
+use candle_core::Tensor;
+
+/// Whether [`attention`] may be used: not turned off by `ENGY_FUSED_ATTENTION=0`.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_FUSED_ATTENTION").map_or(true, |v| v != "0"))
+}
+
+/// Softmax attention of a bf16 recompute with grouped KV heads, before the heads are
+/// concatenated: `q` `[h, t, d]`, `k` `[kv, s, d]`, `v` `[kv, s, dv]` (f32 tensors holding
+/// bf16 values; `kv` divides `h`, query head `i` reads KV head `i / (h / kv)`), `mask`
+/// `[t, s]` additive f32 → `(round_bf16(e)·v) / Σ e` `[h, t, dv]` f32, unrounded, where
+/// `e = exp(x − max x)` per row of `x = (q·kᵀ)·scale + mask`. `None` where it does not apply
+/// (not a CUDA tensor, a build without the `cuda` feature, [`enabled`] false); the caller
+/// then computes it another way.
+///
+/// # Errors
+/// A candle error on inconsistent shapes, or when cuBLAS or the driver fails.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
+    if !enabled() || q.device().is_cpu() {
+        return Ok(None);
+    }
+    let (h, t, d) = q.dims3()?;
+    let (kv, s, dk) = k.dims3()?;
+    let (kv2, s2, dv) = v.dims3()?;
+    let mask_ok = mask.map_or(Ok(true), |m| m.dims2().map(|dims| dims == (t, s)))?;
+    if kv == 0 || h % kv != 0 || dk != d || (kv2, s2) != (kv, s) || !mask_ok {
+        candle_core::bail!(
+            "fused attention: q {:?}, k {:?}, v {:?}, mask {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            mask.map(Tensor::dims)
+        );
+    }
+    if t == 0 || s == 0 || d == 0 || dv == 0 {
+        return Ok(None);
+    }
+    cuda::attention(q, k, v, scale, mask, Dims { h, kv, t, s, d, dv })
+}
+
+/// The sizes of one [`attention`] call.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Dims {
+    h: usize,
+    kv: usize,
+    t: usize,
+    s: usize,
+    d: usize,
+    dv: usize,
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use super::*;
+
+    pub(super) fn attention(
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _scale: f64,
+        _mask: Option<&Tensor>,
+        _dims: Dims,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use candle_core::cuda_backend::cudarc::cublas::sys;
+    use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, wrap};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::CudaDevice;
+    use candle_core::{DType, Device};
+    use half::bf16;
+
+    /// Threads per softmax row (a multiple of 32, at most 1024).
+    const THREADS: u32 = 256;
+
+    const OP: &str = "fused attention";
+
+    fn int(v: usize, what: &str) -> candle_core::Result<i32> {
+        i32::try_from(v).map_err(|_| err(OP, what, format!("{v} is past cuBLAS's 32-bit sizes")))
+    }
+
+    /// One operand of [`gemm`]: a device buffer, its leading dimension and batch stride
+    /// (elements), in cuBLAS's column-major terms.
+    type Operand<'a, P> = (&'a P, usize, usize);
+
+    /// The strided-batched GEMM `C[b] = op(A[b]) · op(B[b])` of `batch` entries, column-major
+    /// as cuBLAS states it (`op` transposes where `trans` says): `(m, n, k)` are its sizes,
+    /// `A` and `B` bf16, `C` f32, products accumulated in f32 (`CUBLAS_COMPUTE_32F`).
+    #[allow(clippy::too_many_arguments, unsafe_code)]
+    fn gemm(
+        cd: &CudaDevice,
+        stream: &CudaStream,
+        (trans_a, trans_b): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        (a, lda, stride_a): Operand<'_, impl DevicePtr<bf16>>,
+        (b, ldb, stride_b): Operand<'_, impl DevicePtr<bf16>>,
+        (c, ldc, stride_c): (&mut CudaSlice<f32>, usize, usize),
+        batch: usize,
+    ) -> candle_core::Result<()> {
+        let op = |t: bool| {
+            if t {
+                sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        let blas = cd.cublas_handle();
+        let (pa, _ga) = a.device_ptr(stream);
+        let (pb, _gb) = b.device_ptr(stream);
+        let (pc, _gc) = c.device_ptr_mut(stream);
+        // SAFETY: `a`, `b` and `c` are device buffers on candle's stream, to which its cuBLAS
+        // handle is bound; the callers size them for `batch` entries of the given strides,
+        // each entry an `m × k`, `k × n` or `m × n` block within its leading dimension.
+        unsafe {
+            sys::cublasGemmStridedBatchedEx(
+                *blas.handle(),
+                op(trans_a),
+                op(trans_b),
+                int(m, "rows")?,
+                int(n, "columns")?,
+                int(k, "inner size")?,
+                (&alpha as *const f32).cast(),
+                pa as *const std::ffi::c_void,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                int(lda, "leading dimension")?,
+                stride_a as i64,
+                pb as *const std::ffi::c_void,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                int(ldb, "leading dimension")?,
+                stride_b as i64,
+                (&beta as *const f32).cast(),
+                pc as *mut std::ffi::c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                int(ldc, "leading dimension")?,
+                stride_c as i64,
+                int(batch, "batch")?,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .result()
+            .map_err(|e| err(OP, "cublasGemmStridedBatchedEx", e))
+        }
+    }
+
+    #[allow(unsafe_code)]
+    pub(super) fn attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        mask: Option<&Tensor>,
+        Dims { h, kv, t, s, d, dv }: Dims,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(cd) = q.device() else {
+            return Ok(None);
+        };
+        let stream = cd.cuda_stream();
+        let rep = h / kv;
+        let rows = h * t;
+        // Scores, row-major [kv, rep·t, s] = Q [rep·t, d] · Kᵀ per KV group (query head
+        // `g·rep + r` is row block `r` of group `g`). Column-major: Sᵀ [s, rep·t] =
+        // op_T(Kᵀ stored [d, s]) · Qᵀ (stored [d, rep·t]).
+        // SAFETY (allocations): the GEMMs write every element of `scores` and `y`, the softmax
+        // every row of `e` and every entry of `sums`, before anything reads them.
+        let mut scores = unsafe { alloc::<f32>(&stream, rows * s)? };
+        with_view::<bf16, _>(q, DType::BF16, |qb| {
+            with_view::<bf16, _>(k, DType::BF16, |kb| {
+                gemm(
+                    cd,
+                    &stream,
+                    (true, false),
+                    (s, rep * t, d),
+                    (&kb, d, s * d),
+                    (&qb, d, rep * t * d),
+                    (&mut scores, s, rep * t * s),
+                    kv,
+                )
+            })
+        })?;
+        // The softmax, one block per score row (head-major rows, as the GEMM wrote them).
+        let mut e = unsafe { alloc::<bf16>(&stream, rows * s)? };
+        let mut sums = unsafe { alloc::<f32>(&stream, rows)? };
+        let func = cd.get_or_load_custom_func(
+            "engy_attention_softmax_bf16",
+            "engy_attention",
+            kernels::ATTENTION,
+        )?;
+        let (t32, s32) = (u32_arg(OP, "queries", t)?, u32_arg(OP, "keys", s)?);
+        let scale32 = scale as f32;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_arg(OP, "score rows", rows)?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = |m: Option<&CudaView<'_, f32>>| -> candle_core::Result<()> {
+            let has_mask = i32::from(m.is_some());
+            let mut b = func.builder();
+            b.arg(&scores);
+            match m {
+                Some(m) => b.arg(m),
+                // Not read when `has_mask` is 0; any device pointer will do.
+                None => b.arg(&scores),
+            };
+            b.arg(&has_mask);
+            b.arg(&mut e);
+            b.arg(&mut sums);
+            b.arg(&t32);
+            b.arg(&s32);
+            b.arg(&scale32);
+            // SAFETY: the kernel's signature is (const float*, const float*, int, bf16*,
+            // float*, unsigned, unsigned, float), as pushed; block `r` reads row `r` of
+            // `scores` (`rows` rows of `s`) and row `r % t` of the mask (`t` rows of `s`), and
+            // writes row `r` of `e` and `sums[r]`.
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(|x| err(OP, "launching the softmax", x))
+        };
+        match mask {
+            Some(m) => with_view::<f32, _>(m, DType::F32, |mv| launch(Some(&mv)))?,
+            None => launch(None)?,
+        }
+        drop(scores);
+        // y [kv, rep·t, dv] = E [rep·t, s] · V [s, dv]. Column-major: yᵀ [dv, rep·t] =
+        // Vᵀ (stored [dv, s]) · Eᵀ (stored [s, rep·t]).
+        let mut y = unsafe { alloc::<f32>(&stream, rows * dv)? };
+        with_view::<bf16, _>(v, DType::BF16, |vb| {
+            gemm(
+                cd,
+                &stream,
+                (false, false),
+                (dv, rep * t, s),
+                (&vb, dv, s * dv),
+                (&e, s, rep * t * s),
+                (&mut y, dv, rep * t * dv),
+                kv,
+            )
+        })?;
+        drop(e);
+        let y = wrap(y, cd, (h, t, dv))?;
+        Ok(Some(y.broadcast_div(&wrap(sums, cd, (h, t, 1))?)?))
+    }
+}

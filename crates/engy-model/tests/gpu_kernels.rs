@@ -1,0 +1,166 @@
+//! engy's own GPU kernels (`kernels/*.cu`) against the unfused candle operations on the CPU,
+//! which state each rule:
+//! * the fused attention of a bf16 recompute (`arch::fused_attention`, three kernels) against
+//!   `ops::attention_in` (docs/AUDITOR.md "bf16 recompute"), on the shapes the served
+//!   architectures use: grouped KV heads, a causal mask over cached and new positions, and no
+//!   mask. The two must agree to the order of the f32 sums: after the output's bf16 rounding,
+//!   at most one bf16 step apart and equal on at least 99% of values;
+//! * the chunked delta rule (`arch::delta_rule::chunked`), whose chunk-to-chunk loop is one
+//!   kernel on a GPU, against the same function on the CPU (the loop as matmuls), at Qwen3.6's
+//!   head shape, with a starting state, across and inside chunk boundaries: within the f32
+//!   tolerance the chunked form keeps against the token loop.
+//!
+//! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
+//! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
+use candle_core::{DType, Device, Tensor};
+use engy_model::arch::{delta_rule, fused_attention, ops};
+use engy_model::{Compute, DeviceSpec};
+
+mod common;
+
+/// `n` values in [-amp, amp) from a fixed LCG, rounded to bf16 (a bf16 recompute's q, k, v).
+fn bf16_values(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32;
+            half::bf16::from_f32((2.0 * u - 1.0) * amp).to_f32()
+        })
+        .collect()
+}
+
+struct Case {
+    name: &'static str,
+    h: usize,
+    kv: usize,
+    t: usize,
+    off: usize,
+    d: usize,
+    dv: usize,
+    masked: bool,
+}
+
+const CASES: &[Case] = &[
+    // Qwen3.6's full-attention shape (16 query heads over 2 KV heads, head dim 256), prefill.
+    Case { name: "gqa prefill", h: 16, kv: 2, t: 333, off: 0, d: 256, dv: 256, masked: true },
+    // New positions after cached ones, odd sizes, one query head per KV head.
+    Case { name: "cached keys", h: 4, kv: 4, t: 37, off: 91, d: 64, dv: 48, masked: true },
+    // No mask (one new position attends to every key).
+    Case { name: "no mask", h: 8, kv: 2, t: 1, off: 200, d: 128, dv: 128, masked: false },
+];
+
+#[test]
+fn fused_attention_is_the_unfused_rule() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    for (ci, c) in CASES.iter().enumerate() {
+        let s = c.off + c.t;
+        let seed = 1 + ci as u64 * 3;
+        // Scores of a few units, as after q/k norms: exponentials span many bf16 binades.
+        let q = Tensor::from_vec(bf16_values(c.h * c.t * c.d, seed, 1.5), (c.h, c.t, c.d), &Device::Cpu).unwrap();
+        let k = Tensor::from_vec(bf16_values(c.kv * s * c.d, seed + 1, 1.5), (c.kv, s, c.d), &Device::Cpu).unwrap();
+        let v = Tensor::from_vec(bf16_values(c.kv * s * c.dv, seed + 2, 4.0), (c.kv, s, c.dv), &Device::Cpu).unwrap();
+        let scale = 1.0 / (c.d as f64).sqrt();
+        let mask = if c.masked {
+            ops::causal_mask(c.t, c.off, &Device::Cpu).unwrap()
+        } else {
+            None
+        };
+        let want = ops::attention_in(&q, &k, &v, scale, mask.as_ref(), Compute::Bf16).unwrap();
+        let on = |x: &Tensor| x.to_device(&dev).unwrap();
+        let mask_d = mask.as_ref().map(on);
+        let fused = fused_attention::attention(&on(&q), &on(&k), &on(&v), scale, mask_d.as_ref()).unwrap();
+        if matches!(common::test_device(), DeviceSpec::Cpu) {
+            assert!(fused.is_none(), "{}: the fused path ran on the CPU", c.name);
+            continue;
+        }
+        let fused = fused.unwrap_or_else(|| panic!("{}: the fused path did not apply on the GPU", c.name));
+        assert_eq!(fused.dims(), &[c.h, c.t, c.dv], "{}", c.name);
+        // The same tail as ops::attention_in: heads concatenated, rounded to bf16.
+        let got = fused
+            .transpose(0, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((c.t, c.h * c.dv))
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        // And the whole of ops::attention_in on the device, which must take the fused path.
+        let whole = ops::attention_in(&on(&q), &on(&k), &on(&v), scale, mask_d.as_ref(), Compute::Bf16)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (want, got, whole) = (flat(&want), flat(&got), flat(&whole));
+        assert_eq!(got, whole, "{}: ops::attention_in on the GPU is not the fused path", c.name);
+        let mut equal = 0usize;
+        for (i, (&w, &g)) in want.iter().zip(&got).enumerate() {
+            // One bf16 step at the larger magnitude (8 bits of mantissa).
+            let step = w.abs().max(g.abs()).max(f32::MIN_POSITIVE) * 2f32.powi(-7);
+            assert!(
+                (w - g).abs() <= step,
+                "{}: value {i} is {g} fused, {w} unfused (more than one bf16 step apart)",
+                c.name
+            );
+            equal += usize::from(w == g);
+        }
+        let share = equal as f64 / want.len() as f64;
+        assert!(share >= 0.99, "{}: only {:.4} of values equal", c.name, share);
+        eprintln!("{}: {:.5} of {} values equal", c.name, share, want.len());
+    }
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Rows of `x` `[h, t, w]` l2-normalised over `w` (the rule's q and k).
+fn l2(x: &Tensor) -> Tensor {
+    let norm = (x.sqr().unwrap().sum_keepdim(2).unwrap() + 1e-6).unwrap().sqrt().unwrap();
+    x.broadcast_div(&norm).unwrap()
+}
+
+#[test]
+fn the_delta_rule_chunk_loop_is_the_unfused_loop() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    // Qwen3.6's linear-attention heads (dk = dv = 128), fewer of them; lengths inside one
+    // chunk, at a boundary, and across several.
+    let (h, dk, dv) = (4usize, 128usize, 128usize);
+    for (i, &t) in [5usize, 64, 200].iter().enumerate() {
+        let seed = 100 + i as u64 * 10;
+        let cpu = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+        let q = (l2(&cpu(bf16_values(h * t * dk, seed, 1.0), &[h, t, dk])) * (dk as f64).powf(-0.5)).unwrap();
+        let k = l2(&cpu(bf16_values(h * t * dk, seed + 1, 1.0), &[h, t, dk]));
+        let v = cpu(bf16_values(h * t * dv, seed + 2, 2.0), &[h, t, dv]);
+        let beta = cpu(bf16_values(h * t, seed + 3, 1.0), &[h, t]).affine(0.5, 0.5).unwrap();
+        let g = (cpu(bf16_values(h * t, seed + 4, 1.0), &[h, t]).abs().unwrap() * -0.7).unwrap();
+        let s0 = cpu(bf16_values(h * dk * dv, seed + 5, 0.3), &[h, dk, dv]);
+        let (want, want_s) = delta_rule::chunked(&q, &k, &v, &beta, &g, &s0).unwrap();
+        let on = |x: &Tensor| x.to_device(&dev).unwrap();
+        let s0_dev = on(&s0);
+        let (got, got_s) =
+            delta_rule::chunked(&on(&q), &on(&k), &on(&v), &on(&beta), &on(&g), &s0_dev).unwrap();
+        let back = |x: &Tensor| x.to_device(&Device::Cpu).unwrap();
+        assert_eq!(got.dims(), want.dims(), "t={t}");
+        assert_eq!(got_s.dims(), want_s.dims(), "t={t}");
+        let (e, es) = (max_abs_diff(&back(&got), &want), max_abs_diff(&back(&got_s), &want_s));
+        assert!(e < 1e-4 && es < 1e-4, "t={t}: outputs off by {e}, state by {es}");
+        // The caller's state is not written (the kernel updates its own copy).
+        assert_eq!(max_abs_diff(&back(&s0_dev), &s0), 0.0, "t={t}: the starting state changed");
+        eprintln!("delta rule t={t}: outputs within {e:e}, state within {es:e}");
+    }
+}
