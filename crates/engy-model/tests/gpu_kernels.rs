@@ -102,19 +102,26 @@ fn fused_attention_is_the_unfused_rule() {
         let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (want, got, whole) = (flat(&want), flat(&got), flat(&whole));
         assert_eq!(got, whole, "{}: ops::attention_in on the GPU is not the fused path", c.name);
+        // Two implementations of the rule differ where an exponential sits at a bf16 rounding
+        // boundary and the score's last f32 bit (the sums' order) decides its side: that moves
+        // the output by at most one bf16 step of the exponential times |v| over the row sum,
+        // at most 2^-8·max|v| in all; then the output's own rounding, a step either way.
+        let vmax = v.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let step = |x: f32| 2f32.powi(x.abs().max(f32::MIN_POSITIVE).log2().floor() as i32 - 7);
         let mut equal = 0usize;
         for (i, (&w, &g)) in want.iter().zip(&got).enumerate() {
-            // One bf16 step at the larger magnitude (8 bits of mantissa).
-            let step = w.abs().max(g.abs()).max(f32::MIN_POSITIVE) * 2f32.powi(-7);
+            let bound = 2f32.powi(-8) * vmax + 2.0 * step(w.abs().max(g.abs()));
             assert!(
-                (w - g).abs() <= step,
-                "{}: value {i} is {g} fused, {w} unfused (more than one bf16 step apart)",
+                (w - g).abs() <= bound,
+                "{}: value {i} is {g} fused, {w} unfused (bound {bound})",
                 c.name
             );
             equal += usize::from(w == g);
         }
+        // Such boundaries are rare: most values must be equal. A different rounding point
+        // (exponentials not rounded, say) leaves about half of them unequal.
         let share = equal as f64 / want.len() as f64;
-        assert!(share >= 0.99, "{}: only {:.4} of values equal", c.name, share);
+        assert!(share >= 0.95, "{}: only {:.4} of values equal", c.name, share);
         eprintln!("{}: {:.5} of {} values equal", c.name, share, want.len());
     }
 }

@@ -16,6 +16,9 @@
 use candle_core::Device;
 use candle_core::{DType, Tensor, D};
 
+use crate::device::phase;
+use crate::ModelError;
+
 /// Tokens per chunk (transformers' `chunk_size` default).
 pub const CHUNK: usize = 64;
 
@@ -25,10 +28,12 @@ pub const CHUNK: usize = 64;
 /// * `v` `[h, t, dv]`; `beta`, `g` `[h, t]` (f32, `g` the log decay);
 /// * `state` `[h, dk, dv]`: the state before the first token.
 ///
-/// Returns the outputs `[h, t, dv]` and the state after the last token.
+/// Returns the outputs `[h, t, dv]` and the state after the last token. With `ENGY_PROFILE`
+/// set, the work before the chunk loop and the loop are the phases `gated deltanet: chunk
+/// prep` and `gated deltanet: chunk loop` ([`crate::device::phase`]).
 ///
 /// # Errors
-/// Candle errors only (shapes that do not fit the above).
+/// Candle errors (shapes that do not fit the above), as [`ModelError::Candle`].
 pub fn chunked(
     q: &Tensor,
     k: &Tensor,
@@ -36,7 +41,25 @@ pub fn chunked(
     beta: &Tensor,
     g: &Tensor,
     state: &Tensor,
-) -> candle_core::Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor), ModelError> {
+    let parts = phase(q.device(), "gated deltanet: chunk prep", || {
+        Ok(prepare(q, k, v, beta, g)?)
+    })?;
+    let (h, t, _) = q.dims3()?;
+    let dv = v.dim(2)?;
+    phase(q.device(), "gated deltanet: chunk loop", || {
+        Ok(run_chunks(&parts, state, (h, t, dv))?)
+    })
+}
+
+/// Everything of [`chunked`] that does not depend on the state, for all chunks at once.
+fn prepare(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    g: &Tensor,
+) -> candle_core::Result<ChunkParts> {
     let (h, t, dk) = q.dims3()?;
     let dv = v.dim(2)?;
     let dev = q.device();
@@ -86,9 +109,8 @@ pub fn chunked(
     let value = inv.matmul(&v_beta)?; // [h, n, c, dv]
     let k_cumdecay = inv.matmul(&k_beta.broadcast_mul(&gc.exp()?.unsqueeze(3)?)?)?;
 
-    // Everything that does not depend on the state, for all chunks at once; the loop then
-    // runs a handful of kernels per chunk. Chunk-major ([n, h, ..], contiguous) so that each
-    // chunk's slice is contiguous.
+    // The loop then runs a handful of kernels per chunk (or one kernel in all on a GPU).
+    // Chunk-major ([n, h, ..], contiguous) so that each chunk's slice is contiguous.
     let by_chunk = |x: Tensor| x.transpose(0, 1)?.contiguous();
     let gexp = gc.exp()?; // [h, n, c]
     let attn = by_chunk((q.matmul(&k.transpose(2, 3)?.contiguous()?)? * &decay)?)?; // [n, h, c, c]
@@ -99,44 +121,51 @@ pub fn chunked(
             .transpose(2, 3)?,
     )?; // [n, h, dk, c]
     let last_decay = by_chunk(g_last.exp()?.unsqueeze(3)?)?; // [n, h, 1, 1]
-    let value = by_chunk(value)?; // [n, h, c, dv]
-    let k_cumdecay = by_chunk(k_cumdecay)?; // [n, h, c, dk]
+    Ok(ChunkParts {
+        value: by_chunk(value)?,           // [n, h, c, dv]
+        k_cumdecay: by_chunk(k_cumdecay)?, // [n, h, c, dk]
+        q_dec,
+        attn,
+        k_dec_t,
+        last_decay,
+    })
+}
 
+/// The chunk-to-chunk loop of [`chunked`] from `state` `[h, dk, dv]`: the outputs
+/// `[h, t, dv]` and the state after the last chunk.
+fn run_chunks(
+    p: &ChunkParts,
+    state: &Tensor,
+    (h, t, dv): (usize, usize, usize),
+) -> candle_core::Result<(Tensor, Tensor)> {
     // On a GPU, the loop as one kernel ([`chunk_loop`]).
-    let parts = ChunkParts {
-        value: &value,
-        k_cumdecay: &k_cumdecay,
-        q_dec: &q_dec,
-        attn: &attn,
-        k_dec_t: &k_dec_t,
-        last_decay: &last_decay,
-    };
-    if let Some((out, s)) = chunk_loop(&parts, state)? {
+    if let Some((out, s)) = chunk_loop(p, state)? {
         return Ok((out.narrow(1, 0, t)?, s));
     }
+    let n = p.value.dim(0)?;
     let mut s = state.contiguous()?;
     let mut outs = Vec::with_capacity(n);
     for i in 0..n {
         let at = |x: &Tensor| x.narrow(0, i, 1)?.squeeze(0);
-        let v_new = (at(&value)? - at(&k_cumdecay)?.matmul(&s)?)?;
-        outs.push((at(&q_dec)?.matmul(&s)? + at(&attn)?.matmul(&v_new)?)?);
-        s = (s.broadcast_mul(&at(&last_decay)?)? + at(&k_dec_t)?.matmul(&v_new)?)?;
+        let v_new = (at(&p.value)? - at(&p.k_cumdecay)?.matmul(&s)?)?;
+        outs.push((at(&p.q_dec)?.matmul(&s)? + at(&p.attn)?.matmul(&v_new)?)?);
+        s = (s.broadcast_mul(&at(&p.last_decay)?)? + at(&p.k_dec_t)?.matmul(&v_new)?)?;
     }
     let out = Tensor::cat(&outs, 1)?.narrow(1, 0, t)?;
+    debug_assert_eq!(out.dims(), [h, t, dv]);
     Ok((out, s))
 }
 
 /// What the chunk-to-chunk loop of [`chunked`] reads, chunk-major and contiguous: `value`
 /// `[n, h, c, dv]`, `k_cumdecay` and `q_dec` `[n, h, c, dk]`, `attn` `[n, h, c, c]`,
 /// `k_dec_t` `[n, h, dk, c]`, `last_decay` `[n, h, 1, 1]`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct ChunkParts<'a> {
-    value: &'a Tensor,
-    k_cumdecay: &'a Tensor,
-    q_dec: &'a Tensor,
-    attn: &'a Tensor,
-    k_dec_t: &'a Tensor,
-    last_decay: &'a Tensor,
+struct ChunkParts {
+    value: Tensor,
+    k_cumdecay: Tensor,
+    q_dec: Tensor,
+    attn: Tensor,
+    k_dec_t: Tensor,
+    last_decay: Tensor,
 }
 
 /// Whether [`chunk_loop`] may be used: not turned off by `ENGY_FUSED_DELTA_RULE=0`.
@@ -152,7 +181,7 @@ pub fn fused_enabled() -> bool {
 /// chunk; sums run in another order than the matmuls', products and updates are the same.
 /// `None` on the CPU, in a build without the `cuda` feature, or with
 /// `ENGY_FUSED_DELTA_RULE=0`.
-fn chunk_loop(p: &ChunkParts<'_>, state: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+fn chunk_loop(p: &ChunkParts, state: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
     if !fused_enabled() || state.device().is_cpu() {
         return Ok(None);
     }
@@ -164,7 +193,7 @@ mod cuda {
     use super::*;
 
     pub(super) fn chunk_loop(
-        _p: &ChunkParts<'_>,
+        _p: &ChunkParts,
         _state: &Tensor,
     ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
         Ok(None)
@@ -185,7 +214,7 @@ mod cuda {
 
     #[allow(unsafe_code)]
     pub(super) fn chunk_loop(
-        p: &ChunkParts<'_>,
+        p: &ChunkParts,
         state: &Tensor,
     ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
         let Device::Cuda(cd) = state.device() else {
@@ -235,12 +264,12 @@ mod cuda {
             shared_mem_bytes: shared as u32,
         };
         let f32v = DType::F32;
-        with_view::<f32, _>(p.value, f32v, |value| {
-            with_view::<f32, _>(p.k_cumdecay, f32v, |kc| {
-                with_view::<f32, _>(p.q_dec, f32v, |qd| {
-                    with_view::<f32, _>(p.attn, f32v, |attn| {
-                        with_view::<f32, _>(p.k_dec_t, f32v, |kdt| {
-                            with_view::<f32, _>(p.last_decay, f32v, |lam| {
+        with_view::<f32, _>(&p.value, f32v, |value| {
+            with_view::<f32, _>(&p.k_cumdecay, f32v, |kc| {
+                with_view::<f32, _>(&p.q_dec, f32v, |qd| {
+                    with_view::<f32, _>(&p.attn, f32v, |attn| {
+                        with_view::<f32, _>(&p.k_dec_t, f32v, |kdt| {
+                            with_view::<f32, _>(&p.last_decay, f32v, |lam| {
                                 let mut b = func.builder();
                                 b.arg(&value).arg(&kc).arg(&qd).arg(&attn).arg(&kdt);
                                 b.arg(&lam).arg(&mut st).arg(&mut out);

@@ -131,12 +131,40 @@ pub fn dispatch(
     // `first_row[s] + i`. One grouped GEMM per projection where cuBLAS has it (bf16 stacks
     // on a GPU, [`grouped_gemm`]), else batched products over groups padded to their largest
     // count.
-    let (mut outs, first_row, rows) = match segmented(x, &order, &at, [&gate, &up, &down], c)? {
-        Some((y, first_row)) => {
-            let rows = y.dim(0)?;
-            (vec![y], first_row, rows)
-        }
-        None => padded(x, &order, &at, [&gate, &up, &down], c)?,
+    let (outs, first_row, rows) = phase(&dev, "moe: routed experts: products", || {
+        Ok(match segmented(x, &order, &at, [&gate, &up, &down], c)? {
+            Some((y, first_row)) => {
+                let rows = y.dim(0)?;
+                (vec![y], first_row, rows)
+            }
+            None => padded(x, &order, &at, [&gate, &up, &down], c)?,
+        })
+    })?;
+    phase(&dev, "moe: routed experts: combine", || {
+        combine(outs, &order, &first_row, rows, choice, (k, hidden), c, round_products)
+    })
+}
+
+/// The weighted sum per token of [`dispatch`] from the experts' output rows `outs`
+/// (concatenated: expert `order[s]`'s i-th token on row `first_row[s] + i`, `rows` in all).
+#[allow(clippy::too_many_arguments)]
+fn combine(
+    mut outs: Vec<Tensor>,
+    order: &[(usize, Vec<u32>)],
+    first_row: &[usize],
+    rows: usize,
+    choice: &[Vec<(usize, f32)>],
+    (k, hidden): (usize, usize),
+    c: Compute,
+    round_products: bool,
+) -> Result<Tensor, ModelError> {
+    let t = choice.len();
+    let Some(dev) = outs.first().map(|o| o.device().clone()) else {
+        return Err(ModelError::Shape {
+            name: "routed experts' outputs".into(),
+            got: vec![0],
+            want: vec![rows],
+        });
     };
     // One zero row at the end for tokens with fewer than `k` choices.
     outs.push(Tensor::zeros((1, hidden), DType::F32, &dev)?);
@@ -195,7 +223,10 @@ fn segmented(
         .index_select(&Tensor::from_vec(idx, n, x.device())?, 0)?
         .to_dtype(wd)?;
     let product = |m: &Tensor, a: &Tensor| -> Result<Option<Tensor>, ModelError> {
-        Ok(match grouped_gemm::segmented(a, m, &segs)? {
+        let y = phase(x.device(), "moe: routed experts: grouped gemm", || {
+            grouped_gemm::segmented(a, m, &segs)
+        })?;
+        Ok(match y {
             Some(y) => Some(c.round(y.to_dtype(DType::F32)?)?),
             None => None,
         })
