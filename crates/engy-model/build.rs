@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["attention", "delta_rule"];
+const KERNELS: &[&str] = &["attention", "delta_rule", "experts"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

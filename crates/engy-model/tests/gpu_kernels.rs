@@ -5,6 +5,9 @@
 //!   architectures use: grouped KV heads, a causal mask over cached and new positions, and no
 //!   mask. The two must agree to the order of the f32 sums: after the output's bf16 rounding,
 //!   at most one bf16 step apart and equal on at least 99% of values;
+//! * the steps around the routed experts' grouped GEMMs (`arch::expert_kernels`: the rows'
+//!   gather, the SwiGLU and the weighted combine) against the candle operations they replace,
+//!   on the same device: bit for bit (the combine: to f32 rounding, the sum's order);
 //! * the chunked delta rule (`arch::delta_rule::chunked`), whose chunk-to-chunk loop is one
 //!   kernel on a GPU, against the same function on the CPU (the loop as matmuls), at Qwen3.6's
 //!   head shape, with a starting state, across and inside chunk boundaries: within the f32
@@ -13,7 +16,7 @@
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
 use candle_core::{DType, Device, Tensor};
-use engy_model::arch::{delta_rule, fused_attention, ops};
+use engy_model::arch::{delta_rule, expert_kernels, fused_attention, ops};
 use engy_model::{Compute, DeviceSpec};
 
 mod common;
@@ -170,4 +173,63 @@ fn the_delta_rule_chunk_loop_is_the_unfused_loop() {
         assert_eq!(max_abs_diff(&back(&s0_dev), &s0), 0.0, "t={t}: the starting state changed");
         eprintln!("delta rule t={t}: outputs within {e:e}, state within {es:e}");
     }
+}
+
+#[test]
+fn the_expert_kernels_are_the_candle_operations() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    let (t, width, inter, k) = (97usize, 160usize, 48usize, 4usize);
+    let x = Tensor::from_vec(bf16_values(t * width, 7, 3.0), (t, width), &dev).unwrap();
+    // Every token to k rows, some twice, one token with a missing choice.
+    let idx: Vec<u32> = (0..t * k).map(|i| ((i * 37) % t) as u32).collect();
+    let gathered = expert_kernels::gather_rows_bf16(&x, &idx).unwrap();
+    if matches!(common::test_device(), DeviceSpec::Cpu) {
+        assert!(gathered.is_none(), "the expert kernels ran on the CPU");
+        return;
+    }
+    let flat = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let ids = Tensor::from_vec(idx.clone(), idx.len(), &dev).unwrap();
+    let want = x.index_select(&ids, 0).unwrap().to_dtype(DType::BF16).unwrap();
+    let got = gathered.expect("gather on the GPU");
+    assert_eq!(got.dtype(), DType::BF16);
+    assert_eq!(flat(&got), flat(&want), "gather");
+    assert!(expert_kernels::gather_rows_bf16(&x, &[t as u32]).is_err(), "a row past the end");
+
+    // SwiGLU on gate/up products of several binades, negative and positive.
+    let n = t * k * inter;
+    let g = Tensor::from_vec(bf16_values(n, 8, 12.0), (t * k, inter), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let u = Tensor::from_vec(bf16_values(n, 9, 5.0), (t * k, inter), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let round = |x: Tensor| x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let (gf, uf) = (g.to_dtype(DType::F32).unwrap(), u.to_dtype(DType::F32).unwrap());
+    let want = round((round(ops::silu(&gf).unwrap()) * uf).unwrap());
+    let got = expert_kernels::swiglu_bf16(&g, &u).unwrap().expect("swiglu on the GPU");
+    assert_eq!(flat(&got), flat(&want), "swiglu");
+
+    // Combine: rows of every expert's output, k picks per token, weights rounded to bf16.
+    let rows = t * k;
+    let y = Tensor::from_vec(bf16_values(rows * width, 10, 6.0), (rows, width), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let mut pick: Vec<u32> = (0..t * k).map(|i| ((i * 53) % rows) as u32).collect();
+    pick[5 * k + k - 1] = rows as u32; // token 5 has one choice fewer
+    let w: Vec<f32> = bf16_values(t * k, 11, 1.0).iter().map(|v| half::bf16::from_f32(v.abs()).to_f32()).collect();
+    for round_products in [true, false] {
+        let all = Tensor::cat(&[y.to_dtype(DType::F32).unwrap(), Tensor::zeros((1, width), DType::F32, &dev).unwrap()], 0).unwrap();
+        let picked = all
+            .index_select(&Tensor::from_vec(pick.clone(), t * k, &dev).unwrap(), 0)
+            .unwrap()
+            .reshape((t, k, width))
+            .unwrap();
+        let mut weighted = picked.broadcast_mul(&Tensor::from_vec(w.clone(), (t, k, 1), &dev).unwrap()).unwrap();
+        if round_products {
+            weighted = round(weighted);
+        }
+        let want = flat(&weighted.sum(1).unwrap());
+        let got = flat(&expert_kernels::combine(&y, &pick, &w, k, round_products).unwrap().expect("combine on the GPU"));
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = want.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(scale > 0.0 && err <= 1e-6 * scale, "combine (round {round_products}): off by {err} (scale {scale})");
+        eprintln!("combine (round {round_products}): within {err:e} of scale {scale}");
+    }
+    assert!(expert_kernels::combine(&y, &pick[1..], &w[1..], k, true).is_err(), "picks not t·k");
 }

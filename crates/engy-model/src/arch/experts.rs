@@ -14,6 +14,7 @@
 //! model does.
 use candle_core::{DType, Tensor};
 
+use super::expert_kernels;
 use super::grouped_gemm;
 use super::ops;
 use super::Weights;
@@ -166,9 +167,6 @@ fn combine(
             want: vec![rows],
         });
     };
-    // One zero row at the end for tokens with fewer than `k` choices.
-    outs.push(Tensor::zeros((1, hidden), DType::F32, &dev)?);
-    let all = Tensor::cat(&outs, 0)?;
     let slot: std::collections::HashMap<usize, usize> = order
         .iter()
         .enumerate()
@@ -185,6 +183,20 @@ fn combine(
             wts[tok * k + j] = wt;
         }
     }
+    // On a GPU in a bf16 recompute, one kernel ([`expert_kernels::combine`]) on the bf16
+    // rows of the grouped GEMM.
+    if let [y] = outs.as_slice() {
+        if y.dtype() == DType::BF16 {
+            let round = round_products && c == Compute::Bf16;
+            if let Some(out) = expert_kernels::combine(y, &pick, &wts, k, round)? {
+                return Ok(out);
+            }
+            outs = vec![y.to_dtype(DType::F32)?];
+        }
+    }
+    // One zero row at the end for tokens with fewer than `k` choices.
+    outs.push(Tensor::zeros((1, hidden), DType::F32, &dev)?);
+    let all = Tensor::cat(&outs, 0)?;
     let picked = all
         .index_select(&Tensor::from_vec(pick, t * k, &dev)?, 0)?
         .reshape((t, k, hidden))?;
@@ -197,8 +209,10 @@ fn combine(
 
 /// The experts of `order` (`(expert, its tokens)`, the stack entry of each expert in `at`) on
 /// their tokens' rows of `x`, as one grouped GEMM per projection of the stacks
-/// `[gate, up, down]` ([`grouped_gemm::segmented`]): the outputs `[Σ tokens, hidden]` f32, in
-/// `order`, and each expert's first row. `None` where the grouped GEMM does not apply.
+/// `[gate, up, down]` ([`grouped_gemm::segmented`]): the outputs `[Σ tokens, hidden]` (f32;
+/// bf16, the same values, where a bf16 recompute runs the steps around the GEMMs as
+/// [`expert_kernels`]), in `order`, and each expert's first row. `None` where the grouped GEMM
+/// does not apply.
 fn segmented(
     x: &Tensor,
     order: &[(usize, Vec<u32>)],
@@ -219,14 +233,29 @@ fn segmented(
         segs.push((at[e] as usize, toks.len()));
     }
     let n = idx.len();
+    let gemm = |m: &Tensor, a: &Tensor| {
+        phase(x.device(), "moe: routed experts: grouped gemm", || {
+            grouped_gemm::segmented(a, m, &segs)
+        })
+    };
+    if c == Compute::Bf16 {
+        // The GEMMs' bf16 outputs are the bf16 recompute's rounded products as they are: the
+        // steps between them as one kernel each, where they apply.
+        if let Some(xs) = expert_kernels::gather_rows_bf16(x, &idx)? {
+            let (Some(g), Some(u)) = (gemm(gate, &xs)?, gemm(up, &xs)?) else {
+                return Ok(None);
+            };
+            let Some(act) = expert_kernels::swiglu_bf16(&g, &u)? else {
+                return Ok(None);
+            };
+            return Ok(gemm(down, &act)?.map(|y| (y, first_row)));
+        }
+    }
     let xs = x
         .index_select(&Tensor::from_vec(idx, n, x.device())?, 0)?
         .to_dtype(wd)?;
     let product = |m: &Tensor, a: &Tensor| -> Result<Option<Tensor>, ModelError> {
-        let y = phase(x.device(), "moe: routed experts: grouped gemm", || {
-            grouped_gemm::segmented(a, m, &segs)
-        })?;
-        Ok(match y {
+        Ok(match gemm(m, a)? {
             Some(y) => Some(c.round(y.to_dtype(DType::F32)?)?),
             None => None,
         })

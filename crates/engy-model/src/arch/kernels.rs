@@ -1,12 +1,14 @@
 //! engy's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs` with the `cuda`
 //! feature) and the device-buffer plumbing their launchers share ([`super::fused_attention`],
-//! [`super::delta_rule`]). Only in a `cuda` build.
+//! [`super::delta_rule`], [`super::expert_kernels`]). Only in a `cuda` build.
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Storage, Tensor};
 
 /// The PTX of `kernels/attention.cu`.
 pub(crate) const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+/// The PTX of `kernels/experts.cu`.
+pub(crate) const EXPERTS: &str = include_str!(concat!(env!("OUT_DIR"), "/experts.ptx"));
 /// The PTX of `kernels/delta_rule.cu`.
 pub(crate) const DELTA_RULE: &str = include_str!(concat!(env!("OUT_DIR"), "/delta_rule.ptx"));
 
@@ -72,4 +74,21 @@ pub(crate) fn wrap<T: CudaDType>(
         candle_core::op::BackpropOp::none(),
         false,
     ))
+}
+
+/// A launch of `total` independent elements, `threads` a block, for a grid-stride loop.
+///
+/// # Errors
+/// A candle error past 2³¹ − 1 blocks.
+pub(crate) fn elementwise(
+    op: &str,
+    total: usize,
+    threads: u32,
+) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::LaunchConfig> {
+    let blocks = total.div_ceil(threads as usize).clamp(1, i32::MAX as usize);
+    Ok(candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+        grid_dim: (u32_arg(op, "blocks", blocks)?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }

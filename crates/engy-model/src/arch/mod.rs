@@ -23,6 +23,7 @@ use crate::{Compute, ModelError, Precision};
 
 pub mod config;
 pub mod delta_rule;
+pub mod expert_kernels;
 pub mod experts;
 pub mod fused_attention;
 pub mod glm_moe_dsa;

@@ -354,14 +354,16 @@ impl Qwen3_5Moe {
             None => Tensor::zeros((hist, cd), DType::F32, dev)?,
         };
         let input = Tensor::cat(&[&past, &qkv], 0)?; // [hist + t, cd]
-        let mut s = Tensor::zeros((t, cd), DType::F32, dev)?;
-        for j in 0..kk {
-            s = (s + input
-                .narrow(0, j, t)?
-                .broadcast_mul(&conv_w.narrow(0, j, 1)?)?)?;
-        }
-        let s = cm.round(s)?;
-        let conv = cm.round(ops::silu(&s)?)?;
+        let conv = phase(dev, "gated deltanet: conv", || {
+            let mut s = Tensor::zeros((t, cd), DType::F32, dev)?;
+            for j in 0..kk {
+                s = (s + input
+                    .narrow(0, j, t)?
+                    .broadcast_mul(&conv_w.narrow(0, j, 1)?)?)?;
+            }
+            let s = cm.round(s)?;
+            Ok(cm.round(ops::silu(&s)?)?)
+        })?;
         let conv_state = input.narrow(0, t, hist)?.contiguous()?;
 
         let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
@@ -572,7 +574,9 @@ impl Qwen3_5Moe {
             _ => (k, v),
         };
         let mask = ops::causal_mask(t, off, h.device())?;
-        let y = ops::attention_in(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref(), cm)?;
+        let y = phase(h.device(), "attention: scores to output", || {
+            Ok(ops::attention_in(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref(), cm)?)
+        })?;
         let y = cm.round((y * cm.round(ops::sigmoid(&gate)?)?)?)?;
         let y = cm.round(w.linear_in(&format!("{a}.o_proj"), &y, d, nh * hd, cm)?)?;
         Ok((y, LayerCache(vec![k, v])))
