@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["attention", "delta_rule", "experts"];
+const KERNELS: &[&str] = &["attention", "delta_rule", "experts", "gated_deltanet"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

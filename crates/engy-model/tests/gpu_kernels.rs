@@ -8,6 +8,10 @@
 //! * the steps around the routed experts' grouped GEMMs (`arch::expert_kernels`: the rows'
 //!   gather, the SwiGLU and the weighted combine) against the candle operations they replace,
 //!   on the same device: bit for bit (the combine: to f32 rounding, the sum's order);
+//! * the Gated DeltaNet's causal conv and SiLU, and its gated RMSNorm (`arch::deltanet_kernels`)
+//!   against the candle operations they replace, on the same device, in f32 and bf16: the conv
+//!   bit for bit, the norm to the order of its sum of squares (bf16: one step apart at most,
+//!   equal on at least 99% of values; f32: within 1e-6 relative of each value);
 //! * the chunked delta rule (`arch::delta_rule::chunked`), whose chunk-to-chunk loop is one
 //!   kernel on a GPU, against the same function on the CPU (the loop as matmuls), at Qwen3.6's
 //!   head shape, with a starting state, across and inside chunk boundaries: within the f32
@@ -16,7 +20,7 @@
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
 use candle_core::{DType, Device, Tensor};
-use engy_model::arch::{delta_rule, expert_kernels, fused_attention, ops};
+use engy_model::arch::{deltanet_kernels, delta_rule, expert_kernels, fused_attention, ops};
 use engy_model::{Compute, DeviceSpec};
 
 mod common;
@@ -232,4 +236,79 @@ fn the_expert_kernels_are_the_candle_operations() {
         eprintln!("combine (round {round_products}): within {err:e} of scale {scale}");
     }
     assert!(expert_kernels::combine(&y, &pick[1..], &w[1..], k, true).is_err(), "picks not t·k");
+}
+
+#[test]
+fn the_causal_conv_kernel_is_the_candle_operations() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    let (t, ch, taps) = (131usize, 96usize, 4usize);
+    let input = Tensor::from_vec(bf16_values((t + taps - 1) * ch, 21, 4.0), (t + taps - 1, ch), &dev).unwrap();
+    let w = Tensor::from_vec(bf16_values(taps * ch, 22, 1.0), (taps, ch), &dev).unwrap();
+    for c in [Compute::F32, Compute::Bf16] {
+        let got = deltanet_kernels::causal_conv_silu(&input, &w, c).unwrap();
+        if matches!(common::test_device(), DeviceSpec::Cpu) {
+            assert!(got.is_none(), "the conv kernel ran on the CPU");
+            return;
+        }
+        let round = |x: Tensor| match c {
+            Compute::F32 => x,
+            Compute::Bf16 => x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(),
+        };
+        // The unfused operations of qwen3_5_moe's tensor path.
+        let mut s = Tensor::zeros((t, ch), DType::F32, &dev).unwrap();
+        for j in 0..taps {
+            s = (s + input.narrow(0, j, t).unwrap().broadcast_mul(&w.narrow(0, j, 1).unwrap()).unwrap()).unwrap();
+        }
+        let want = round(ops::silu(&round(s)).unwrap());
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let got = got.expect("the conv kernel on the GPU");
+        assert_eq!(flat(&got), flat(&want), "{c:?}");
+    }
+    assert!(deltanet_kernels::causal_conv_silu(&input, &w.narrow(1, 0, ch - 1).unwrap(), Compute::F32).is_err());
+}
+
+#[test]
+fn the_gated_norm_kernel_is_the_candle_operations() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    let (heads, t, dv, eps) = (6usize, 77usize, 128usize, 1e-6f64);
+    let o = Tensor::from_vec(bf16_values(heads * t * dv, 31, 0.05), (heads, t, dv), &dev).unwrap();
+    let z = Tensor::from_vec(bf16_values(t * heads * dv, 32, 6.0), (t, heads * dv), &dev).unwrap();
+    let w = Tensor::from_vec(bf16_values(dv, 33, 2.0), dv, &dev).unwrap();
+    for c in [Compute::F32, Compute::Bf16] {
+        let got = deltanet_kernels::gated_rms_norm(&o, &z, &w, eps, c).unwrap();
+        if matches!(common::test_device(), DeviceSpec::Cpu) {
+            assert!(got.is_none(), "the gated norm kernel ran on the CPU");
+            return;
+        }
+        let round = |x: Tensor| match c {
+            Compute::F32 => x,
+            Compute::Bf16 => x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(),
+        };
+        let or = round(o.transpose(0, 1).unwrap().contiguous().unwrap());
+        let r = (or.sqr().unwrap().mean_keepdim(2).unwrap() + eps).unwrap().sqrt().unwrap().recip().unwrap();
+        let normed = round(or.broadcast_mul(&r).unwrap());
+        let weighted = round(normed.broadcast_mul(&w).unwrap());
+        let zz = z.reshape((t, heads, dv)).unwrap();
+        let want = round((weighted * ops::silu(&zz).unwrap()).unwrap()).reshape((t, heads * dv)).unwrap();
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (want, got) = (flat(&want), flat(&got.expect("the gated norm on the GPU")));
+        let mut equal = 0usize;
+        for (i, (&a, &b)) in want.iter().zip(&got).enumerate() {
+            let bound = match c {
+                Compute::F32 => 1e-6 * a.abs().max(1e-30),
+                Compute::Bf16 => 2f32.powi(a.abs().max(b.abs()).max(f32::MIN_POSITIVE).log2().floor() as i32 - 7),
+            };
+            assert!((a - b).abs() <= bound, "{c:?}: value {i} is {b}, candle {a}");
+            equal += usize::from(a == b);
+        }
+        let share = equal as f64 / want.len() as f64;
+        // In f32 every value may differ in its last bit; bf16 rounding hides that but where a
+        // value sits at a rounding boundary.
+        assert!(c == Compute::F32 || share >= 0.99, "{c:?}: only {share:.4} of values equal");
+        eprintln!("gated norm {c:?}: {share:.5} of {} values equal", want.len());
+    }
 }

@@ -355,6 +355,10 @@ impl Qwen3_5Moe {
         };
         let input = Tensor::cat(&[&past, &qkv], 0)?; // [hist + t, cd]
         let conv = phase(dev, "gated deltanet: conv", || {
+            // On a GPU, one kernel with these rounding points ([`super::deltanet_kernels`]).
+            if let Some(conv) = super::deltanet_kernels::causal_conv_silu(&input, &conv_w, cm)? {
+                return Ok(conv);
+            }
             let mut s = Tensor::zeros((t, cd), DType::F32, dev)?;
             for j in 0..kk {
                 s = (s + input
@@ -400,16 +404,22 @@ impl Qwen3_5Moe {
                 &state,
             )?)
         })?;
-        // Gated RMSNorm per head on the rounded output (see the host path).
-        let o = cm.round(o.transpose(0, 1)?.contiguous()?)?; // [t, nv, dv]
+        // Gated RMSNorm per head on the rounded output (see the host path); on a GPU, one
+        // kernel with these rounding points ([`super::deltanet_kernels`]).
         let eps = self.cfg.rms_norm_eps;
-        let r = (o.sqr()?.mean_keepdim(2)? + eps)?.sqrt()?.recip()?;
-        let normed = cm.round(o.broadcast_mul(&r)?)?;
-        let weighted = cm.round(normed.broadcast_mul(&norm_w)?)?;
-        let z = z.reshape((t, nv, dv))?;
-        let core = cm
-            .round((weighted * ops::silu(&z)?)?)?
-            .reshape((t, nv * dv))?;
+        let core = phase(dev, "gated deltanet: gated norm", || {
+            if let Some(core) = super::deltanet_kernels::gated_rms_norm(&o, &z, &norm_w, eps, cm)? {
+                return Ok(core);
+            }
+            let o = cm.round(o.transpose(0, 1)?.contiguous()?)?; // [t, nv, dv]
+            let r = (o.sqr()?.mean_keepdim(2)? + eps)?.sqrt()?.recip()?;
+            let normed = cm.round(o.broadcast_mul(&r)?)?;
+            let weighted = cm.round(normed.broadcast_mul(&norm_w)?)?;
+            let z = z.reshape((t, nv, dv))?;
+            Ok(cm
+                .round((weighted * ops::silu(&z)?)?)?
+                .reshape((t, nv * dv))?)
+        })?;
         let y = phase(dev, "gated deltanet: projections", || {
             Ok(cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?)
         })?;

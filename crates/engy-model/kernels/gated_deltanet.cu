@@ -1,0 +1,62 @@
+// The causal depthwise convolution of a Gated DeltaNet layer and its SiLU
+// (src/arch/qwen3_5_moe.rs, `delta_net_tensors`) as one kernel, with the unfused candle
+// operations' arithmetic: per output row r and channel ch, s = Σ_j input[r + j, ch] · w[j, ch]
+// summed in tap order from 0 (each product rounded, then added), s rounded to the activation
+// dtype, then silu(s) = s / (1 + exp(-s)) in f32, rounded again. `round` selects bf16
+// rounding (a bf16 recompute) or none (f32). Products and sums are kept apart (__fmul_rn,
+// __fadd_rn, __fdiv_rn) so that nvcc does not contract them into fused multiply-adds.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float rnd(float x, int round) {
+    return round ? __bfloat162float(__float2bfloat16_rn(x)) : x;
+}
+
+// input [t + taps - 1, ch] f32 (the cached history, then the new rows), w [taps, ch] f32,
+// out [t, ch] f32. Grid-stride over t · ch.
+extern "C" __global__ void engy_causal_conv_silu(
+    const float* __restrict__ input, const float* __restrict__ w, float* __restrict__ out,
+    uint32_t t, uint32_t ch, uint32_t taps, int round) {
+    const size_t total = (size_t)t * ch;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / ch, c = i % ch;
+        float s = 0.0f;
+        for (uint32_t j = 0; j < taps; ++j)
+            s = __fadd_rn(s, __fmul_rn(input[(r + j) * ch + c], w[(size_t)j * ch + c]));
+        s = rnd(s, round);
+        out[i] = rnd(__fdiv_rn(s, __fadd_rn(1.0f, expf(-s))), round);
+    }
+}
+
+// The gated RMSNorm after the delta rule, per (row, value head) with the unfused candle
+// operations' rounding points: o = round(rule output), r = 1 / sqrt(Σ o² · (1/dv) + eps),
+// core = round(round(round(o · r) · w) · silu(z)). One warp per (row, head); the sum of squares
+// runs in another order than candle's reduction (as between any two reduction kernels).
+// o [heads, o_rows, dv] f32 (rows past t unused), z and out [t, heads · dv] f32, w [dv] f32.
+extern "C" __global__ void engy_gated_rms_norm(
+    const float* __restrict__ o, const float* __restrict__ z, const float* __restrict__ w,
+    float* __restrict__ out, uint32_t t, uint32_t o_rows, uint32_t heads, uint32_t dv,
+    float inv_dv, float eps, int round) {
+    const unsigned lane = threadIdx.x & 31u;
+    const size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (warp >= (size_t)t * heads) return;
+    const size_t r = warp / heads, h = warp % heads;
+    const float* orow = o + (h * o_rows + r) * dv;
+    float ss = 0.0f;
+    for (uint32_t j = lane; j < dv; j += 32) {
+        const float x = rnd(orow[j], round);
+        ss = __fadd_rn(ss, __fmul_rn(x, x));
+    }
+    for (int off = 16; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
+    const float inv = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fmul_rn(ss, inv_dv), eps)));
+    const size_t base = (r * heads + h) * dv;
+    for (uint32_t j = lane; j < dv; j += 32) {
+        const float x = rnd(orow[j], round);
+        const float normed = rnd(__fmul_rn(x, inv), round);
+        const float weighted = rnd(__fmul_rn(normed, w[j]), round);
+        const float zz = z[base + j];
+        const float gate = __fdiv_rn(zz, __fadd_rn(1.0f, expf(-zz)));
+        out[base + j] = rnd(__fmul_rn(weighted, gate), round);
+    }
+}

@@ -1,0 +1,186 @@
+//! The element-wise steps of a Gated DeltaNet layer around the delta rule on a GPU
+//! ([`super::qwen3_5_moe`]'s tensor path), one kernel each (`kernels/gated_deltanet.cu`)
+//! instead of a chain of candle operations, with their rounding points (`round` is the
+//! activation dtype's; `silu(x) = x / (1 + exp(−x))` in f32):
+//! * [`causal_conv_silu`]: for new row `r` and channel `ch`,
+//!   `round(silu(round(Σ_j input[r + j, ch] · w[j, ch])))`, taps summed in order from 0, each
+//!   product rounded before it is added; bit for bit the candle operations;
+//! * [`gated_rms_norm`]: per row and value head, `o = round(rule output)`,
+//!   `r = 1 / sqrt(mean(o²) + eps)`, `round(round(round(o · r) · w) · silu(z))`; the sum of
+//!   squares runs in another order than candle's reduction.
+//!
+//! scripts/gpu-check.sh checks both against the candle operations (`gpu_kernels`). Each
+//! returns `None` where it does not apply (the CPU, a build without the `cuda` feature,
+//! `ENGY_FUSED_DELTANET=0`).
+use candle_core::Tensor;
+
+use crate::Compute;
+
+/// Whether the kernels may be used: not turned off by `ENGY_FUSED_DELTANET=0`.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_FUSED_DELTANET").map_or(true, |v| v != "0"))
+}
+
+/// `input` `[t + taps − 1, ch]` f32 (the cached history rows, then the new ones), `w`
+/// `[taps, ch]` f32 → `[t, ch]` f32, as the module docs state, rounded as `c` rounds.
+///
+/// # Errors
+/// A candle error when the shapes do not fit or the device fails.
+pub fn causal_conv_silu(input: &Tensor, w: &Tensor, c: Compute) -> candle_core::Result<Option<Tensor>> {
+    if !enabled() || input.device().is_cpu() {
+        return Ok(None);
+    }
+    let (rows, ch) = input.dims2()?;
+    let (taps, ch2) = w.dims2()?;
+    if taps == 0 || ch2 != ch || rows + 1 < taps {
+        candle_core::bail!("causal conv: input {:?}, weights {:?}", input.dims(), w.dims());
+    }
+    imp::causal_conv_silu(input, w, rows + 1 - taps, c)
+}
+
+/// The gated RMSNorm of the module docs: `o` `[heads, ≥ t, dv]` (the rule's outputs, rows
+/// past `t` unused), `z` `[t, heads · dv]`, `w` `[dv]` → `[t, heads · dv]` f32, rounded as `c`
+/// rounds.
+///
+/// # Errors
+/// A candle error when the shapes do not fit or the device fails.
+pub fn gated_rms_norm(
+    o: &Tensor,
+    z: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    c: Compute,
+) -> candle_core::Result<Option<Tensor>> {
+    if !enabled() || o.device().is_cpu() {
+        return Ok(None);
+    }
+    let (heads, o_rows, dv) = o.dims3()?;
+    let (t, width) = z.dims2()?;
+    if o_rows < t || width != heads * dv || w.dims() != [dv] || dv == 0 {
+        candle_core::bail!("gated norm: o {:?}, z {:?}, w {:?}", o.dims(), z.dims(), w.dims());
+    }
+    imp::gated_rms_norm(o, z, w, eps, c)
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::*;
+
+    pub(super) fn causal_conv_silu(
+        _input: &Tensor,
+        _w: &Tensor,
+        _t: usize,
+        _c: Compute,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    pub(super) fn gated_rms_norm(
+        _o: &Tensor,
+        _z: &Tensor,
+        _w: &Tensor,
+        _eps: f64,
+        _c: Compute,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::*;
+    use crate::arch::kernels::{self, alloc, elementwise, err, u32_arg, with_view, wrap};
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::{DType, Device};
+
+    const OP: &str = "gated deltanet";
+    /// The name the module's PTX is cached under on the device.
+    const MODULE: &str = "engy_gated_deltanet";
+
+    #[allow(unsafe_code)]
+    pub(super) fn causal_conv_silu(
+        input: &Tensor,
+        w: &Tensor,
+        t: usize,
+        c: Compute,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(cd) = input.device() else {
+            return Ok(None);
+        };
+        let (_, ch) = input.dims2()?;
+        let taps = w.dim(0)?;
+        let stream = cd.cuda_stream();
+        // SAFETY: the kernel writes all `t · ch` elements.
+        let mut out = unsafe { alloc::<f32>(&stream, t * ch)? };
+        let f = cd.get_or_load_custom_func("engy_causal_conv_silu", MODULE, kernels::GATED_DELTANET)?;
+        let args = [
+            u32_arg(OP, "rows", t)?,
+            u32_arg(OP, "channels", ch)?,
+            u32_arg(OP, "taps", taps)?,
+        ];
+        let round = i32::from(c == Compute::Bf16);
+        with_view::<f32, _>(input, DType::F32, |iv| {
+            with_view::<f32, _>(w, DType::F32, |wv| {
+                let mut b = f.builder();
+                b.arg(&iv).arg(&wv).arg(&mut out);
+                for a in &args {
+                    b.arg(a);
+                }
+                b.arg(&round);
+                // SAFETY: (const float*, const float*, float*, 3 × uint32_t, int) as pushed;
+                // input holds t + taps − 1 rows of ch, w taps rows of ch, out t rows of ch.
+                unsafe { b.launch(elementwise(OP, t * ch, 256)?) }
+                    .map(|_| ())
+                    .map_err(|e| err(OP, "launching", e))
+            })
+        })?;
+        Ok(Some(wrap(out, cd, (t, ch))?))
+    }
+
+    #[allow(unsafe_code)]
+    pub(super) fn gated_rms_norm(
+        o: &Tensor,
+        z: &Tensor,
+        w: &Tensor,
+        eps: f64,
+        c: Compute,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(cd) = o.device() else {
+            return Ok(None);
+        };
+        let (heads, o_rows, dv) = o.dims3()?;
+        let t = z.dim(0)?;
+        let stream = cd.cuda_stream();
+        // SAFETY: the kernel writes all `t · heads · dv` elements (one warp per row and head).
+        let mut out = unsafe { alloc::<f32>(&stream, t * heads * dv)? };
+        let f = cd.get_or_load_custom_func("engy_gated_rms_norm", MODULE, kernels::GATED_DELTANET)?;
+        let args = [
+            u32_arg(OP, "rows", t)?,
+            u32_arg(OP, "rule rows", o_rows)?,
+            u32_arg(OP, "heads", heads)?,
+            u32_arg(OP, "head width", dv)?,
+        ];
+        let (inv_dv, eps32) = ((1.0 / dv as f64) as f32, eps as f32);
+        let round = i32::from(c == Compute::Bf16);
+        with_view::<f32, _>(o, DType::F32, |ov| {
+            with_view::<f32, _>(z, DType::F32, |zv| {
+                with_view::<f32, _>(w, DType::F32, |wv| {
+                    let mut b = f.builder();
+                    b.arg(&ov).arg(&zv).arg(&wv).arg(&mut out);
+                    for a in &args {
+                        b.arg(a);
+                    }
+                    b.arg(&inv_dv).arg(&eps32).arg(&round);
+                    // SAFETY: (3 × const float*, float*, 4 × uint32_t, float, float, int) as
+                    // pushed; warp (r, h) reads row r < t ≤ o_rows of head h of `o`, row r of
+                    // `z` and `w` (dv each), and writes row r, head h of `out`.
+                    unsafe { b.launch(elementwise(OP, t * heads * 32, 256)?) }
+                        .map(|_| ())
+                        .map_err(|e| err(OP, "launching the gated norm", e))
+                })
+            })
+        })?;
+        Ok(Some(wrap(out, cd, (t, heads * dv))?))
+    }
+}
