@@ -20,14 +20,16 @@
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
 use candle_core::{DType, Device, Tensor};
-use engy_model::arch::{deltanet_kernels, delta_rule, expert_kernels, fused_attention, ops};
+use engy_model::arch::{delta_rule, deltanet_kernels, expert_kernels, fused_attention, ops};
 use engy_model::{Compute, DeviceSpec};
 
 mod common;
 
 /// `n` values in [-amp, amp) from a fixed LCG, rounded to bf16 (a bf16 recompute's q, k, v).
 fn bf16_values(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
             x = x
@@ -52,11 +54,38 @@ struct Case {
 
 const CASES: &[Case] = &[
     // Qwen3.6's full-attention shape (16 query heads over 2 KV heads, head dim 256), prefill.
-    Case { name: "gqa prefill", h: 16, kv: 2, t: 333, off: 0, d: 256, dv: 256, masked: true },
+    Case {
+        name: "gqa prefill",
+        h: 16,
+        kv: 2,
+        t: 333,
+        off: 0,
+        d: 256,
+        dv: 256,
+        masked: true,
+    },
     // New positions after cached ones, odd sizes, one query head per KV head.
-    Case { name: "cached keys", h: 4, kv: 4, t: 37, off: 91, d: 64, dv: 48, masked: true },
+    Case {
+        name: "cached keys",
+        h: 4,
+        kv: 4,
+        t: 37,
+        off: 91,
+        d: 64,
+        dv: 48,
+        masked: true,
+    },
     // No mask (one new position attends to every key).
-    Case { name: "no mask", h: 8, kv: 2, t: 1, off: 200, d: 128, dv: 128, masked: false },
+    Case {
+        name: "no mask",
+        h: 8,
+        kv: 2,
+        t: 1,
+        off: 200,
+        d: 128,
+        dv: 128,
+        masked: false,
+    },
 ];
 
 #[test]
@@ -68,9 +97,24 @@ fn fused_attention_is_the_unfused_rule() {
         let s = c.off + c.t;
         let seed = 1 + ci as u64 * 3;
         // Scores of a few units, as after q/k norms: exponentials span many bf16 binades.
-        let q = Tensor::from_vec(bf16_values(c.h * c.t * c.d, seed, 1.5), (c.h, c.t, c.d), &Device::Cpu).unwrap();
-        let k = Tensor::from_vec(bf16_values(c.kv * s * c.d, seed + 1, 1.5), (c.kv, s, c.d), &Device::Cpu).unwrap();
-        let v = Tensor::from_vec(bf16_values(c.kv * s * c.dv, seed + 2, 4.0), (c.kv, s, c.dv), &Device::Cpu).unwrap();
+        let q = Tensor::from_vec(
+            bf16_values(c.h * c.t * c.d, seed, 1.5),
+            (c.h, c.t, c.d),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let k = Tensor::from_vec(
+            bf16_values(c.kv * s * c.d, seed + 1, 1.5),
+            (c.kv, s, c.d),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let v = Tensor::from_vec(
+            bf16_values(c.kv * s * c.dv, seed + 2, 4.0),
+            (c.kv, s, c.dv),
+            &Device::Cpu,
+        )
+        .unwrap();
         let scale = 1.0 / (c.d as f64).sqrt();
         let mask = if c.masked {
             ops::causal_mask(c.t, c.off, &Device::Cpu).unwrap()
@@ -80,12 +124,14 @@ fn fused_attention_is_the_unfused_rule() {
         let want = ops::attention_in(&q, &k, &v, scale, mask.as_ref(), Compute::Bf16).unwrap();
         let on = |x: &Tensor| x.to_device(&dev).unwrap();
         let mask_d = mask.as_ref().map(on);
-        let fused = fused_attention::attention(&on(&q), &on(&k), &on(&v), scale, mask_d.as_ref()).unwrap();
+        let fused =
+            fused_attention::attention(&on(&q), &on(&k), &on(&v), scale, mask_d.as_ref()).unwrap();
         if matches!(common::test_device(), DeviceSpec::Cpu) {
             assert!(fused.is_none(), "{}: the fused path ran on the CPU", c.name);
             continue;
         }
-        let fused = fused.unwrap_or_else(|| panic!("{}: the fused path did not apply on the GPU", c.name));
+        let fused =
+            fused.unwrap_or_else(|| panic!("{}: the fused path did not apply on the GPU", c.name));
         assert_eq!(fused.dims(), &[c.h, c.t, c.dv], "{}", c.name);
         // The same tail as ops::attention_in: heads concatenated, rounded to bf16.
         let got = fused
@@ -102,18 +148,35 @@ fn fused_attention_is_the_unfused_rule() {
             .to_device(&Device::Cpu)
             .unwrap();
         // And the whole of ops::attention_in on the device, which must take the fused path.
-        let whole = ops::attention_in(&on(&q), &on(&k), &on(&v), scale, mask_d.as_ref(), Compute::Bf16)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap();
+        let whole = ops::attention_in(
+            &on(&q),
+            &on(&k),
+            &on(&v),
+            scale,
+            mask_d.as_ref(),
+            Compute::Bf16,
+        )
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
         let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (want, got, whole) = (flat(&want), flat(&got), flat(&whole));
-        assert_eq!(got, whole, "{}: ops::attention_in on the GPU is not the fused path", c.name);
+        assert_eq!(
+            got, whole,
+            "{}: ops::attention_in on the GPU is not the fused path",
+            c.name
+        );
         // Two implementations of the rule differ where an exponential sits at a bf16 rounding
         // boundary and the score's last f32 bit (the sums' order) decides its side: that moves
         // the output by at most one bf16 step of the exponential times |v| over the row sum,
         // at most 2^-8·max|v| in all; then the output's own rounding, a step either way.
-        let vmax = v.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let vmax = v
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         let step = |x: f32| 2f32.powi(x.abs().max(f32::MIN_POSITIVE).log2().floor() as i32 - 7);
         let mut equal = 0usize;
         for (i, (&w, &g)) in want.iter().zip(&got).enumerate() {
@@ -128,7 +191,12 @@ fn fused_attention_is_the_unfused_rule() {
         // Such boundaries are rare: most values must be equal. A different rounding point
         // (exponentials not rounded, say) leaves about half of them unequal.
         let share = equal as f64 / want.len() as f64;
-        assert!(share >= 0.95, "{}: only {:.4} of values equal", c.name, share);
+        assert!(
+            share >= 0.95,
+            "{}: only {:.4} of values equal",
+            c.name,
+            share
+        );
         eprintln!("{}: {:.5} of {} values equal", c.name, share, want.len());
     }
 }
@@ -137,12 +205,18 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(a.len(), b.len());
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Rows of `x` `[h, t, w]` l2-normalised over `w` (the rule's q and k).
 fn l2(x: &Tensor) -> Tensor {
-    let norm = (x.sqr().unwrap().sum_keepdim(2).unwrap() + 1e-6).unwrap().sqrt().unwrap();
+    let norm = (x.sqr().unwrap().sum_keepdim(2).unwrap() + 1e-6)
+        .unwrap()
+        .sqrt()
+        .unwrap();
     x.broadcast_div(&norm).unwrap()
 }
 
@@ -157,11 +231,19 @@ fn the_delta_rule_chunk_loop_is_the_unfused_loop() {
     for (i, &t) in [5usize, 64, 200].iter().enumerate() {
         let seed = 100 + i as u64 * 10;
         let cpu = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
-        let q = (l2(&cpu(bf16_values(h * t * dk, seed, 1.0), &[h, t, dk])) * (dk as f64).powf(-0.5)).unwrap();
+        let q = (l2(&cpu(bf16_values(h * t * dk, seed, 1.0), &[h, t, dk]))
+            * (dk as f64).powf(-0.5))
+        .unwrap();
         let k = l2(&cpu(bf16_values(h * t * dk, seed + 1, 1.0), &[h, t, dk]));
         let v = cpu(bf16_values(h * t * dv, seed + 2, 2.0), &[h, t, dv]);
-        let beta = cpu(bf16_values(h * t, seed + 3, 1.0), &[h, t]).affine(0.5, 0.5).unwrap();
-        let g = (cpu(bf16_values(h * t, seed + 4, 1.0), &[h, t]).abs().unwrap() * -0.7).unwrap();
+        let beta = cpu(bf16_values(h * t, seed + 3, 1.0), &[h, t])
+            .affine(0.5, 0.5)
+            .unwrap();
+        let g = (cpu(bf16_values(h * t, seed + 4, 1.0), &[h, t])
+            .abs()
+            .unwrap()
+            * -0.7)
+            .unwrap();
         let s0 = cpu(bf16_values(h * dk * dv, seed + 5, 0.3), &[h, dk, dv]);
         let (want, want_s) = delta_rule::chunked(&q, &k, &v, &beta, &g, &s0).unwrap();
         let on = |x: &Tensor| x.to_device(&dev).unwrap();
@@ -171,10 +253,20 @@ fn the_delta_rule_chunk_loop_is_the_unfused_loop() {
         let back = |x: &Tensor| x.to_device(&Device::Cpu).unwrap();
         assert_eq!(got.dims(), want.dims(), "t={t}");
         assert_eq!(got_s.dims(), want_s.dims(), "t={t}");
-        let (e, es) = (max_abs_diff(&back(&got), &want), max_abs_diff(&back(&got_s), &want_s));
-        assert!(e < 1e-4 && es < 1e-4, "t={t}: outputs off by {e}, state by {es}");
+        let (e, es) = (
+            max_abs_diff(&back(&got), &want),
+            max_abs_diff(&back(&got_s), &want_s),
+        );
+        assert!(
+            e < 1e-4 && es < 1e-4,
+            "t={t}: outputs off by {e}, state by {es}"
+        );
         // The caller's state is not written (the kernel updates its own copy).
-        assert_eq!(max_abs_diff(&back(&s0_dev), &s0), 0.0, "t={t}: the starting state changed");
+        assert_eq!(
+            max_abs_diff(&back(&s0_dev), &s0),
+            0.0,
+            "t={t}: the starting state changed"
+        );
         eprintln!("delta rule t={t}: outputs within {e:e}, state within {es:e}");
     }
 }
@@ -193,49 +285,107 @@ fn the_expert_kernels_are_the_candle_operations() {
         assert!(gathered.is_none(), "the expert kernels ran on the CPU");
         return;
     }
-    let flat = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let flat = |x: &Tensor| {
+        x.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
     let ids = Tensor::from_vec(idx.clone(), idx.len(), &dev).unwrap();
-    let want = x.index_select(&ids, 0).unwrap().to_dtype(DType::BF16).unwrap();
+    let want = x
+        .index_select(&ids, 0)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     let got = gathered.expect("gather on the GPU");
     assert_eq!(got.dtype(), DType::BF16);
     assert_eq!(flat(&got), flat(&want), "gather");
-    assert!(expert_kernels::gather_rows_bf16(&x, &[t as u32]).is_err(), "a row past the end");
+    assert!(
+        expert_kernels::gather_rows_bf16(&x, &[t as u32]).is_err(),
+        "a row past the end"
+    );
 
     // SwiGLU on gate/up products of several binades, negative and positive.
     let n = t * k * inter;
-    let g = Tensor::from_vec(bf16_values(n, 8, 12.0), (t * k, inter), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-    let u = Tensor::from_vec(bf16_values(n, 9, 5.0), (t * k, inter), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-    let round = |x: Tensor| x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
-    let (gf, uf) = (g.to_dtype(DType::F32).unwrap(), u.to_dtype(DType::F32).unwrap());
+    let g = Tensor::from_vec(bf16_values(n, 8, 12.0), (t * k, inter), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let u = Tensor::from_vec(bf16_values(n, 9, 5.0), (t * k, inter), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let round = |x: Tensor| {
+        x.to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    let (gf, uf) = (
+        g.to_dtype(DType::F32).unwrap(),
+        u.to_dtype(DType::F32).unwrap(),
+    );
     let want = round((round(ops::silu(&gf).unwrap()) * uf).unwrap());
-    let got = expert_kernels::swiglu_bf16(&g, &u).unwrap().expect("swiglu on the GPU");
+    let got = expert_kernels::swiglu_bf16(&g, &u)
+        .unwrap()
+        .expect("swiglu on the GPU");
     assert_eq!(flat(&got), flat(&want), "swiglu");
 
     // Combine: rows of every expert's output, k picks per token, weights rounded to bf16.
     let rows = t * k;
-    let y = Tensor::from_vec(bf16_values(rows * width, 10, 6.0), (rows, width), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let y = Tensor::from_vec(bf16_values(rows * width, 10, 6.0), (rows, width), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     let mut pick: Vec<u32> = (0..t * k).map(|i| ((i * 53) % rows) as u32).collect();
     pick[5 * k + k - 1] = rows as u32; // token 5 has one choice fewer
-    let w: Vec<f32> = bf16_values(t * k, 11, 1.0).iter().map(|v| half::bf16::from_f32(v.abs()).to_f32()).collect();
+    let w: Vec<f32> = bf16_values(t * k, 11, 1.0)
+        .iter()
+        .map(|v| half::bf16::from_f32(v.abs()).to_f32())
+        .collect();
     for round_products in [true, false] {
-        let all = Tensor::cat(&[y.to_dtype(DType::F32).unwrap(), Tensor::zeros((1, width), DType::F32, &dev).unwrap()], 0).unwrap();
+        let all = Tensor::cat(
+            &[
+                y.to_dtype(DType::F32).unwrap(),
+                Tensor::zeros((1, width), DType::F32, &dev).unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
         let picked = all
             .index_select(&Tensor::from_vec(pick.clone(), t * k, &dev).unwrap(), 0)
             .unwrap()
             .reshape((t, k, width))
             .unwrap();
-        let mut weighted = picked.broadcast_mul(&Tensor::from_vec(w.clone(), (t, k, 1), &dev).unwrap()).unwrap();
+        let mut weighted = picked
+            .broadcast_mul(&Tensor::from_vec(w.clone(), (t, k, 1), &dev).unwrap())
+            .unwrap();
         if round_products {
             weighted = round(weighted);
         }
         let want = flat(&weighted.sum(1).unwrap());
-        let got = flat(&expert_kernels::combine(&y, &pick, &w, k, round_products).unwrap().expect("combine on the GPU"));
+        let got = flat(
+            &expert_kernels::combine(&y, &pick, &w, k, round_products)
+                .unwrap()
+                .expect("combine on the GPU"),
+        );
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let err = want.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(scale > 0.0 && err <= 1e-6 * scale, "combine (round {round_products}): off by {err} (scale {scale})");
+        let err = want
+            .iter()
+            .zip(&got)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            scale > 0.0 && err <= 1e-6 * scale,
+            "combine (round {round_products}): off by {err} (scale {scale})"
+        );
         eprintln!("combine (round {round_products}): within {err:e} of scale {scale}");
     }
-    assert!(expert_kernels::combine(&y, &pick[1..], &w[1..], k, true).is_err(), "picks not t·k");
+    assert!(
+        expert_kernels::combine(&y, &pick[1..], &w[1..], k, true).is_err(),
+        "picks not t·k"
+    );
 }
 
 #[test]
@@ -244,7 +394,12 @@ fn the_causal_conv_kernel_is_the_candle_operations() {
         .device()
         .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
     let (t, ch, taps) = (131usize, 96usize, 4usize);
-    let input = Tensor::from_vec(bf16_values((t + taps - 1) * ch, 21, 4.0), (t + taps - 1, ch), &dev).unwrap();
+    let input = Tensor::from_vec(
+        bf16_values((t + taps - 1) * ch, 21, 4.0),
+        (t + taps - 1, ch),
+        &dev,
+    )
+    .unwrap();
     let w = Tensor::from_vec(bf16_values(taps * ch, 22, 1.0), (taps, ch), &dev).unwrap();
     for c in [Compute::F32, Compute::Bf16] {
         let got = deltanet_kernels::causal_conv_silu(&input, &w, c).unwrap();
@@ -254,19 +409,33 @@ fn the_causal_conv_kernel_is_the_candle_operations() {
         }
         let round = |x: Tensor| match c {
             Compute::F32 => x,
-            Compute::Bf16 => x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(),
+            Compute::Bf16 => x
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap(),
         };
         // The unfused operations of qwen3_5_moe's tensor path.
         let mut s = Tensor::zeros((t, ch), DType::F32, &dev).unwrap();
         for j in 0..taps {
-            s = (s + input.narrow(0, j, t).unwrap().broadcast_mul(&w.narrow(0, j, 1).unwrap()).unwrap()).unwrap();
+            s = (s + input
+                .narrow(0, j, t)
+                .unwrap()
+                .broadcast_mul(&w.narrow(0, j, 1).unwrap())
+                .unwrap())
+            .unwrap();
         }
         let want = round(ops::silu(&round(s)).unwrap());
         let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let got = got.expect("the conv kernel on the GPU");
         assert_eq!(flat(&got), flat(&want), "{c:?}");
     }
-    assert!(deltanet_kernels::causal_conv_silu(&input, &w.narrow(1, 0, ch - 1).unwrap(), Compute::F32).is_err());
+    assert!(deltanet_kernels::causal_conv_silu(
+        &input,
+        &w.narrow(1, 0, ch - 1).unwrap(),
+        Compute::F32
+    )
+    .is_err());
 }
 
 #[test]
@@ -286,29 +455,51 @@ fn the_gated_norm_kernel_is_the_candle_operations() {
         }
         let round = |x: Tensor| match c {
             Compute::F32 => x,
-            Compute::Bf16 => x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(),
+            Compute::Bf16 => x
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap(),
         };
         let or = round(o.transpose(0, 1).unwrap().contiguous().unwrap());
-        let r = (or.sqr().unwrap().mean_keepdim(2).unwrap() + eps).unwrap().sqrt().unwrap().recip().unwrap();
+        let r = (or.sqr().unwrap().mean_keepdim(2).unwrap() + eps)
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .recip()
+            .unwrap();
         let normed = round(or.broadcast_mul(&r).unwrap());
         let weighted = round(normed.broadcast_mul(&w).unwrap());
         let zz = z.reshape((t, heads, dv)).unwrap();
-        let want = round((weighted * ops::silu(&zz).unwrap()).unwrap()).reshape((t, heads * dv)).unwrap();
+        let want = round((weighted * ops::silu(&zz).unwrap()).unwrap())
+            .reshape((t, heads * dv))
+            .unwrap();
         let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (want, got) = (flat(&want), flat(&got.expect("the gated norm on the GPU")));
         let mut equal = 0usize;
         for (i, (&a, &b)) in want.iter().zip(&got).enumerate() {
             let bound = match c {
                 Compute::F32 => 1e-6 * a.abs().max(1e-30),
-                Compute::Bf16 => 2f32.powi(a.abs().max(b.abs()).max(f32::MIN_POSITIVE).log2().floor() as i32 - 7),
+                Compute::Bf16 => {
+                    2f32.powi(a.abs().max(b.abs()).max(f32::MIN_POSITIVE).log2().floor() as i32 - 7)
+                }
             };
-            assert!((a - b).abs() <= bound, "{c:?}: value {i} is {b}, candle {a}");
+            assert!(
+                (a - b).abs() <= bound,
+                "{c:?}: value {i} is {b}, candle {a}"
+            );
             equal += usize::from(a == b);
         }
         let share = equal as f64 / want.len() as f64;
         // In f32 every value may differ in its last bit; bf16 rounding hides that but where a
         // value sits at a rounding boundary.
-        assert!(c == Compute::F32 || share >= 0.99, "{c:?}: only {share:.4} of values equal");
-        eprintln!("gated norm {c:?}: {share:.5} of {} values equal", want.len());
+        assert!(
+            c == Compute::F32 || share >= 0.99,
+            "{c:?}: only {share:.4} of values equal"
+        );
+        eprintln!(
+            "gated norm {c:?}: {share:.5} of {} values equal",
+            want.len()
+        );
     }
 }

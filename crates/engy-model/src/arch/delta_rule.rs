@@ -230,7 +230,10 @@ mod cuda {
             && p.k_dec_t.dims() == [n, h, dk, c]
             && p.last_decay.elem_count() == n * h;
         if !fits {
-            candle_core::bail!("{OP}: the chunk tensors do not fit the state {:?}", state.dims());
+            candle_core::bail!(
+                "{OP}: the chunk tensors do not fit the state {:?}",
+                state.dims()
+            );
         }
         let shared = (dk + c) * COLS * std::mem::size_of::<f32>();
         if shared > 48 * 1024 {
@@ -249,8 +252,11 @@ mod cuda {
                 .memcpy_dtod(&s0, &mut st)
                 .map_err(|e| err(OP, "copying the state", e))
         })?;
-        let func =
-            cd.get_or_load_custom_func("engy_delta_rule_chunks", "engy_delta_rule", kernels::DELTA_RULE)?;
+        let func = cd.get_or_load_custom_func(
+            "engy_delta_rule_chunks",
+            "engy_delta_rule",
+            kernels::DELTA_RULE,
+        )?;
         let dims = [
             u32_arg(OP, "chunks", n)?,
             u32_arg(OP, "heads", h)?,
@@ -290,7 +296,10 @@ mod cuda {
                 })
             })
         })?;
-        Ok(Some((wrap(out, cd, (h, n * c, dv))?, wrap(st, cd, (h, dk, dv))?)))
+        Ok(Some((
+            wrap(out, cd, (h, n * c, dv))?,
+            wrap(st, cd, (h, dk, dv))?,
+        )))
     }
 }
 

@@ -27,14 +27,22 @@ pub fn enabled() -> bool {
 ///
 /// # Errors
 /// A candle error when the shapes do not fit or the device fails.
-pub fn causal_conv_silu(input: &Tensor, w: &Tensor, c: Compute) -> candle_core::Result<Option<Tensor>> {
+pub fn causal_conv_silu(
+    input: &Tensor,
+    w: &Tensor,
+    c: Compute,
+) -> candle_core::Result<Option<Tensor>> {
     if !enabled() || input.device().is_cpu() {
         return Ok(None);
     }
     let (rows, ch) = input.dims2()?;
     let (taps, ch2) = w.dims2()?;
     if taps == 0 || ch2 != ch || rows + 1 < taps {
-        candle_core::bail!("causal conv: input {:?}, weights {:?}", input.dims(), w.dims());
+        candle_core::bail!(
+            "causal conv: input {:?}, weights {:?}",
+            input.dims(),
+            w.dims()
+        );
     }
     imp::causal_conv_silu(input, w, rows + 1 - taps, c)
 }
@@ -58,7 +66,12 @@ pub fn gated_rms_norm(
     let (heads, o_rows, dv) = o.dims3()?;
     let (t, width) = z.dims2()?;
     if o_rows < t || width != heads * dv || w.dims() != [dv] || dv == 0 {
-        candle_core::bail!("gated norm: o {:?}, z {:?}, w {:?}", o.dims(), z.dims(), w.dims());
+        candle_core::bail!(
+            "gated norm: o {:?}, z {:?}, w {:?}",
+            o.dims(),
+            z.dims(),
+            w.dims()
+        );
     }
     imp::gated_rms_norm(o, z, w, eps, c)
 }
@@ -113,7 +126,8 @@ mod imp {
         let stream = cd.cuda_stream();
         // SAFETY: the kernel writes all `t · ch` elements.
         let mut out = unsafe { alloc::<f32>(&stream, t * ch)? };
-        let f = cd.get_or_load_custom_func("engy_causal_conv_silu", MODULE, kernels::GATED_DELTANET)?;
+        let f =
+            cd.get_or_load_custom_func("engy_causal_conv_silu", MODULE, kernels::GATED_DELTANET)?;
         let args = [
             u32_arg(OP, "rows", t)?,
             u32_arg(OP, "channels", ch)?,
@@ -154,7 +168,8 @@ mod imp {
         let stream = cd.cuda_stream();
         // SAFETY: the kernel writes all `t · heads · dv` elements (one warp per row and head).
         let mut out = unsafe { alloc::<f32>(&stream, t * heads * dv)? };
-        let f = cd.get_or_load_custom_func("engy_gated_rms_norm", MODULE, kernels::GATED_DELTANET)?;
+        let f =
+            cd.get_or_load_custom_func("engy_gated_rms_norm", MODULE, kernels::GATED_DELTANET)?;
         let args = [
             u32_arg(OP, "rows", t)?,
             u32_arg(OP, "rule rows", o_rows)?,

@@ -50,7 +50,13 @@ pub fn swiglu_bf16(g: &Tensor, u: &Tensor) -> candle_core::Result<Option<Tensor>
         return Ok(None);
     }
     if g.dims() != u.dims() || g.dtype() != candle_core::DType::BF16 || u.dtype() != g.dtype() {
-        candle_core::bail!("swiglu: gate {:?} {:?}, up {:?} {:?}", g.dims(), g.dtype(), u.dims(), u.dtype());
+        candle_core::bail!(
+            "swiglu: gate {:?} {:?}, up {:?} {:?}",
+            g.dims(),
+            g.dtype(),
+            u.dims(),
+            u.dtype()
+        );
     }
     imp::swiglu_bf16(g, u)
 }
@@ -74,8 +80,17 @@ pub fn combine(
         return Ok(None);
     }
     let rows = y.dim(0)?;
-    if k == 0 || pick.len() != w.len() || pick.len() % k != 0 || y.dtype() != candle_core::DType::BF16 {
-        candle_core::bail!("combine: {} picks, {} weights, top-k {k}, {:?}", pick.len(), w.len(), y.dtype());
+    if k == 0
+        || pick.len() != w.len()
+        || pick.len() % k != 0
+        || y.dtype() != candle_core::DType::BF16
+    {
+        candle_core::bail!(
+            "combine: {} picks, {} weights, top-k {k}, {:?}",
+            pick.len(),
+            w.len(),
+            y.dtype()
+        );
     }
     if let Some(bad) = pick.iter().find(|&&r| r as usize > rows) {
         candle_core::bail!("combine: row {bad} of {rows}");
@@ -87,7 +102,10 @@ pub fn combine(
 mod imp {
     use super::*;
 
-    pub(super) fn gather_rows_bf16(_x: &Tensor, _idx: &[u32]) -> candle_core::Result<Option<Tensor>> {
+    pub(super) fn gather_rows_bf16(
+        _x: &Tensor,
+        _idx: &[u32],
+    ) -> candle_core::Result<Option<Tensor>> {
         Ok(None)
     }
 
@@ -127,7 +145,9 @@ mod imp {
         let (_, width) = x.dims2()?;
         let n = idx.len();
         let stream = cd.cuda_stream();
-        let ids = stream.clone_htod(idx).map_err(|e| err(OP, "copying the row ids", e))?;
+        let ids = stream
+            .clone_htod(idx)
+            .map_err(|e| err(OP, "copying the row ids", e))?;
         // SAFETY: the kernel writes all `n · width` elements.
         let mut out = unsafe { alloc::<bf16>(&stream, n * width)? };
         let f = cd.get_or_load_custom_func("engy_gather_rows_bf16", MODULE, kernels::EXPERTS)?;
@@ -183,8 +203,12 @@ mod imp {
         let (rows, width) = y.dims2()?;
         let t = pick.len() / k;
         let stream = cd.cuda_stream();
-        let picks = stream.clone_htod(pick).map_err(|e| err(OP, "copying the picks", e))?;
-        let weights = stream.clone_htod(w).map_err(|e| err(OP, "copying the weights", e))?;
+        let picks = stream
+            .clone_htod(pick)
+            .map_err(|e| err(OP, "copying the picks", e))?;
+        let weights = stream
+            .clone_htod(w)
+            .map_err(|e| err(OP, "copying the weights", e))?;
         // SAFETY: the kernel writes all `t · width` elements.
         let mut out = unsafe { alloc::<f32>(&stream, t * width)? };
         let f = cd.get_or_load_custom_func("engy_combine_experts", MODULE, kernels::EXPERTS)?;

@@ -142,7 +142,16 @@ pub fn dispatch(
         })
     })?;
     phase(&dev, "moe: routed experts: combine", || {
-        combine(outs, &order, &first_row, rows, choice, (k, hidden), c, round_products)
+        combine(
+            outs,
+            &order,
+            &first_row,
+            rows,
+            choice,
+            (k, hidden),
+            c,
+            round_products,
+        )
     })
 }
 

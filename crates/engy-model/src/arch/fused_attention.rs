@@ -91,8 +91,8 @@ mod cuda {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use candle_core::cuda_backend::cudarc::cublas::sys;
     use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, wrap};
+    use candle_core::cuda_backend::cudarc::cublas::sys;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
     };

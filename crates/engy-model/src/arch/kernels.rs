@@ -8,7 +8,8 @@ use candle_core::{DType, Storage, Tensor};
 /// The PTX of `kernels/attention.cu`.
 pub(crate) const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 /// The PTX of `kernels/gated_deltanet.cu`.
-pub(crate) const GATED_DELTANET: &str = include_str!(concat!(env!("OUT_DIR"), "/gated_deltanet.ptx"));
+pub(crate) const GATED_DELTANET: &str =
+    include_str!(concat!(env!("OUT_DIR"), "/gated_deltanet.ptx"));
 /// The PTX of `kernels/experts.cu`.
 pub(crate) const EXPERTS: &str = include_str!(concat!(env!("OUT_DIR"), "/experts.ptx"));
 /// The PTX of `kernels/delta_rule.cu`.
@@ -53,7 +54,8 @@ pub(crate) fn with_view<T: CudaDType, R>(
         candle_core::bail!("a kernel's operand is not on the GPU");
     };
     let n = l.shape().elem_count();
-    f(st.as_cuda_slice::<T>()?.slice(l.start_offset()..l.start_offset() + n))
+    f(st.as_cuda_slice::<T>()?
+        .slice(l.start_offset()..l.start_offset() + n))
 }
 
 /// A tensor of `shape` over the device buffer `buf` (which holds exactly its elements).

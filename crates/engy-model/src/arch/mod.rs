@@ -22,8 +22,8 @@ use candle_core::Tensor;
 use crate::{Compute, ModelError, Precision};
 
 pub mod config;
-pub mod deltanet_kernels;
 pub mod delta_rule;
+pub mod deltanet_kernels;
 pub mod expert_kernels;
 pub mod experts;
 pub mod fused_attention;

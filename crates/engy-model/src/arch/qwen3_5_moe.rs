@@ -585,7 +585,14 @@ impl Qwen3_5Moe {
         };
         let mask = ops::causal_mask(t, off, h.device())?;
         let y = phase(h.device(), "attention: scores to output", || {
-            Ok(ops::attention_in(&q, &k, &v, 1.0 / (hd as f64).sqrt(), mask.as_ref(), cm)?)
+            Ok(ops::attention_in(
+                &q,
+                &k,
+                &v,
+                1.0 / (hd as f64).sqrt(),
+                mask.as_ref(),
+                cm,
+            )?)
         })?;
         let y = cm.round((y * cm.round(ops::sigmoid(&gate)?)?)?)?;
         let y = cm.round(w.linear_in(&format!("{a}.o_proj"), &y, d, nh * hd, cm)?)?;
