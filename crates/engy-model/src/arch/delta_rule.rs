@@ -177,8 +177,9 @@ pub fn fused_enabled() -> bool {
 /// The chunk-to-chunk loop of [`chunked`] as one kernel (`kernels/delta_rule.cu`) on a GPU:
 /// from `state` `[h, dk, dv]`, the outputs `[h, n·c, dv]` (padding included) and the state
 /// after the last chunk. The kernel keeps each head's state in shared memory, a block per
-/// head and 16 columns of the state (columns never mix), instead of a handful of kernels per
-/// chunk; sums run in another order than the matmuls', products and updates are the same.
+/// head and 16 columns of the state (columns never mix), and stages each chunk's operands
+/// through shared memory one at a time, instead of a handful of kernels per chunk; sums run
+/// in another order than the matmuls', products and updates are the same.
 /// `None` on the CPU, in a build without the `cuda` feature, or with
 /// `ENGY_FUSED_DELTA_RULE=0`.
 fn chunk_loop(p: &ChunkParts, state: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
@@ -235,9 +236,11 @@ mod cuda {
                 state.dims()
             );
         }
-        let shared = (dk + c) * COLS * std::mem::size_of::<f32>();
-        if shared > 48 * 1024 {
-            // Past the default shared-memory window: the unfused loop runs instead.
+        let tile = (c * (dk + 1)).max(dk * (c + 1)).max(c * (c + 1));
+        let shared = (tile + (dk + c) * COLS) * std::mem::size_of::<f32>();
+        if shared > 48 * 1024 || c * COLS > 8 * THREADS as usize {
+            // Past the default shared-memory window, or more of a chunk's outputs than a
+            // thread keeps: the unfused loop runs instead.
             return Ok(None);
         }
         let stream = cd.cuda_stream();

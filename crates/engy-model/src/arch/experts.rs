@@ -176,17 +176,18 @@ fn combine(
             want: vec![rows],
         });
     };
-    let slot: std::collections::HashMap<usize, usize> = order
-        .iter()
-        .enumerate()
-        .map(|(s, (e, _))| (*e, s))
-        .collect();
+    // Each expert's slot in `order`, indexed by expert id (a lookup per routed row).
+    let ids = order.iter().map(|(e, _)| e + 1).max().unwrap_or(0);
+    let mut slot = vec![0usize; ids];
+    for (s, (e, _)) in order.iter().enumerate() {
+        slot[*e] = s;
+    }
     let mut seen = vec![0usize; order.len()];
     let mut pick = vec![rows as u32; t * k];
     let mut wts = vec![0f32; t * k];
     for (tok, list) in choice.iter().enumerate() {
         for (j, &(e, wt)) in list.iter().enumerate() {
-            let s = slot[&e];
+            let s = slot[e];
             pick[tok * k + j] = (first_row[s] + seen[s]) as u32;
             seen[s] += 1;
             wts[tok * k + j] = wt;
