@@ -9,12 +9,15 @@
 // matmuls' (as between any two GEMM kernels), the products and the decay's multiply-add are
 // the same operations.
 #define COLS 16
+// The most chunk rows (c / 16) and key rows (dk / 16) one thread accumulates: c ≤ 64, dk ≤ 128.
+#define MAX_C 4
+#define MAX_K 8
 
 // Inputs chunk-major and contiguous: value [n, h, c, dv], kc (k_cumdecay) and qd (q_dec)
 // [n, h, c, dk], attn [n, h, c, c], kdt (decayed kᵀ) [n, h, dk, c], lambda (last decay)
 // [n, h]. `state` [h, dk, dv] is read as the state before chunk 0 and overwritten with the
-// state after the last chunk; `out` [h, n·c, dv]. Launch: grid (h, ceil(dv / COLS)), any
-// block size of at least c · COLS / 8 threads; dynamic shared memory (tile + (dk + c) · COLS)
+// state after the last chunk; `out` [h, n·c, dv]. c and dk multiples of 16, c ≤ 16·MAX_C,
+// dk ≤ 16·MAX_K. Launch: grid (h, ceil(dv / COLS)), 256 threads (16 × COLS); dynamic shared memory (tile + (dk + c) · COLS)
 // floats, tile = max(c·(dk + 1), dk·(c + 1), c·(c + 1)): one of the chunk's operands at a
 // time (rows padded by one float against bank conflicts), the block's columns of S, and of
 // v_new.
@@ -42,61 +45,82 @@ extern "C" __global__ void engy_delta_rule_chunks(
         for (unsigned x = threadIdx.x; x < rows * width; x += blockDim.x)
             tile[(x / width) * (width + 1) + x % width] = src[x];
     };
+    // Thread layout (blockDim.x == 256): column j of the block's COLS, and rows rb, rb + 16, …
+    // of each product, each row's sum its own accumulator (independent chains).
+    const unsigned j = threadIdx.x % COLS, rb = threadIdx.x / COLS;
+    const unsigned rows_c = c / 16, rows_k = dk / 16;  // ≤ MAX_C, ≤ MAX_K (checked by the host)
     __syncthreads();
     for (unsigned i = 0; i < n; ++i) {
         const size_t hc = (size_t)i * h + head;  // (chunk, head) entry
         const float* val = value + hc * c * dv;
         const float lam = lambda[hc];
+        float acc[MAX_C];
         // v_new = value − Kc · S
         load(kc + hc * c * dk, c, dk);
         __syncthreads();
-        for (unsigned x = threadIdx.x; x < c * COLS; x += blockDim.x) {
-            const unsigned r = x / COLS, j = x % COLS;
-            const float* row = tile + r * (dk + 1);
-            float acc = 0.0f;
-            for (unsigned p = 0; p < dk; ++p) acc = fmaf(row[p], S[p * COLS + j], acc);
-            vn[x] = j < cols ? __fsub_rn(val[(size_t)r * dv + j0 + j], acc) : 0.0f;
+#pragma unroll
+        for (unsigned m = 0; m < MAX_C; ++m) acc[m] = 0.0f;
+        for (unsigned p = 0; p < dk; ++p) {
+            const float sv = S[p * COLS + j];
+#pragma unroll
+            for (unsigned m = 0; m < MAX_C; ++m)
+                if (m < rows_c) acc[m] = fmaf(tile[(rb + 16 * m) * (dk + 1) + p], sv, acc[m]);
         }
+#pragma unroll
+        for (unsigned m = 0; m < MAX_C; ++m)
+            if (m < rows_c) {
+                const unsigned r = rb + 16 * m;
+                vn[r * COLS + j] = j < cols ? __fsub_rn(val[(size_t)r * dv + j0 + j], acc[m]) : 0.0f;
+            }
         __syncthreads();
         // out = Qd · S + A · v_new, the two products in turn through the tile.
         load(qd + hc * c * dk, c, dk);
         __syncthreads();
-        float part[8];  // this thread's Qd · S terms (c · COLS / blockDim.x ≤ 8 of them)
-        {
-            unsigned m = 0;
-            for (unsigned x = threadIdx.x; x < c * COLS && m < 8; x += blockDim.x, ++m) {
-                const unsigned r = x / COLS, j = x % COLS;
-                const float* row = tile + r * (dk + 1);
-                float a = 0.0f;
-                for (unsigned p = 0; p < dk; ++p) a = fmaf(row[p], S[p * COLS + j], a);
-                part[m] = a;
-            }
+#pragma unroll
+        for (unsigned m = 0; m < MAX_C; ++m) acc[m] = 0.0f;
+        for (unsigned p = 0; p < dk; ++p) {
+            const float sv = S[p * COLS + j];
+#pragma unroll
+            for (unsigned m = 0; m < MAX_C; ++m)
+                if (m < rows_c) acc[m] = fmaf(tile[(rb + 16 * m) * (dk + 1) + p], sv, acc[m]);
         }
         __syncthreads();
         load(attn + hc * c * c, c, c);
         __syncthreads();
-        {
-            unsigned m = 0;
-            for (unsigned x = threadIdx.x; x < c * COLS && m < 8; x += blockDim.x, ++m) {
-                const unsigned r = x / COLS, j = x % COLS;
-                const float* row = tile + r * (c + 1);
-                float b = 0.0f;
-                for (unsigned q = 0; q < c; ++q) b = fmaf(row[q], vn[q * COLS + j], b);
-                if (j < cols)
-                    out[((size_t)head * n * c + (size_t)i * c + r) * dv + j0 + j] = __fadd_rn(part[m], b);
-            }
+        float b[MAX_C];
+#pragma unroll
+        for (unsigned m = 0; m < MAX_C; ++m) b[m] = 0.0f;
+        for (unsigned q = 0; q < c; ++q) {
+            const float v = vn[q * COLS + j];
+#pragma unroll
+            for (unsigned m = 0; m < MAX_C; ++m)
+                if (m < rows_c) b[m] = fmaf(tile[(rb + 16 * m) * (c + 1) + q], v, b[m]);
         }
+#pragma unroll
+        for (unsigned m = 0; m < MAX_C; ++m)
+            if (m < rows_c && j < cols) {
+                const unsigned r = rb + 16 * m;
+                out[((size_t)head * n * c + (size_t)i * c + r) * dv + j0 + j] = __fadd_rn(acc[m], b[m]);
+            }
         __syncthreads();
         // S = S · λ + Kdᵀ · v_new
         load(kdt + hc * dk * c, dk, c);
         __syncthreads();
-        for (unsigned x = threadIdx.x; x < dk * COLS; x += blockDim.x) {
-            const unsigned p = x / COLS, j = x % COLS;
-            const float* row = tile + p * (c + 1);
-            float acc = 0.0f;
-            for (unsigned q = 0; q < c; ++q) acc = fmaf(row[q], vn[q * COLS + j], acc);
-            S[x] = __fadd_rn(__fmul_rn(S[x], lam), acc);
+        float s2[MAX_K];
+#pragma unroll
+        for (unsigned m = 0; m < MAX_K; ++m) s2[m] = 0.0f;
+        for (unsigned q = 0; q < c; ++q) {
+            const float v = vn[q * COLS + j];
+#pragma unroll
+            for (unsigned m = 0; m < MAX_K; ++m)
+                if (m < rows_k) s2[m] = fmaf(tile[(rb + 16 * m) * (c + 1) + q], v, s2[m]);
         }
+#pragma unroll
+        for (unsigned m = 0; m < MAX_K; ++m)
+            if (m < rows_k) {
+                const unsigned x = (rb + 16 * m) * COLS + j;
+                S[x] = __fadd_rn(__fmul_rn(S[x], lam), s2[m]);
+            }
         __syncthreads();
     }
     for (unsigned x = threadIdx.x; x < dk * COLS; x += blockDim.x) {

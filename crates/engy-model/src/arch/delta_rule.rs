@@ -211,6 +211,7 @@ mod cuda {
     const OP: &str = "delta rule chunks";
     /// State columns per block (`COLS` in the kernel).
     const COLS: usize = 16;
+    /// 16 × COLS: the kernel's thread layout.
     const THREADS: u32 = 256;
 
     #[allow(unsafe_code)]
@@ -238,9 +239,12 @@ mod cuda {
         }
         let tile = (c * (dk + 1)).max(dk * (c + 1)).max(c * (c + 1));
         let shared = (tile + (dk + c) * COLS) * std::mem::size_of::<f32>();
-        if shared > 48 * 1024 || c * COLS > 8 * THREADS as usize {
-            // Past the default shared-memory window, or more of a chunk's outputs than a
-            // thread keeps: the unfused loop runs instead.
+        // The kernel's layout: 16 rows × COLS columns of threads, c / 16 ≤ 4 chunk rows and
+        // dk / 16 ≤ 8 key rows each.
+        let layout = c % 16 == 0 && dk % 16 == 0 && c <= 64 && dk <= 128;
+        if shared > 48 * 1024 || !layout {
+            // Past the default shared-memory window, or a shape the kernel's thread layout
+            // does not cover: the unfused loop runs instead.
             return Ok(None);
         }
         let stream = cd.cuda_stream();

@@ -82,7 +82,7 @@ pub fn combine(
     let rows = y.dim(0)?;
     if k == 0
         || pick.len() != w.len()
-        || pick.len() % k != 0
+        || !pick.len().is_multiple_of(k)
         || y.dtype() != candle_core::DType::BF16
     {
         candle_core::bail!(
