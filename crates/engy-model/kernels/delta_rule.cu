@@ -40,10 +40,23 @@ extern "C" __global__ void engy_delta_rule_chunks(
         const unsigned p = x / COLS, j = x % COLS;
         S[x] = j < cols ? st[(size_t)p * dv + j0 + j] : 0.0f;
     }
-    // Copies a rows × width block of `src` (contiguous) into `tile` with row stride width + 1.
+    // Copies a rows × width block of `src` (contiguous) into `tile` with row stride width + 1,
+    // eight loads in flight per thread before their stores (a load then its store, one at a
+    // time, waits out the memory latency once per element).
     auto load = [&](const float* src, unsigned rows, unsigned width) {
-        for (unsigned x = threadIdx.x; x < rows * width; x += blockDim.x)
-            tile[(x / width) * (width + 1) + x % width] = src[x];
+        const unsigned total = rows * width, step = blockDim.x;
+        unsigned x = threadIdx.x;
+        for (; x + 7 * step < total; x += 8 * step) {
+            float v[8];
+#pragma unroll
+            for (unsigned u = 0; u < 8; ++u) v[u] = src[x + u * step];
+#pragma unroll
+            for (unsigned u = 0; u < 8; ++u) {
+                const unsigned y = x + u * step;
+                tile[(y / width) * (width + 1) + y % width] = v[u];
+            }
+        }
+        for (; x < total; x += step) tile[(x / width) * (width + 1) + x % width] = src[x];
     };
     // Thread layout (blockDim.x == 256): column j of the block's COLS, and rows rb, rb + 16, …
     // of each product, each row's sum its own accumulator (independent chains).
