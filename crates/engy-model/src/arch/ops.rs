@@ -324,7 +324,8 @@ fn scores(
 /// on bf16 inputs (torch's CPU `scaled_dot_product_attention`, FlashAttention on GPU): scores,
 /// max and `exp(s - max)` in f32, the row sum of those f32 exponentials, the exponentials
 /// rounded to bf16 for the product with `v` (accumulated in f32), divided by the sum, and the
-/// output rounded. With [`Compute::F32`], exactly [`attention`].
+/// output rounded. With [`Compute::F32`], exactly [`attention`]. On a GPU the bf16 case runs
+/// as [`super::fused_attention`] (the same rounding points, the sums in cuBLAS's order).
 ///
 /// # Errors
 /// Candle errors on inconsistent shapes.

@@ -395,14 +395,7 @@ impl Qwen3_5Moe {
         };
         let tr = |x: Tensor| x.transpose(0, 1)?.contiguous();
         let (o, state) = phase(dev, "gated deltanet: chunked rule", || {
-            delta_rule::chunked(
-                &tr(q)?,
-                &tr(k)?,
-                &tr(v)?,
-                &tr(beta)?,
-                &tr(g)?,
-                &state,
-            )
+            delta_rule::chunked(&tr(q)?, &tr(k)?, &tr(v)?, &tr(beta)?, &tr(g)?, &state)
         })?;
         // Gated RMSNorm per head on the rounded output (see the host path); on a GPU, one
         // kernel with these rounding points ([`super::deltanet_kernels`]).
