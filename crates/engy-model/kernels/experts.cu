@@ -1,6 +1,7 @@
 // The element-wise steps around the routed experts' grouped GEMMs (src/arch/experts.rs) in a
 // bf16 recompute, one kernel each instead of a chain of candle operations, with the same
-// rounding points (docs/AUDITOR.md "bf16 recompute"):
+// rounding points (docs/AUDITOR.md "bf16 recompute"; the combine's sum in top-k order, where
+// candle's GPU sum adds as a tree):
 //   gather:  the rows of the experts' tokens, rounded to bf16 for the GEMM;
 //   swiglu:  round(round(silu(gate)) * up), silu(x) = x / (1 + exp(-x)) in f32 as candle's;
 //   combine: per token, Σ_j round(w_j · y[row_j]) in f32 in top-k order (the product rounded

@@ -7,7 +7,8 @@
 //!   at most one bf16 step apart and equal on at least 99% of values;
 //! * the steps around the routed experts' grouped GEMMs (`arch::expert_kernels`: the rows'
 //!   gather, the SwiGLU and the weighted combine) against the candle operations they replace,
-//!   on the same device: bit for bit (the combine: to f32 rounding, the sum's order);
+//!   on the same device: bit for bit (the combine: to f32 rounding, as it adds in top-k order
+//!   where candle's GPU sum adds as a tree);
 //! * the Gated DeltaNet's causal conv and SiLU, and its gated RMSNorm (`arch::deltanet_kernels`)
 //!   against the candle operations they replace, on the same device, in f32 and bf16: the conv
 //!   bit for bit, the norm to the order of its sum of squares (bf16: one step apart at most,
@@ -225,10 +226,18 @@ fn the_delta_rule_chunk_loop_is_the_unfused_loop() {
     let dev = common::test_device()
         .device()
         .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
-    // Qwen3.6's linear-attention heads (dk = dv = 128), fewer of them; lengths inside one
-    // chunk, at a boundary, and across several.
-    let (h, dk, dv) = (4usize, 128usize, 128usize);
-    for (i, &t) in [5usize, 64, 200].iter().enumerate() {
+    // Qwen3.6's linear-attention heads (dk = dv = 128), fewer of them, then a value width the
+    // kernel's 16-column blocks do not divide; lengths inside one chunk, at a boundary, and
+    // across several.
+    for (i, &(t, h, dk, dv)) in [
+        (5usize, 4usize, 128usize, 128usize),
+        (64, 4, 128, 128),
+        (200, 4, 128, 128),
+        (150, 2, 64, 40),
+    ]
+    .iter()
+    .enumerate()
+    {
         let seed = 100 + i as u64 * 10;
         let cpu = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
         let q = (l2(&cpu(bf16_values(h * t * dk, seed, 1.0), &[h, t, dk]))

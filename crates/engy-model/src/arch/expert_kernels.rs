@@ -9,7 +9,9 @@
 //!   (GLM).
 //!
 //! The arithmetic is the unfused path's operation for operation (docs/AUDITOR.md "bf16
-//! recompute"), so the two agree bit for bit (scripts/gpu-check.sh: `gpu_kernels`). Each
+//! recompute"): the gather and the SwiGLU agree with it bit for bit; the combine adds in top-k
+//! order (the rule as stated, and the CPU's order) where candle's GPU sum adds as a tree, so
+//! the two differ by f32 rounding (scripts/gpu-check.sh: `gpu_kernels`). Each
 //! returns `None` where it does not apply (the CPU, a build without the `cuda` feature,
 //! `ENGY_FUSED_EXPERTS=0`); the caller then runs the candle operations.
 use candle_core::Tensor;

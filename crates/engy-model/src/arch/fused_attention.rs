@@ -8,8 +8,10 @@
 //! The arithmetic is the unfused path's (docs/AUDITOR.md "bf16 recompute"): in a bf16
 //! recompute `q`, `k` and `v` hold bf16 values, so a bf16 operand is the same number and each
 //! product is exact in f32; scores, max, exponentials and sums stay f32; only the
-//! exponentials fed to `e·v` are rounded, as the unfused path rounds them. What differs is the
-//! order of the f32 sums (cuBLAS's tiles), as between any two GEMM kernels.
+//! exponentials fed to `e·v` are rounded, as the unfused path rounds them. What differs is how
+//! the f32 sums are taken (cuBLAS's tiling, and its tensor cores' f32 accumulation where the
+//! unfused path ran an f32 SGEMM), as between any two GEMM kernels; `gpu_kernels` bounds the
+//! effect on the output.
 //!
 //! On by default on a GPU; `ENGY_FUSED_ATTENTION=0` turns it off (the unfused candle
 //! operations then run), for comparing the two.
