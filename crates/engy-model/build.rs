@@ -6,7 +6,13 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["attention", "delta_rule", "experts", "gated_deltanet"];
+const KERNELS: &[&str] = &[
+    "attention",
+    "delta_rule",
+    "experts",
+    "gated_deltanet",
+    "topk",
+];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -1012,7 +1012,8 @@ async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corr_id_resent_on_another_leg_survives_the_first_legs_end() {
     let fx = Fixture::new(HIDDEN, 2, SglangConfig::default()).await;
-    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("MAX_INFLIGHT", "8")]);
+    let (m, metrics) =
+        miner_with_metrics(&fx, &[NO_PERIODIC_HEARTBEAT, ("MAX_INFLIGHT", "8")]).await;
     let legs = fx.gw.wait_legs(2, T).await.unwrap();
     let (a, b) = (legs[0].id, legs[1].id);
     fx.sglang
@@ -1051,5 +1052,9 @@ async fn a_corr_id_resent_on_another_leg_survives_the_first_legs_end() {
     );
     fx.sglang.set_fault(None);
     every_call_finished_or_aborted(&fx).await;
+    // The first job's slot is released after sglang saw its abort (the job winds down on its
+    // own task), and no heartbeat reports the dropped leg's jobs: wait on the miner's own
+    // count before the SIGTERM that must find nothing in flight.
+    wait_no_inflight(&metrics).await;
     terminate_idle(m).await;
 }

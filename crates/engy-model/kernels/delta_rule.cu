@@ -141,3 +141,124 @@ extern "C" __global__ void engy_delta_rule_chunks(
         if (j < cols) st[(size_t)p * dv + j0 + j] = S[x];
     }
 }
+
+// Everything of the chunked rule that does not depend on the state (src/arch/delta_rule.rs,
+// `prepare`), per value head and chunk of c tokens, G the running sum of g inside the chunk,
+// Γ_ij = exp(G_i − G_j) for j ≤ i:
+//   L      = −strict_lower((β·K) Kᵀ ⊙ Γ)        T = (I − L)⁻¹ by forward substitution, row
+//            by row (transformers' loop; T_ij = L_ij + Σ_{j<m<i} L_im T_mj, unit diagonal)
+//   value  = T (β·V)                 [c, dv]      kc   = T (β·K ⊙ exp(G))   [c, dk]
+//   attn   = lower(Q Kᵀ ⊙ Γ)         [c, c]       qd   = Q ⊙ exp(G)          [c, dk]
+//   kdt    = (K ⊙ exp(G_last − G))ᵀ  [dk, c]      lambda = exp(G_last)
+// Tokens past t (the last chunk's padding) are zeros, as the unfused path pads them. f32
+// throughout; sums run in another order than the unfused matmuls', and the inverse is the
+// substitution rather than the product form Π (I + L^(2^m)): equal but for f32 rounding.
+// Inputs q, k [h, t, dk], v [h, t, dv], beta, g [h, t]; outputs chunk-major as
+// `engy_delta_rule_chunks` reads them. Launch: grid (h, n), 256 threads, dynamic shared memory
+// (c·(dk + 1) + c·(c + 1) + 5c) floats.
+extern "C" __global__ void engy_delta_rule_prep(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ beta, const float* __restrict__ g, float* __restrict__ value,
+    float* __restrict__ kc, float* __restrict__ qd, float* __restrict__ attn,
+    float* __restrict__ kdt, float* __restrict__ lambda, unsigned t, unsigned n, unsigned h,
+    unsigned c, unsigned dk, unsigned dv) {
+    extern __shared__ float sh[];
+    float* K = sh;                         // [c][dk + 1]
+    float* T = K + c * (dk + 1);           // [c][c + 1]: L, then T in place
+    float* G = T + c * (c + 1);            // [c]
+    float* B = G + c;                      // [c] beta
+    float* R = B + c;                      // [c] the row being substituted
+    float* E = R + c;                      // [c] exp(G)
+    float* D = E + c;                      // [c] exp(G_last − G)
+    const unsigned head = blockIdx.x, chunk = blockIdx.y;
+    const unsigned tid = threadIdx.x, nt = blockDim.x;
+    const size_t hc = (size_t)chunk * h + head;  // (chunk, head) entry of the outputs
+    const size_t t0 = (size_t)chunk * c;          // first token of the chunk
+    const unsigned rows = t0 + c <= t ? c : (unsigned)(t - t0);  // real tokens in the chunk
+    const float* qh = q + (size_t)head * t * dk;
+    const float* kh = k + (size_t)head * t * dk;
+    const float* vh = v + (size_t)head * t * dv;
+    for (unsigned x = tid; x < c * dk; x += nt) {
+        const unsigned i = x / dk, d = x % dk;
+        K[i * (dk + 1) + d] = i < rows ? kh[(t0 + i) * dk + d] : 0.0f;
+    }
+    for (unsigned i = tid; i < c; i += nt) {
+        G[i] = i < rows ? g[(size_t)head * t + t0 + i] : 0.0f;
+        B[i] = i < rows ? beta[(size_t)head * t + t0 + i] : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float s = 0.0f;
+        for (unsigned i = 0; i < c; ++i) {
+            s = __fadd_rn(s, G[i]);
+            G[i] = s;
+        }
+    }
+    __syncthreads();
+    for (unsigned i = tid; i < c; i += nt) {
+        E[i] = expf(G[i]);
+        D[i] = expf(__fsub_rn(G[c - 1], G[i]));
+    }
+    __syncthreads();
+    // L (strictly below the diagonal, zeros elsewhere) and attn (on and below it).
+    for (unsigned x = tid; x < c * c; x += nt) {
+        const unsigned i = x / c, j = x % c;
+        float l = 0.0f, a = 0.0f;
+        if (j <= i) {
+            const float decay = expf(__fsub_rn(G[i], G[j]));
+            const float* ki = K + i * (dk + 1);
+            const float* kj = K + j * (dk + 1);
+            float dot_q = 0.0f;
+            if (i < rows) {
+                const float* qi = qh + (t0 + i) * dk;
+                for (unsigned d = 0; d < dk; ++d) dot_q = fmaf(qi[d], kj[d], dot_q);
+            }
+            a = __fmul_rn(dot_q, decay);
+            if (j < i) {
+                float dot_k = 0.0f;
+                for (unsigned d = 0; d < dk; ++d)
+                    dot_k = fmaf(__fmul_rn(ki[d], B[i]), kj[d], dot_k);
+                l = -__fmul_rn(dot_k, decay);
+            }
+        }
+        T[i * (c + 1) + j] = l;
+        attn[(hc * c + i) * c + j] = a;
+    }
+    __syncthreads();
+    // Forward substitution, row by row: row i reads only rows above it (already final).
+    for (unsigned i = 1; i < c; ++i) {
+        if (tid < i) R[tid] = T[i * (c + 1) + tid];
+        __syncthreads();
+        if (tid < i) {
+            const unsigned j = tid;
+            float s = R[j];
+            for (unsigned m = j + 1; m < i; ++m) s = fmaf(R[m], T[m * (c + 1) + j], s);
+            T[i * (c + 1) + j] = s;
+        }
+        __syncthreads();
+    }
+    // value = T (β·V), T's diagonal 1 and zeros above it.
+    for (unsigned x = tid; x < c * dv; x += nt) {
+        const unsigned i = x / dv, e = x % dv;
+        float s = 0.0f;
+        for (unsigned j = 0; j <= i && j < rows; ++j) {
+            const float vb = __fmul_rn(vh[(t0 + j) * dv + e], B[j]);
+            s = j == i ? __fadd_rn(s, vb) : fmaf(T[i * (c + 1) + j], vb, s);
+        }
+        value[(hc * c + i) * dv + e] = s;
+    }
+    // kc = T (β·K ⊙ exp(G)), qd = Q ⊙ exp(G), kdt = (K ⊙ exp(G_last − G))ᵀ.
+    for (unsigned x = tid; x < c * dk; x += nt) {
+        const unsigned i = x / dk, d = x % dk;
+        float s = 0.0f;
+        for (unsigned j = 0; j <= i; ++j) {
+            const float kb = __fmul_rn(__fmul_rn(K[j * (dk + 1) + d], B[j]), E[j]);
+            s = j == i ? __fadd_rn(s, kb) : fmaf(T[i * (c + 1) + j], kb, s);
+        }
+        kc[(hc * c + i) * dk + d] = s;
+        const float qv = i < rows ? qh[(t0 + i) * dk + d] : 0.0f;
+        qd[(hc * c + i) * dk + d] = __fmul_rn(qv, E[i]);
+        kdt[(hc * dk + d) * c + i] = __fmul_rn(K[i * (dk + 1) + d], D[i]);
+    }
+    if (tid == 0) lambda[hc] = E[c - 1];
+}

@@ -16,7 +16,9 @@
 //! * the chunked delta rule (`arch::delta_rule::chunked`), whose chunk-to-chunk loop is one
 //!   kernel on a GPU, against the same function on the CPU (the loop as matmuls), at Qwen3.6's
 //!   head shape, with a starting state, across and inside chunk boundaries: within the f32
-//!   tolerance the chunked form keeps against the token loop.
+//!   tolerance the chunked form keeps against the token loop;
+//! * the router's top-k on the device (`arch::router_kernels`) against the host's port of
+//!   torch's CPU `topk`: index for index, on rows full of exact ties.
 //!
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
@@ -511,4 +513,80 @@ fn the_gated_norm_kernel_is_the_candle_operations() {
             want.len()
         );
     }
+}
+
+/// The router's top-k on the device (`arch::router_kernels::torch_topk`) against the host's
+/// port of torch's CPU `topk` (`ops::torch_topk_indices`), index for index and value for value,
+/// on rows full of exact ties (values from a few levels, as bf16 router logits tie), through
+/// both of torch's paths (`nth_element` when `k * 64 > n`, `partial_sort` otherwise), at
+/// Qwen3.6's router shape (256 experts, top 8) and others; and the whole router
+/// (`ops::softmax_route_in`) with and without full rows choosing the same experts and weights.
+#[test]
+fn the_router_top_k_kernel_is_torchs_order() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    // (rows, experts, top-k, levels): few levels make ties everywhere, many make them rare.
+    let cases = [
+        (4096usize, 256usize, 8usize, 24usize),
+        (513, 256, 8, 1_000_000),
+        (300, 128, 2, 7),
+        (257, 60, 8, 5),
+        (64, 512, 8, 3),
+        (9, 8, 8, 2),
+        (5, 3, 4, 2),
+    ];
+    for (seed, &(rows, n, k, levels)) in cases.iter().enumerate() {
+        let raw = bf16_values(rows * n, 100 + seed as u64, 1.0);
+        let vals: Vec<f32> = raw
+            .iter()
+            .map(|&v| ((v + 1.0) * 0.5 * levels as f32).floor() / levels as f32)
+            .collect();
+        let probs = Tensor::from_vec(vals.clone(), (rows, n), &dev).unwrap();
+        let got = engy_model::arch::router_kernels::torch_topk(&probs, k).unwrap();
+        if matches!(common::test_device(), DeviceSpec::Cpu) {
+            assert!(got.is_none(), "the router top-k kernel ran on the CPU");
+            return;
+        }
+        let got = got.expect("the router top-k on the GPU");
+        assert_eq!(got.len(), rows);
+        let mut tied = 0usize;
+        for (r, (idx, p)) in got.iter().enumerate() {
+            let row = &vals[r * n..(r + 1) * n];
+            let want = ops::torch_topk_indices(row, k);
+            assert_eq!(idx, &want, "n {n} k {k} row {r}");
+            let want_p: Vec<f32> = want.iter().map(|&e| row[e]).collect();
+            assert_eq!(p, &want_p, "n {n} k {k} row {r}");
+            tied += usize::from(want != ops::topk_indices(row, k));
+        }
+        eprintln!("router top-k n {n} k {k}: {rows} rows equal, {tied} of them tied so that the order by index differs");
+        // (Rows of three or fewer are insertion-sorted, which keeps ties in index order.)
+        if levels < 100 && n >= 60 {
+            assert!(tied > 0, "n {n} k {k}: the case must have ties");
+        }
+    }
+
+    // The whole router: logits of a few bf16 levels, own choice and weights with the top-k on
+    // the device (no full rows) and on the host (full rows).
+    let (rows, n, k) = (1000usize, 256usize, 8usize);
+    let logits: Vec<f32> = bf16_values(rows * n, 7, 4.0)
+        .iter()
+        .map(|v| (v * 8.0).round() / 8.0)
+        .collect();
+    let logits = Tensor::from_vec(logits, (rows, n), &dev).unwrap();
+    let device = ops::softmax_route_in(&logits, k, Compute::Bf16, false).unwrap();
+    let host = ops::softmax_route_in(&logits, k, Compute::Bf16, true).unwrap();
+    assert!(device.rank.is_empty() && host.rank.len() == rows);
+    assert_eq!(device.own, host.own);
+    for renormalise in [true, false] {
+        assert_eq!(
+            device.weights(&device.own, renormalise).unwrap(),
+            host.weights(&host.own, renormalise).unwrap()
+        );
+    }
+    // A dispatched expert outside the own top-k needs full rows.
+    let mut other = device.own.clone();
+    other[0][0] = (0..n).find(|e| !device.own[0].contains(e)).unwrap();
+    assert!(device.weights(&other, true).is_err());
+    assert!(host.weights(&other, true).is_ok());
 }

@@ -524,6 +524,24 @@ pub async fn scrape(addr: &str) -> String {
     r.text().await.unwrap()
 }
 
+/// Scrapes `addr` until `engy_miner_inflight` is 0: every job, on every leg (a dropped one's
+/// included, which no heartbeat reports), released its slot. Fails after `T`.
+pub async fn wait_no_inflight(addr: &str) {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let n = sample(&scrape(addr).await, "engy_miner_inflight");
+        if n == 0.0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} requests still in flight after {T:?}"
+        );
+        // Polled, not slept on: the next scrape asks again.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The value of the sample whose name and labels are exactly `series`.
 pub fn sample(text: &str, series: &str) -> f64 {
     text.lines()

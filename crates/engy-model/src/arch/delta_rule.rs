@@ -60,6 +60,10 @@ fn prepare(
     beta: &Tensor,
     g: &Tensor,
 ) -> candle_core::Result<ChunkParts> {
+    // On a GPU, all of it as one kernel ([`prepare_kernel`]).
+    if let Some(parts) = prepare_kernel(q, k, v, beta, g)? {
+        return Ok(parts);
+    }
     let (h, t, dk) = q.dims3()?;
     let dv = v.dim(2)?;
     let dev = q.device();
@@ -189,9 +193,38 @@ fn chunk_loop(p: &ChunkParts, state: &Tensor) -> candle_core::Result<Option<(Ten
     cuda::chunk_loop(p, state)
 }
 
+/// [`prepare`] as one kernel (`kernels/delta_rule.cu`, `engy_delta_rule_prep`) on a GPU: a
+/// block per value head and chunk computes the chunk's decays, `L`, the unit lower-triangular
+/// inverse `(I − L)⁻¹` by forward substitution (transformers' row loop; equal to the product
+/// form but for f32 rounding), and every operand of the chunk loop, instead of about forty
+/// candle operations over all chunks. `None` where [`chunk_loop`] is `None`, or for a shape
+/// past the kernel's shared memory.
+fn prepare_kernel(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    g: &Tensor,
+) -> candle_core::Result<Option<ChunkParts>> {
+    if !fused_enabled() || q.device().is_cpu() {
+        return Ok(None);
+    }
+    cuda::prepare(q, k, v, beta, g)
+}
+
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use super::*;
+
+    pub(super) fn prepare(
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _beta: &Tensor,
+        _g: &Tensor,
+    ) -> candle_core::Result<Option<ChunkParts>> {
+        Ok(None)
+    }
 
     pub(super) fn chunk_loop(
         _p: &ChunkParts,
@@ -209,6 +242,110 @@ mod cuda {
     use candle_core::Device;
 
     const OP: &str = "delta rule chunks";
+    /// The most dynamic shared memory the preparation kernel asks for (every GPU from
+    /// Ampere on grants 99 KiB a block once asked).
+    const PREP_SHARED_MAX: usize = 99 * 1024;
+
+    #[allow(unsafe_code)]
+    pub(super) fn prepare(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        beta: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<Option<ChunkParts>> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+        let Device::Cuda(cd) = q.device() else {
+            return Ok(None);
+        };
+        let (h, t, dk) = q.dims3()?;
+        let dv = v.dim(2)?;
+        let c = CHUNK;
+        if k.dims() != [h, t, dk] || v.dims() != [h, t, dv] || beta.dims() != [h, t] {
+            candle_core::bail!(
+                "{OP}: q {:?}, k {:?}, v {:?}, beta {:?}",
+                q.dims(),
+                k.dims(),
+                v.dims(),
+                beta.dims()
+            );
+        }
+        if g.dims() != [h, t] {
+            candle_core::bail!("{OP}: g {:?} for q {:?}", g.dims(), q.dims());
+        }
+        let n = t.div_ceil(c);
+        let shared = (c * (dk + 1) + c * (c + 1) + 5 * c) * std::mem::size_of::<f32>();
+        if shared > PREP_SHARED_MAX || n == 0 {
+            return Ok(None);
+        }
+        let stream = cd.cuda_stream();
+        // SAFETY: the kernel writes every element of each (all chunks of all heads; `attn`
+        // above the diagonal as zeros).
+        let mut value = unsafe { alloc::<f32>(&stream, n * h * c * dv)? };
+        let mut kc = unsafe { alloc::<f32>(&stream, n * h * c * dk)? };
+        let mut qd = unsafe { alloc::<f32>(&stream, n * h * c * dk)? };
+        let mut attn = unsafe { alloc::<f32>(&stream, n * h * c * c)? };
+        let mut kdt = unsafe { alloc::<f32>(&stream, n * h * dk * c)? };
+        let mut lam = unsafe { alloc::<f32>(&stream, n * h)? };
+        let func = cd.get_or_load_custom_func(
+            "engy_delta_rule_prep",
+            "engy_delta_rule",
+            kernels::DELTA_RULE,
+        )?;
+        let shared32 = u32_arg(OP, "shared memory", shared)?;
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared32 as i32,
+        )
+        .map_err(|e| err(OP, "asking for the preparation's shared memory", e))?;
+        let dims = [
+            u32_arg(OP, "tokens", t)?,
+            u32_arg(OP, "chunks", n)?,
+            u32_arg(OP, "heads", h)?,
+            u32_arg(OP, "chunk size", c)?,
+            u32_arg(OP, "key width", dk)?,
+            u32_arg(OP, "value width", dv)?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (dims[2], dims[1], 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared32,
+        };
+        let f32v = DType::F32;
+        with_view::<f32, _>(q, f32v, |qv| {
+            with_view::<f32, _>(k, f32v, |kv| {
+                with_view::<f32, _>(v, f32v, |vv| {
+                    with_view::<f32, _>(beta, f32v, |bv| {
+                        with_view::<f32, _>(g, f32v, |gv| {
+                            let mut b = func.builder();
+                            b.arg(&qv).arg(&kv).arg(&vv).arg(&bv).arg(&gv);
+                            b.arg(&mut value).arg(&mut kc).arg(&mut qd);
+                            b.arg(&mut attn).arg(&mut kdt).arg(&mut lam);
+                            for d in &dims {
+                                b.arg(d);
+                            }
+                            // SAFETY: the kernel's signature is (5 × const float*, 6 × float*,
+                            // 6 × unsigned), as pushed; the inputs hold h · t · (dk, dk, dv,
+                            // 1, 1) floats (checked above), block (head, chunk) reads only its
+                            // chunk's tokens below t and writes only its own (chunk, head)
+                            // entries of the outputs, allocated for n · h of them.
+                            unsafe { b.launch(cfg) }
+                                .map(|_| ())
+                                .map_err(|e| err(OP, "launching the preparation", e))
+                        })
+                    })
+                })
+            })
+        })?;
+        Ok(Some(ChunkParts {
+            value: wrap(value, cd, (n, h, c, dv))?,
+            k_cumdecay: wrap(kc, cd, (n, h, c, dk))?,
+            q_dec: wrap(qd, cd, (n, h, c, dk))?,
+            attn: wrap(attn, cd, (n, h, c, c))?,
+            k_dec_t: wrap(kdt, cd, (n, h, dk, c))?,
+            last_decay: wrap(lam, cd, (n, h, 1, 1))?,
+        }))
+    }
     /// State columns per block (`COLS` in the kernel).
     const COLS: usize = 16;
     /// 16 × COLS: the kernel's thread layout.

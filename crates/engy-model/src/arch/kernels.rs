@@ -1,6 +1,7 @@
 //! engy's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs` with the `cuda`
 //! feature) and the device-buffer plumbing their launchers share ([`super::fused_attention`],
-//! [`super::delta_rule`], [`super::expert_kernels`], [`super::deltanet_kernels`]). Only in a `cuda` build.
+//! [`super::delta_rule`], [`super::expert_kernels`], [`super::deltanet_kernels`],
+//! [`super::router_kernels`]). Only in a `cuda` build.
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Storage, Tensor};
@@ -14,6 +15,8 @@ pub(crate) const GATED_DELTANET: &str =
 pub(crate) const EXPERTS: &str = include_str!(concat!(env!("OUT_DIR"), "/experts.ptx"));
 /// The PTX of `kernels/delta_rule.cu`.
 pub(crate) const DELTA_RULE: &str = include_str!(concat!(env!("OUT_DIR"), "/delta_rule.ptx"));
+/// The PTX of `kernels/topk.cu`.
+pub(crate) const TOPK: &str = include_str!(concat!(env!("OUT_DIR"), "/topk.ptx"));
 
 /// A candle error naming the operation (`op`) and what failed in it.
 pub(crate) fn err(op: &str, what: &str, e: impl std::fmt::Display) -> candle_core::Error {

@@ -36,6 +36,7 @@ pub mod qlinear;
 pub mod quant;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod router_kernels;
 pub mod routing;
 pub mod weights;
 

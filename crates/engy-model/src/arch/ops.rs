@@ -613,27 +613,43 @@ fn softmax_top_k_with(
 }
 
 /// The softmax top-k router of [`softmax_top_k_in`] in two halves, so that a routing check can
-/// stand between them ([`super::Probe::route`]): per row of `logits` `[T, experts]`, the
-/// logits themselves (the scores the rule ranks by), the f32 probabilities, and the own top `k`
-/// in choice order. [`softmax_weights`] then weights whichever choice is dispatched.
+/// stand between them ([`super::Probe::route`]): per row of `logits` `[T, experts]`, the own top
+/// `k` in choice order and the f32 probabilities to weight whichever choice is dispatched
+/// ([`SoftmaxRoute::weights`]); with `full_rows` also the logits themselves (the scores the rule
+/// ranks by, [`SoftmaxRoute::rank`]), which a routing check or a record of the router's logits
+/// needs ([`super::Probe::wants_scores`]).
+///
+/// In a bf16 recompute on a GPU without `full_rows`, the top `k` are chosen on the device
+/// ([`super::router_kernels::torch_topk`], torch's order bit for bit) and only `[T, k]` comes
+/// back; otherwise every row is copied and chosen on the host (a counted host step).
 ///
 /// # Errors
 /// Candle errors only.
-#[allow(clippy::type_complexity)]
 pub fn softmax_route_in(
     logits: &Tensor,
     k: usize,
     c: Compute,
-) -> candle_core::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<usize>>)> {
+    full_rows: bool,
+) -> candle_core::Result<SoftmaxRoute> {
     let pick: fn(&[f32], usize) -> Vec<usize> = match c {
         Compute::F32 => topk_indices,
         Compute::Bf16 => torch_topk_indices,
     };
-    crate::device::count_host_step(logits.device(), crate::device::HostStep::Routing);
-    // Logits and probabilities side by side in one copy to the host (one wait for the device).
     let experts = logits.dim(1)?;
     let logits = logits.to_dtype(DType::F32)?;
     let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+    if !full_rows && c == Compute::Bf16 {
+        if let Some(top) = super::router_kernels::torch_topk(&probs, k)? {
+            let (own, own_probs) = top.into_iter().unzip();
+            return Ok(SoftmaxRoute {
+                rank: Vec::new(),
+                own,
+                probs: RouteProbs::Own(own_probs),
+            });
+        }
+    }
+    crate::device::count_host_step(logits.device(), crate::device::HostStep::Routing);
+    // Logits and probabilities side by side in one copy to the host (one wait for the device).
     let both = Tensor::cat(&[&logits, &probs], 1)?.to_vec2::<f32>()?;
     let (rank, probs): (Vec<Vec<f32>>, Vec<Vec<f32>>) = both
         .into_iter()
@@ -647,17 +663,96 @@ pub fn softmax_route_in(
         use rayon::prelude::*;
         probs.par_iter().map(|row| pick(row, k)).collect()
     };
-    Ok((rank, probs, own))
+    Ok(SoftmaxRoute {
+        rank,
+        own,
+        probs: RouteProbs::Rows(probs),
+    })
+}
+
+/// What [`softmax_route_in`] returns for `T` rows.
+#[derive(Debug, Clone)]
+pub struct SoftmaxRoute {
+    /// Per row, the router's logits (f32): the scores a routing check ranks by. Empty unless
+    /// full rows were asked for (or the top-k ran on the host).
+    pub rank: Vec<Vec<f32>>,
+    /// Per row, the own top `k` in choice order.
+    pub own: Vec<Vec<usize>>,
+    probs: RouteProbs,
+}
+
+/// The probabilities a [`SoftmaxRoute`] kept: every row's, or only those of its own top-k.
+#[derive(Debug, Clone)]
+enum RouteProbs {
+    Rows(Vec<Vec<f32>>),
+    Own(Vec<Vec<f32>>),
+}
+
+impl SoftmaxRoute {
+    /// [`softmax_weights`] of the experts `used[r]` dispatched for each row `r`.
+    ///
+    /// # Errors
+    /// A candle error when `used` has another number of rows, or when only the own top-k's
+    /// probabilities were kept and a row dispatches an expert outside it (a replayed routing
+    /// needs full rows: [`super::Probe::wants_scores`]).
+    pub fn weights(
+        &self,
+        used: &[Vec<usize>],
+        renormalise: bool,
+    ) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
+        if used.len() != self.own.len() {
+            candle_core::bail!(
+                "routing: {} dispatched rows for {} routed",
+                used.len(),
+                self.own.len()
+            );
+        }
+        match &self.probs {
+            RouteProbs::Rows(rows) => Ok(used
+                .iter()
+                .zip(rows)
+                .map(|(u, p)| softmax_weights(p, u, renormalise))
+                .collect()),
+            RouteProbs::Own(top) => used
+                .iter()
+                .zip(self.own.iter().zip(top))
+                .map(|(u, (own, p))| {
+                    let at = |e: usize| own.iter().position(|&o| o == e).map(|j| p[j]);
+                    let picked = u
+                        .iter()
+                        .map(|&e| {
+                            at(e).ok_or_else(|| {
+                                candle_core::Error::Msg(format!(
+                                    "routing: expert {e} is dispatched but only the own \
+                                     top-k's probabilities were kept"
+                                ))
+                            })
+                        })
+                        .collect::<candle_core::Result<Vec<f32>>>()?;
+                    Ok(weights_of(u, &picked, renormalise))
+                })
+                .collect(),
+        }
+    }
 }
 
 /// The weights of the experts `chosen` (in that order) from one row's probabilities `probs`:
 /// `probs[e]`, divided by their sum (taken in `chosen` order, f32) when `renormalise`.
 pub fn softmax_weights(probs: &[f32], chosen: &[usize], renormalise: bool) -> Vec<(usize, f32)> {
-    let p = |e: usize| probs.get(e).copied().unwrap_or(0.0);
-    let sum: f32 = chosen.iter().map(|&e| p(e)).sum();
+    let picked: Vec<f32> = chosen
+        .iter()
+        .map(|&e| probs.get(e).copied().unwrap_or(0.0))
+        .collect();
+    weights_of(chosen, &picked, renormalise)
+}
+
+/// [`softmax_weights`] from the chosen experts' probabilities `p` (same order as `chosen`).
+fn weights_of(chosen: &[usize], p: &[f32], renormalise: bool) -> Vec<(usize, f32)> {
+    let sum: f32 = p.iter().sum();
     chosen
         .iter()
-        .map(|&e| (e, if renormalise { p(e) / sum } else { p(e) }))
+        .zip(p)
+        .map(|(&e, &p)| (e, if renormalise { p / sum } else { p }))
         .collect()
 }
 

@@ -612,15 +612,13 @@ impl Qwen3_5Moe {
         // then cast to the logits' dtype (`Qwen3_5MoeTopKRouter`); ties between bf16 logits
         // are broken as torch's `topk` breaks them.
         let logits = cm.round(linear_t(h, &router)?)?;
-        let (rank, probs, own) = phase(h.device(), "moe: routing", || {
-            Ok(ops::softmax_route_in(&logits, self.top_k, cm)?)
+        let full = probe.wants_scores();
+        let routed = phase(h.device(), "moe: routing", || {
+            Ok(ops::softmax_route_in(&logits, self.top_k, cm, full)?)
         })?;
-        let used = probe.route(li, off, &rank, RouteScores::new(&rank), own);
-        let mut choice: Vec<Vec<(usize, f32)>> = used
-            .iter()
-            .zip(&probs)
-            .map(|(u, p)| ops::softmax_weights(p, u, true))
-            .collect();
+        let rank = &routed.rank;
+        let used = probe.route(li, off, rank, RouteScores::new(rank), routed.own.clone());
+        let mut choice = routed.weights(&used, true)?;
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = cm.round_f32(*wgt);
         }

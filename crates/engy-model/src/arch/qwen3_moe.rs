@@ -223,13 +223,10 @@ impl Qwen3Moe {
         // `Qwen3MoeTopKRouter`: logits in the activation dtype, softmax (and renormalisation)
         // in f32, the weights cast back to the logits' dtype.
         let logits = c.round(linear_t(x, &router)?)?;
-        let (rank, probs, own) = ops::softmax_route_in(&logits, self.top_k, c)?;
-        let used = probe.route(i, off, &rank, RouteScores::new(&rank), own);
-        let mut choice: Vec<Vec<(usize, f32)>> = used
-            .iter()
-            .zip(&probs)
-            .map(|(u, p)| ops::softmax_weights(p, u, self.norm_topk_prob))
-            .collect();
+        let routed = ops::softmax_route_in(&logits, self.top_k, c, probe.wants_scores())?;
+        let rank = &routed.rank;
+        let used = probe.route(i, off, rank, RouteScores::new(rank), routed.own.clone());
+        let mut choice = routed.weights(&used, self.norm_topk_prob)?;
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
         }

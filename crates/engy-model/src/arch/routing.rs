@@ -486,6 +486,13 @@ impl Probe<'_> {
         }
     }
 
+    /// Whether [`Probe::route`] reads the router's scores (a routing check, or a record of the
+    /// router's logits): the router must then keep every row's logits
+    /// ([`super::ops::softmax_route_in`]'s `full_rows`).
+    pub(crate) fn wants_scores(&self) -> bool {
+        self.check.is_some() || self.router_logits.is_some()
+    }
+
     /// The routing an MoE layer dispatches for its rows at positions `first..`: its own top-k
     /// `own` (choice order), or a replayed committed set ([`RoutingCheck`]); recorded when a
     /// record is kept.
