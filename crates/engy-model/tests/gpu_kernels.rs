@@ -17,6 +17,9 @@
 //!   kernel on a GPU, against the same function on the CPU (the loop as matmuls), at Qwen3.6's
 //!   head shape, with a starting state, across and inside chunk boundaries: within the f32
 //!   tolerance the chunked form keeps against the token loop;
+//! * the delta rule's inputs from the conv's output (`arch::deltanet_kernels::rule_inputs`)
+//!   against the candle operations: `v`, `beta`, `g` bit for bit, `q` and `k` to the l2 norm's
+//!   order of summation;
 //! * the router's top-k on the device (`arch::router_kernels`) against the host's port of
 //!   torch's CPU `topk`: index for index, on rows full of exact ties.
 //!
@@ -589,4 +592,102 @@ fn the_router_top_k_kernel_is_torchs_order() {
     other[0][0] = (0..n).find(|e| !device.own[0].contains(e)).unwrap();
     assert!(device.weights(&other, true).is_err());
     assert!(host.weights(&other, true).is_ok());
+}
+
+/// The delta rule's inputs from the conv's output (`arch::deltanet_kernels::rule_inputs`)
+/// against the candle operations they replace, on the same device, at Qwen3.6's head shape
+/// (16 key heads and 32 value heads of 128): `v`, `beta` and `g` bit for bit (`beta` in f32 and
+/// bf16), `q` and `k` to the order of the l2 norm's sum (within 16 f32 ulps of each value's
+/// scale).
+#[test]
+fn the_rule_inputs_kernel_is_the_candle_operations() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    let (t, nk, nv, dk, dv) = (133usize, 16usize, 32usize, 128usize, 128usize);
+    let width = 2 * nk * dk + nv * dv;
+    let conv = Tensor::from_vec(bf16_values(t * width, 41, 2.0), (t, width), &dev).unwrap();
+    // Gate projections across softplus's threshold (a + dt_bias above 20 for some).
+    let b = Tensor::from_vec(bf16_values(t * nv, 42, 12.0), (t, nv), &dev).unwrap();
+    let a = Tensor::from_vec(bf16_values(t * nv, 43, 24.0), (t, nv), &dev).unwrap();
+    let dt_bias = Tensor::from_vec(bf16_values(nv, 44, 4.0), nv, &dev).unwrap();
+    let a_log = Tensor::from_vec(bf16_values(nv, 45, 2.0), nv, &dev).unwrap();
+    for c in [Compute::F32, Compute::Bf16] {
+        let got =
+            deltanet_kernels::rule_inputs(&conv, [&b, &a, &dt_bias, &a_log], (nk, nv, dk, dv), c)
+                .unwrap();
+        if matches!(common::test_device(), DeviceSpec::Cpu) {
+            assert!(got.is_none(), "the rule inputs kernel ran on the CPU");
+            return;
+        }
+        let [q, k, v, beta, g] = got.expect("the rule inputs on the GPU");
+        // The candle operations of `qwen3_5_moe::delta_net_tensors`.
+        let l2 = |x: Tensor| {
+            x.broadcast_div(
+                &(x.sqr().unwrap().sum_keepdim(2).unwrap() + 1e-6)
+                    .unwrap()
+                    .sqrt()
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let heads = |x: Tensor| {
+            x.unsqueeze(2)
+                .unwrap()
+                .broadcast_as((t, nk, nv / nk, dk))
+                .unwrap()
+                .reshape((t, nv, dk))
+                .unwrap()
+        };
+        let tr = |x: Tensor| x.transpose(0, 1).unwrap().contiguous().unwrap();
+        let part = |i: usize, n: usize| conv.narrow(1, i, n).unwrap();
+        let wq = tr(heads(
+            (l2(part(0, nk * dk).reshape((t, nk, dk)).unwrap()) * (1.0 / (dk as f64).sqrt()))
+                .unwrap(),
+        ));
+        let wk = tr(heads(l2(part(nk * dk, nk * dk)
+            .reshape((t, nk, dk))
+            .unwrap())));
+        let wv = tr(part(2 * nk * dk, nv * dv).reshape((t, nv, dv)).unwrap());
+        let sig = ops::sigmoid(&b).unwrap();
+        let wbeta = tr(match c {
+            Compute::F32 => sig,
+            Compute::Bf16 => sig
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap(),
+        });
+        let sp = a.broadcast_add(&dt_bias).unwrap();
+        let soft = sp
+            .gt(20.0)
+            .unwrap()
+            .where_cond(&sp, &(sp.exp().unwrap() + 1.0).unwrap().log().unwrap())
+            .unwrap();
+        let wg = tr(soft
+            .broadcast_mul(&a_log.exp().unwrap().neg().unwrap())
+            .unwrap());
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(&v), flat(&wv), "{c:?}: v");
+        assert_eq!(flat(&beta), flat(&wbeta), "{c:?}: beta");
+        assert_eq!(flat(&g), flat(&wg), "{c:?}: g");
+        for (name, got, want) in [("q", &q, &wq), ("k", &k, &wk)] {
+            assert_eq!(got.dims(), want.dims(), "{name}");
+            let (got, want) = (flat(got), flat(want));
+            let mut equal = 0usize;
+            for (i, (&x, &y)) in got.iter().zip(&want).enumerate() {
+                let ulp = f32::EPSILON * y.abs().max(f32::MIN_POSITIVE);
+                assert!(
+                    (x - y).abs() <= 16.0 * ulp,
+                    "{c:?}: {name} value {i} is {x}, candle {y}"
+                );
+                equal += usize::from(x == y);
+            }
+            eprintln!(
+                "rule inputs {c:?}: {name} {:.5} of {} values equal",
+                equal as f64 / want.len() as f64,
+                want.len()
+            );
+        }
+    }
 }

@@ -9,7 +9,14 @@
 //!   `r = 1 / sqrt(mean(o²) + eps)`, `round(round(round(o · r) · w) · silu(z))`; the sum of
 //!   squares runs in another order than candle's reduction.
 //!
-//! scripts/gpu-check.sh checks both against the candle operations (`gpu_kernels`). Each
+//! * [`rule_inputs`]: the delta rule's `q`, `k`, `v`, `beta` and `g`, head-major as
+//!   [`super::delta_rule::chunked`] takes them, from the conv's output and the gate
+//!   projections: `q`, `k` l2-normalised per key head (`x / sqrt(Σ x² + 1e-6)`, the sum in
+//!   another order than candle's) and written once per value head that reads them, `q`
+//!   scaled by `dk^-1/2`; `v` a copy; `beta = round(sigmoid(b))`, `g = softplus(a + dt_bias) ·
+//!   −exp(A_log)` as candle computes them, bit for bit.
+//!
+//! scripts/gpu-check.sh checks each against the candle operations (`gpu_kernels`). Each
 //! returns `None` where it does not apply (the CPU, a build without the `cuda` feature,
 //! `ENGY_FUSED_DELTANET=0`).
 use candle_core::Tensor;
@@ -76,9 +83,62 @@ pub fn gated_rms_norm(
     imp::gated_rms_norm(o, z, w, eps, c)
 }
 
+/// The delta rule's inputs, head-major: `q`, `k` `[nv, t, dk]`, `v` `[nv, t, dv]`, `beta`,
+/// `g` `[nv, t]` (f32).
+pub type RuleInputs = [Tensor; 5];
+
+/// Key heads, value heads, key width, value width of a Gated DeltaNet layer.
+pub type DeltaNetHeads = (usize, usize, usize, usize);
+
+/// [`RuleInputs`] from the conv's output `conv` `[t, 2 · nk · dk + nv · dv]` (f32, after the
+/// SiLU) and the projections `b`, `a` `[t, nv]`, with `dt_bias`, `a_log` `[nv]`, as the module
+/// docs state; `beta` rounded as `c` rounds.
+///
+/// # Errors
+/// A candle error when the shapes do not fit `heads` or the device fails.
+pub fn rule_inputs(
+    conv: &Tensor,
+    [b, a, dt_bias, a_log]: [&Tensor; 4],
+    heads: DeltaNetHeads,
+    c: Compute,
+) -> candle_core::Result<Option<RuleInputs>> {
+    if !enabled() || conv.device().is_cpu() {
+        return Ok(None);
+    }
+    let (nk, nv, dk, dv) = heads;
+    let (t, width) = conv.dims2()?;
+    let fits = nk > 0
+        && nv % nk == 0
+        && width == 2 * nk * dk + nv * dv
+        && b.dims() == [t, nv]
+        && a.dims() == [t, nv]
+        && dt_bias.dims() == [nv]
+        && a_log.dims() == [nv];
+    if !fits {
+        candle_core::bail!(
+            "deltanet inputs: conv {:?}, b {:?}, a {:?}, dt_bias {:?}, A_log {:?} for heads {heads:?}",
+            conv.dims(),
+            b.dims(),
+            a.dims(),
+            dt_bias.dims(),
+            a_log.dims()
+        );
+    }
+    imp::rule_inputs(conv, [b, a, dt_bias, a_log], heads, c)
+}
+
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use super::*;
+
+    pub(super) fn rule_inputs(
+        _conv: &Tensor,
+        _gates: [&Tensor; 4],
+        _heads: DeltaNetHeads,
+        _c: Compute,
+    ) -> candle_core::Result<Option<RuleInputs>> {
+        Ok(None)
+    }
 
     pub(super) fn causal_conv_silu(
         _input: &Tensor,
@@ -110,6 +170,83 @@ mod imp {
     const OP: &str = "gated deltanet";
     /// The name the module's PTX is cached under on the device.
     const MODULE: &str = "engy_gated_deltanet";
+
+    #[allow(unsafe_code)]
+    pub(super) fn rule_inputs(
+        conv: &Tensor,
+        [b, a, dt_bias, a_log]: [&Tensor; 4],
+        (nk, nv, dk, dv): DeltaNetHeads,
+        c: Compute,
+    ) -> candle_core::Result<Option<RuleInputs>> {
+        let Device::Cuda(cd) = conv.device() else {
+            return Ok(None);
+        };
+        let t = conv.dim(0)?;
+        let stream = cd.cuda_stream();
+        // SAFETY: the kernels write every element: q and k (each key head's rows to all of its
+        // value heads), v, beta and g.
+        let mut q = unsafe { alloc::<f32>(&stream, nv * t * dk)? };
+        let mut k = unsafe { alloc::<f32>(&stream, nv * t * dk)? };
+        let mut v = unsafe { alloc::<f32>(&stream, nv * t * dv)? };
+        let mut beta = unsafe { alloc::<f32>(&stream, nv * t)? };
+        let mut g = unsafe { alloc::<f32>(&stream, nv * t)? };
+        let qkv =
+            cd.get_or_load_custom_func("engy_deltanet_qkv", MODULE, kernels::GATED_DELTANET)?;
+        let gates =
+            cd.get_or_load_custom_func("engy_deltanet_gates", MODULE, kernels::GATED_DELTANET)?;
+        let dims = [
+            u32_arg(OP, "rows", t)?,
+            u32_arg(OP, "key heads", nk)?,
+            u32_arg(OP, "value heads", nv)?,
+            u32_arg(OP, "key width", dk)?,
+            u32_arg(OP, "value width", dv)?,
+        ];
+        let scale = (1.0 / (dk as f64).sqrt()) as f32;
+        let round = i32::from(c == Compute::Bf16);
+        with_view::<f32, _>(conv, DType::F32, |cv| {
+            let mut l = qkv.builder();
+            l.arg(&cv).arg(&mut q).arg(&mut k).arg(&mut v);
+            for d in &dims {
+                l.arg(d);
+            }
+            l.arg(&scale);
+            // One warp per (part, row, key head), at least; the grid-stride covers v.
+            let work = (2 * t * nk * 32).max(nv * t * dv);
+            // SAFETY: (const float*, 3 × float*, 5 × uint32_t, float) as pushed; conv holds
+            // t rows of 2 · nk · dk + nv · dv (checked by the caller), q and k nv · t · dk,
+            // v nv · t · dv, and nv is a multiple of nk.
+            unsafe { l.launch(elementwise(OP, work, 256)?) }
+                .map(|_| ())
+                .map_err(|e| err(OP, "launching the q, k, v kernel", e))
+        })?;
+        with_view::<f32, _>(b, DType::F32, |bv| {
+            with_view::<f32, _>(a, DType::F32, |av| {
+                with_view::<f32, _>(dt_bias, DType::F32, |dtv| {
+                    with_view::<f32, _>(a_log, DType::F32, |alv| {
+                        let mut l = gates.builder();
+                        l.arg(&bv).arg(&av).arg(&dtv).arg(&alv);
+                        l.arg(&mut beta)
+                            .arg(&mut g)
+                            .arg(&dims[0])
+                            .arg(&dims[2])
+                            .arg(&round);
+                        // SAFETY: (4 × const float*, 2 × float*, 2 × uint32_t, int) as
+                        // pushed; b and a hold t · nv, dt_bias and A_log nv, beta and g nv · t.
+                        unsafe { l.launch(elementwise(OP, t * nv, 256)?) }
+                            .map(|_| ())
+                            .map_err(|e| err(OP, "launching the gates kernel", e))
+                    })
+                })
+            })
+        })?;
+        Ok(Some([
+            wrap(q, cd, (nv, t, dk))?,
+            wrap(k, cd, (nv, t, dk))?,
+            wrap(v, cd, (nv, t, dv))?,
+            wrap(beta, cd, (nv, t))?,
+            wrap(g, cd, (nv, t))?,
+        ]))
+    }
 
     #[allow(unsafe_code)]
     pub(super) fn causal_conv_silu(

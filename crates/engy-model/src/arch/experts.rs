@@ -26,6 +26,10 @@ use crate::{Compute, ModelError, Precision};
 /// groups of similar counts waste little.
 const GROUP: usize = 32;
 
+/// The largest routed-expert id [`dispatch`] takes (plus one): ids index a table, and no
+/// served architecture has more than a few hundred experts a layer.
+const MAX_EXPERT_ID: usize = 1 << 20;
+
 /// The stored names of `proj` (`gate_proj`, …) of `experts`, in that order.
 fn names(module: &impl Fn(usize) -> String, experts: &[usize], proj: &str) -> Vec<String> {
     experts
@@ -90,13 +94,33 @@ pub fn dispatch(
 ) -> Result<Tensor, ModelError> {
     let (t, h) = x.dims2()?;
     let dev = x.device().clone();
-    // The tokens of each chosen expert, and each (token, j)'s position in its expert's list.
-    let mut tokens: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
+    // The tokens of each chosen expert (ascending expert id), indexed by id: a few
+    // thousand pushes per layer, where a map's lookups cost milliseconds on the host while
+    // the GPU waits.
+    let ids = choice
+        .iter()
+        .flatten()
+        .map(|&(e, _)| e + 1)
+        .max()
+        .unwrap_or(0);
+    if ids > MAX_EXPERT_ID {
+        return Err(ModelError::Shape {
+            name: "routed expert id".into(),
+            got: vec![ids - 1],
+            want: vec![experts.unwrap_or(MAX_EXPERT_ID)],
+        });
+    }
+    let mut per: Vec<Vec<u32>> = vec![Vec::new(); ids];
     for (tok, list) in choice.iter().enumerate() {
         for &(e, _) in list {
-            tokens.entry(e).or_default().push(tok as u32);
+            per[e].push(tok as u32);
         }
     }
+    let tokens: Vec<(usize, Vec<u32>)> = per
+        .into_iter()
+        .enumerate()
+        .filter(|(_, toks)| !toks.is_empty())
+        .collect();
     let k = choice.iter().map(Vec::len).max().unwrap_or(0);
     if tokens.is_empty() || k == 0 {
         return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
@@ -105,17 +129,17 @@ pub fn dispatch(
     // when it is kept, else the chosen ones, in expert order (an id past the layer's experts,
     // from a replayed trace, then fails as a missing tensor).
     let stacked: Vec<usize> = match experts {
-        Some(n) if (t * k >= n || w.keeps_stacks(c)) && tokens.keys().all(|e| *e < n) => {
-            (0..n).collect()
-        }
-        _ => tokens.keys().copied().collect(),
+        Some(n) if (t * k >= n || w.keeps_stacks(c)) && ids <= n => (0..n).collect(),
+        _ => tokens.iter().map(|(e, _)| *e).collect(),
     };
-    let at: std::collections::HashMap<usize, u32> = stacked
-        .iter()
-        .enumerate()
-        .map(|(i, e)| (*e, i as u32))
-        .collect();
-    let mut order: Vec<(usize, Vec<u32>)> = tokens.into_iter().collect();
+    // Each expert's entry in the stack, indexed by expert id.
+    let mut at = vec![0u32; ids];
+    for (i, &e) in stacked.iter().enumerate() {
+        if let Some(slot) = at.get_mut(e) {
+            *slot = i as u32;
+        }
+    }
+    let mut order = tokens;
     order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
     let stack = |proj: &str, out: usize, inp: usize| {
         w.stacked(&names(&module, &stacked, proj), out, inp, c)
@@ -226,7 +250,7 @@ fn combine(
 fn segmented(
     x: &Tensor,
     order: &[(usize, Vec<u32>)],
-    at: &std::collections::HashMap<usize, u32>,
+    at: &[u32],
     [gate, up, down]: [&Tensor; 3],
     c: Compute,
 ) -> Result<Option<(Tensor, Vec<usize>)>, ModelError> {
@@ -240,7 +264,7 @@ fn segmented(
     for (e, toks) in order {
         first_row.push(idx.len());
         idx.extend_from_slice(toks);
-        segs.push((at[e] as usize, toks.len()));
+        segs.push((at[*e] as usize, toks.len()));
     }
     let n = idx.len();
     let gemm = |m: &Tensor, a: &Tensor| {
@@ -284,7 +308,7 @@ fn segmented(
 fn padded(
     x: &Tensor,
     order: &[(usize, Vec<u32>)],
-    at: &std::collections::HashMap<usize, u32>,
+    at: &[u32],
     [gate, up, down]: [&Tensor; 3],
     c: Compute,
 ) -> Result<(Vec<Tensor>, Vec<usize>, usize), ModelError> {
@@ -310,7 +334,7 @@ fn padded(
             .index_select(&Tensor::from_vec(idx, n * cap, &dev)?, 0)?
             .to_dtype(wd)?
             .reshape((n, cap, h))?;
-        let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[e]).collect();
+        let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[*e]).collect();
         let members = Tensor::from_vec(members, n, &dev)?;
         let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
             let y = a.matmul(&m.index_select(&members, 0)?.transpose(1, 2)?)?;

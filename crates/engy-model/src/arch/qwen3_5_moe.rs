@@ -370,32 +370,41 @@ impl Qwen3_5Moe {
         })?;
         let conv_state = input.narrow(0, t, hist)?.contiguous()?;
 
-        let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
-            x.broadcast_div(&(x.sqr()?.sum_keepdim(2)? + 1e-6)?.sqrt()?)
-        };
-        let heads = |x: Tensor| -> candle_core::Result<Tensor> {
-            // [t, nk, dk] → [t, nv, dk], value head hv reading key head hv / (nv / nk).
-            x.unsqueeze(2)?
-                .broadcast_as((t, nk, nv / nk, dk))?
-                .reshape((t, nv, dk))
-        };
-        let q = l2(conv.narrow(1, 0, nk * dk)?.reshape((t, nk, dk))?)?;
-        let q = heads((q * (1.0 / (dk as f64).sqrt()))?)?;
-        let k = heads(l2(conv
-            .narrow(1, nk * dk, nk * dk)?
-            .reshape((t, nk, dk))?)?)?;
-        let v = conv.narrow(1, 2 * nk * dk, nv * dv)?.reshape((t, nv, dv))?;
-        let beta = cm.round(ops::sigmoid(&bb)?)?; // [t, nv]
-        let sp = aa.broadcast_add(&dt_bias)?;
-        let softplus = sp.gt(20.0)?.where_cond(&sp, &(sp.exp()? + 1.0)?.log()?)?;
-        let g = softplus.broadcast_mul(&a_log.exp()?.neg()?)?; // [t, nv]
         let state = match prev.get(1) {
             Some(s) => s.clone(),
             None => Tensor::zeros((nv, dk, dv), DType::F32, dev)?,
         };
-        let tr = |x: Tensor| x.transpose(0, 1)?.contiguous();
+        let [q, k, v, beta, g] = phase(dev, "gated deltanet: rule inputs", || {
+            // On a GPU, two kernels with this arithmetic ([`super::deltanet_kernels`]).
+            let gates = [&bb, &aa, &dt_bias, &a_log];
+            let heads = (nk, nv, dk, dv);
+            if let Some(x) = super::deltanet_kernels::rule_inputs(&conv, gates, heads, cm)? {
+                return Ok(x);
+            }
+            let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
+                x.broadcast_div(&(x.sqr()?.sum_keepdim(2)? + 1e-6)?.sqrt()?)
+            };
+            let heads = |x: Tensor| -> candle_core::Result<Tensor> {
+                // [t, nk, dk] → [t, nv, dk], value head hv reading key head hv / (nv / nk).
+                x.unsqueeze(2)?
+                    .broadcast_as((t, nk, nv / nk, dk))?
+                    .reshape((t, nv, dk))
+            };
+            let q = l2(conv.narrow(1, 0, nk * dk)?.reshape((t, nk, dk))?)?;
+            let q = heads((q * (1.0 / (dk as f64).sqrt()))?)?;
+            let k = heads(l2(conv
+                .narrow(1, nk * dk, nk * dk)?
+                .reshape((t, nk, dk))?)?)?;
+            let v = conv.narrow(1, 2 * nk * dk, nv * dv)?.reshape((t, nv, dv))?;
+            let beta = cm.round(ops::sigmoid(&bb)?)?; // [t, nv]
+            let sp = aa.broadcast_add(&dt_bias)?;
+            let softplus = sp.gt(20.0)?.where_cond(&sp, &(sp.exp()? + 1.0)?.log()?)?;
+            let g = softplus.broadcast_mul(&a_log.exp()?.neg()?)?; // [t, nv]
+            let tr = |x: Tensor| x.transpose(0, 1)?.contiguous();
+            Ok([tr(q)?, tr(k)?, tr(v)?, tr(beta)?, tr(g)?])
+        })?;
         let (o, state) = phase(dev, "gated deltanet: chunked rule", || {
-            delta_rule::chunked(&tr(q)?, &tr(k)?, &tr(v)?, &tr(beta)?, &tr(g)?, &state)
+            delta_rule::chunked(&q, &k, &v, &beta, &g, &state)
         })?;
         // Gated RMSNorm per head on the rounded output (see the host path); on a GPU, one
         // kernel with these rounding points ([`super::deltanet_kernels`]).
