@@ -9,7 +9,9 @@
 //! a chunk the recurrence becomes a unit lower-triangular solve `(I − L)⁻¹` with
 //! `L = −tril₋₁((β·K)Kᵀ ⊙ Γ)` and `Γ_ij = exp(G_i − G_j)` (`G` the running sum of `g`);
 //! transformers solves it row by row, here it is the product `Π_m (I + L^(2^m))`, m < log₂ C,
-//! equal because `L` is nilpotent (`L^C = 0`). Only the chunk-to-chunk state pass is a loop.
+//! equal because `L` is nilpotent (`L^C = 0`); on a GPU one kernel per layer solves it row by
+//! row as transformers does and computes every operand of the loop ([`prepare_kernel`]). Only
+//! the chunk-to-chunk state pass is a loop (on a GPU, one kernel too: [`chunk_loop`]).
 //! Sums are taken in another order than the token loop's, so results agree with it to f32
 //! rounding, not bit for bit (checked by this module's tests).
 #[cfg(test)]
