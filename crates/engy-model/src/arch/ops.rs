@@ -717,7 +717,11 @@ impl SoftmaxRoute {
                 .iter()
                 .zip(self.own.iter().zip(top))
                 .map(|(u, (own, p))| {
-                    let at = |e: usize| own.iter().position(|&o| o == e).map(|j| p[j]);
+                    let at = |e: usize| {
+                        own.iter()
+                            .position(|&o| o == e)
+                            .and_then(|j| p.get(j).copied())
+                    };
                     let picked = u
                         .iter()
                         .map(|&e| {
@@ -868,6 +872,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The router's weights from only the own top-k's probabilities (what the device top-k
+    /// keeps) are those from full rows, bit for bit, renormalised or not; a dispatched expert
+    /// outside the kept top-k is an error, not a zero weight.
+    #[test]
+    fn route_weights_from_the_kept_top_k_are_those_from_full_rows() {
+        let rows = vec![
+            vec![0.1f32, 0.25, 0.05, 0.3, 0.3],
+            vec![0.4, 0.1, 0.2, 0.2, 0.1],
+        ];
+        let own: Vec<Vec<usize>> = rows.iter().map(|r| torch_topk_indices(r, 3)).collect();
+        let kept: Vec<Vec<f32>> = own
+            .iter()
+            .zip(&rows)
+            .map(|(o, r)| o.iter().map(|&e| r[e]).collect())
+            .collect();
+        let full = SoftmaxRoute {
+            rank: rows.clone(),
+            own: own.clone(),
+            probs: RouteProbs::Rows(rows.clone()),
+        };
+        let top = SoftmaxRoute {
+            rank: Vec::new(),
+            own: own.clone(),
+            probs: RouteProbs::Own(kept),
+        };
+        for renormalise in [true, false] {
+            let (a, b) = (
+                full.weights(&own, renormalise).unwrap(),
+                top.weights(&own, renormalise).unwrap(),
+            );
+            assert_eq!(a, b);
+            assert_eq!(a[0].len(), 3);
+        }
+        // The same set in another order weighs the same experts.
+        let reordered: Vec<Vec<usize>> = own
+            .iter()
+            .map(|o| o.iter().rev().copied().collect())
+            .collect();
+        assert_eq!(
+            full.weights(&reordered, true).unwrap(),
+            top.weights(&reordered, true).unwrap()
+        );
+        let mut other = own.clone();
+        other[1][0] = (0..5).find(|e| !own[1].contains(e)).unwrap();
+        assert!(top.weights(&other, true).is_err());
+        assert!(full.weights(&other, true).is_ok());
+        assert!(top.weights(&own[..1], true).is_err(), "a row short");
     }
 
     /// `torch.tensor(v).topk(k).indices` (torch 2.15, CPU) for
