@@ -153,9 +153,13 @@ extern "C" __global__ void engy_delta_rule_chunks(
 // Tokens past t (the last chunk's padding) are zeros, as the unfused path pads them. f32
 // throughout; sums run in another order than the unfused matmuls', and the inverse is the
 // substitution rather than the product form Π (I + L^(2^m)): equal but for f32 rounding.
-// Inputs q, k [h, t, dk], v [h, t, dv], beta, g [h, t]; outputs chunk-major as
-// `engy_delta_rule_chunks` reads them. Launch: grid (h, n), 256 threads, dynamic shared memory
-// (c·(dk + 1) + c·(c + 1) + 5c) floats.
+// The four products run as register tiles: thread (ti, tj) of 16 × 16 owns rows ti + 16a
+// (a < 4) and columns tj + 16b, so each operand loaded from shared memory feeds four or eight
+// products. Inputs q, k [h, t, dk], v [h, t, dv], beta, g [h, t]; outputs chunk-major as
+// `engy_delta_rule_chunks` reads them. c == 64 (four rows of 16 per thread). Launch: grid
+// (h, n), 256 threads, dynamic shared memory (c·(dk + 1) + c·(c + 1) + 5c) floats.
+#define PREP_ROWS 4   // c / 16
+#define PREP_COLS 8   // output columns a thread owns per pass of 128
 extern "C" __global__ void engy_delta_rule_prep(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ beta, const float* __restrict__ g, float* __restrict__ value,
@@ -163,7 +167,7 @@ extern "C" __global__ void engy_delta_rule_prep(
     float* __restrict__ kdt, float* __restrict__ lambda, unsigned t, unsigned n, unsigned h,
     unsigned c, unsigned dk, unsigned dv) {
     extern __shared__ float sh[];
-    float* K = sh;                         // [c][dk + 1]
+    float* K = sh;                         // [c][dk + 1]: K, then β·K ⊙ exp(G)
     float* T = K + c * (dk + 1);           // [c][c + 1]: L, then T in place
     float* G = T + c * (c + 1);            // [c]
     float* B = G + c;                      // [c] beta
@@ -172,6 +176,7 @@ extern "C" __global__ void engy_delta_rule_prep(
     float* D = E + c;                      // [c] exp(G_last − G)
     const unsigned head = blockIdx.x, chunk = blockIdx.y;
     const unsigned tid = threadIdx.x, nt = blockDim.x;
+    const unsigned ti = tid / 16, tj = tid % 16;
     const size_t hc = (size_t)chunk * h + head;  // (chunk, head) entry of the outputs
     const size_t t0 = (size_t)chunk * c;          // first token of the chunk
     const unsigned rows = t0 + c <= t ? c : (unsigned)(t - t0);  // real tokens in the chunk
@@ -199,30 +204,52 @@ extern "C" __global__ void engy_delta_rule_prep(
         E[i] = expf(G[i]);
         D[i] = expf(__fsub_rn(G[c - 1], G[i]));
     }
-    __syncthreads();
-    // L (strictly below the diagonal, zeros elsewhere) and attn (on and below it).
-    for (unsigned x = tid; x < c * c; x += nt) {
-        const unsigned i = x / c, j = x % c;
-        float l = 0.0f, a = 0.0f;
-        if (j <= i) {
-            const float decay = expf(__fsub_rn(G[i], G[j]));
-            const float* ki = K + i * (dk + 1);
-            const float* kj = K + j * (dk + 1);
-            float dot_q = 0.0f;
-            if (i < rows) {
-                const float* qi = qh + (t0 + i) * dk;
-                for (unsigned d = 0; d < dk; ++d) dot_q = fmaf(qi[d], kj[d], dot_q);
-            }
-            a = __fmul_rn(dot_q, decay);
-            if (j < i) {
-                float dot_k = 0.0f;
-                for (unsigned d = 0; d < dk; ++d)
-                    dot_k = fmaf(__fmul_rn(ki[d], B[i]), kj[d], dot_k);
-                l = -__fmul_rn(dot_k, decay);
-            }
+    // L (strictly below the diagonal, zeros elsewhere) and attn (on and below it): per d, four
+    // rows' (β·k, q) and four columns' k feed 32 products.
+    {
+        float acc_k[PREP_ROWS][PREP_ROWS], acc_q[PREP_ROWS][PREP_ROWS];
+#pragma unroll
+        for (unsigned a = 0; a < PREP_ROWS; ++a)
+#pragma unroll
+            for (unsigned b = 0; b < PREP_ROWS; ++b) acc_k[a][b] = acc_q[a][b] = 0.0f;
+        float bi[PREP_ROWS];
+        const float* qr[PREP_ROWS];
+#pragma unroll
+        for (unsigned a = 0; a < PREP_ROWS; ++a) {
+            const unsigned i = ti + 16 * a;
+            bi[a] = B[i];
+            qr[a] = i < rows ? qh + (t0 + i) * dk : nullptr;
         }
-        T[i * (c + 1) + j] = l;
-        attn[(hc * c + i) * c + j] = a;
+        for (unsigned d = 0; d < dk; ++d) {
+            float kb[PREP_ROWS], qv[PREP_ROWS], kj[PREP_ROWS];
+#pragma unroll
+            for (unsigned a = 0; a < PREP_ROWS; ++a) {
+                kb[a] = __fmul_rn(K[(ti + 16 * a) * (dk + 1) + d], bi[a]);
+                qv[a] = qr[a] ? qr[a][d] : 0.0f;
+                kj[a] = K[(tj + 16 * a) * (dk + 1) + d];
+            }
+#pragma unroll
+            for (unsigned a = 0; a < PREP_ROWS; ++a)
+#pragma unroll
+                for (unsigned b = 0; b < PREP_ROWS; ++b) {
+                    acc_k[a][b] = fmaf(kb[a], kj[b], acc_k[a][b]);
+                    acc_q[a][b] = fmaf(qv[a], kj[b], acc_q[a][b]);
+                }
+        }
+#pragma unroll
+        for (unsigned a = 0; a < PREP_ROWS; ++a)
+#pragma unroll
+            for (unsigned b = 0; b < PREP_ROWS; ++b) {
+                const unsigned i = ti + 16 * a, j = tj + 16 * b;
+                float l = 0.0f, at = 0.0f;
+                if (j <= i) {
+                    const float decay = expf(__fsub_rn(G[i], G[j]));
+                    at = __fmul_rn(acc_q[a][b], decay);
+                    if (j < i) l = -__fmul_rn(acc_k[a][b], decay);
+                }
+                T[i * (c + 1) + j] = l;
+                attn[(hc * c + i) * c + j] = at;
+            }
     }
     __syncthreads();
     // Forward substitution, row by row: row i reads only rows above it (already final).
@@ -237,28 +264,68 @@ extern "C" __global__ void engy_delta_rule_prep(
         }
         __syncthreads();
     }
-    // value = T (β·V), T's diagonal 1 and zeros above it.
-    for (unsigned x = tid; x < c * dv; x += nt) {
-        const unsigned i = x / dv, e = x % dv;
-        float s = 0.0f;
-        for (unsigned j = 0; j <= i && j < rows; ++j) {
-            const float vb = __fmul_rn(vh[(t0 + j) * dv + e], B[j]);
-            s = j == i ? __fadd_rn(s, vb) : fmaf(T[i * (c + 1) + j], vb, s);
-        }
-        value[(hc * c + i) * dv + e] = s;
+    // T's unit diagonal (zeros stay above it); kdt from the raw K, i fastest so the stores
+    // are contiguous; qd = Q ⊙ exp(G).
+    for (unsigned i = tid; i < c; i += nt) T[i * (c + 1) + i] = 1.0f;
+    for (unsigned x = tid; x < c * dk; x += nt) {
+        const unsigned d = x / c, i = x % c;
+        kdt[(hc * dk + d) * c + i] = __fmul_rn(K[i * (dk + 1) + d], D[i]);
     }
-    // kc = T (β·K ⊙ exp(G)), qd = Q ⊙ exp(G), kdt = (K ⊙ exp(G_last − G))ᵀ.
     for (unsigned x = tid; x < c * dk; x += nt) {
         const unsigned i = x / dk, d = x % dk;
-        float s = 0.0f;
-        for (unsigned j = 0; j <= i; ++j) {
-            const float kb = __fmul_rn(__fmul_rn(K[j * (dk + 1) + d], B[j]), E[j]);
-            s = j == i ? __fadd_rn(s, kb) : fmaf(T[i * (c + 1) + j], kb, s);
-        }
-        kc[(hc * c + i) * dk + d] = s;
         const float qv = i < rows ? qh[(t0 + i) * dk + d] : 0.0f;
         qd[(hc * c + i) * dk + d] = __fmul_rn(qv, E[i]);
-        kdt[(hc * dk + d) * c + i] = __fmul_rn(K[i * (dk + 1) + d], D[i]);
+    }
+    __syncthreads();
+    // K becomes β·K ⊙ exp(G), the operand of kc.
+    for (unsigned x = tid; x < c * dk; x += nt) {
+        const unsigned i = x / dk, d = x % dk;
+        float* p = K + i * (dk + 1) + d;
+        *p = __fmul_rn(__fmul_rn(*p, B[i]), E[i]);
+    }
+    __syncthreads();
+    // value = T (β·V) and kc = T (β·K ⊙ exp(G)): per j, four rows of T and eight columns of the
+    // operand feed 32 products; columns in passes of 128.
+    for (unsigned which = 0; which < 2; ++which) {
+        const unsigned width = which == 0 ? dv : dk;
+        float* out = which == 0 ? value : kc;
+        for (unsigned e0 = 0; e0 < width; e0 += 16 * PREP_COLS) {
+            float acc[PREP_ROWS][PREP_COLS];
+#pragma unroll
+            for (unsigned a = 0; a < PREP_ROWS; ++a)
+#pragma unroll
+                for (unsigned b = 0; b < PREP_COLS; ++b) acc[a][b] = 0.0f;
+            for (unsigned j = 0; j < c; ++j) {
+                float tv[PREP_ROWS], src[PREP_COLS];
+#pragma unroll
+                for (unsigned a = 0; a < PREP_ROWS; ++a) tv[a] = T[(ti + 16 * a) * (c + 1) + j];
+#pragma unroll
+                for (unsigned b = 0; b < PREP_COLS; ++b) {
+                    const unsigned e = e0 + tj + 16 * b;
+                    float x = 0.0f;
+                    if (e < width) {
+                        if (which == 0) {
+                            if (j < rows) x = __fmul_rn(vh[(t0 + j) * dv + e], B[j]);
+                        } else {
+                            x = K[j * (dk + 1) + e];
+                        }
+                    }
+                    src[b] = x;
+                }
+#pragma unroll
+                for (unsigned a = 0; a < PREP_ROWS; ++a)
+#pragma unroll
+                    for (unsigned b = 0; b < PREP_COLS; ++b)
+                        acc[a][b] = fmaf(tv[a], src[b], acc[a][b]);
+            }
+#pragma unroll
+            for (unsigned a = 0; a < PREP_ROWS; ++a)
+#pragma unroll
+                for (unsigned b = 0; b < PREP_COLS; ++b) {
+                    const unsigned i = ti + 16 * a, e = e0 + tj + 16 * b;
+                    if (e < width) out[(hc * c + i) * width + e] = acc[a][b];
+                }
+        }
     }
     if (tid == 0) lambda[hc] = E[c - 1];
 }

@@ -198,8 +198,8 @@ fn chunk_loop(p: &ChunkParts, state: &Tensor) -> candle_core::Result<Option<(Ten
 /// [`prepare`] as one kernel (`kernels/delta_rule.cu`, `engy_delta_rule_prep`) on a GPU: a
 /// block per value head and chunk computes the chunk's decays, `L`, the unit lower-triangular
 /// inverse `(I − L)⁻¹` by forward substitution (transformers' row loop; equal to the product
-/// form but for f32 rounding), and every operand of the chunk loop, instead of about forty
-/// candle operations over all chunks. `None` where [`chunk_loop`] is `None`, or for a shape
+/// form but for f32 rounding), and every operand of the chunk loop (its four products as
+/// register tiles), instead of about forty candle operations over all chunks. `None` where [`chunk_loop`] is `None`, or for a shape
 /// past the kernel's shared memory.
 fn prepare_kernel(
     q: &Tensor,
@@ -277,7 +277,8 @@ mod cuda {
         }
         let n = t.div_ceil(c);
         let shared = (c * (dk + 1) + c * (c + 1) + 5 * c) * std::mem::size_of::<f32>();
-        if shared > PREP_SHARED_MAX || n == 0 {
+        // The kernel's thread layout: 16 × 16 threads, four chunk rows of 16 each.
+        if shared > PREP_SHARED_MAX || n == 0 || c != 64 || THREADS != 256 {
             return Ok(None);
         }
         let stream = cd.cuda_stream();
