@@ -864,7 +864,7 @@ async fn legs_dropped_at_random_moments_under_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corr_id_served_again_after_its_cancel_can_be_cancelled_again() {
     let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
-    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT]);
+    let (m, metrics) = miner_with_metrics(&fx, &[NO_PERIODIC_HEARTBEAT]).await;
     let mut leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     fx.sglang
         .set_fault(Some(Fault::Slow(Duration::from_millis(5))));
@@ -924,6 +924,9 @@ async fn a_corr_id_served_again_after_its_cancel_can_be_cancelled_again() {
     fx.sglang.set_fault(None);
     every_call_finished_or_aborted(&fx).await;
     wait_idle(&fx.gw, leg).await;
+    // The last life ended with its leg: no heartbeat reports that leg's job, so wait on the
+    // miner's own count until its slot is released.
+    wait_no_inflight(&metrics).await;
     terminate_idle(m).await;
 }
 
