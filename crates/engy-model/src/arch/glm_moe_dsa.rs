@@ -1025,52 +1025,56 @@ impl GlmMoeDsa {
         if past_k.map(|k| k.dim(1)).transpose()?.unwrap_or(0) != off {
             return Err(cfg_err("glm_moe_dsa: the cache does not match its length"));
         }
-        // Query latent and queries [nh, t, dqk].
-        let q_resid = ops::rms_norm_in(
-            &cm.round(self.proj(&format!("{a}.q_a_proj"), h, qr, hd, true)?)?,
-            &self.norm(&format!("{a}.q_a_layernorm.weight"), qr)?,
-            LATENT_NORM_EPS,
-            cm,
-        )?;
-        let q = cm.round(self.proj(&format!("{a}.q_b_proj"), &q_resid, nh * dqk, qr, false)?)?;
-        let q = self
-            .rope(&q, nh, dqk, dn, off)?
-            .transpose(0, 1)?
-            .contiguous()?;
-        // Keys [nkv, t, dqk] (one rope head shared by all) and values [nkv, t, dv].
-        let ckv =
-            cm.round(self.proj(&format!("{a}.kv_a_proj_with_mqa"), h, kvr + dr, hd, true)?)?;
-        let latent = ops::rms_norm_in(
-            &ckv.narrow(1, 0, kvr)?,
-            &self.norm(&format!("{a}.kv_a_layernorm.weight"), kvr)?,
-            LATENT_NORM_EPS,
-            cm,
-        )?;
-        let k_rot = self
-            .rope(&ckv.narrow(1, kvr, dr)?.contiguous()?, 1, dr, 0, off)?
-            .reshape((1, t, dr))?;
-        let kv = cm
-            .round(self.proj(
-                &format!("{a}.kv_b_proj"),
-                &latent,
-                nkv * (dn + dv),
-                kvr,
-                false,
-            )?)?
-            .reshape((t, nkv, dn + dv))?
-            .transpose(0, 1)?; // [nkv, t, dn + dv]
-        let k_new = Tensor::cat(
-            &[&kv.narrow(2, 0, dn)?, &k_rot.broadcast_as((nkv, t, dr))?],
-            2,
-        )?;
-        let v_new = kv.narrow(2, dn, dv)?.contiguous()?;
-        let (k_all, v_all) = match (past_k, past_v) {
-            (Some(pk), Some(pv)) => (
-                Tensor::cat(&[pk, &k_new], 1)?,
-                Tensor::cat(&[pv, &v_new], 1)?,
-            ),
-            _ => (k_new, v_new),
-        };
+        let (q_resid, q, k_all, v_all) = phase(&dev, "mla attention: projections", || {
+            // Query latent and queries [nh, t, dqk].
+            let q_resid = ops::rms_norm_in(
+                &cm.round(self.proj(&format!("{a}.q_a_proj"), h, qr, hd, true)?)?,
+                &self.norm(&format!("{a}.q_a_layernorm.weight"), qr)?,
+                LATENT_NORM_EPS,
+                cm,
+            )?;
+            let q =
+                cm.round(self.proj(&format!("{a}.q_b_proj"), &q_resid, nh * dqk, qr, false)?)?;
+            let q = self
+                .rope(&q, nh, dqk, dn, off)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            // Keys [nkv, t, dqk] (one rope head shared by all) and values [nkv, t, dv].
+            let ckv =
+                cm.round(self.proj(&format!("{a}.kv_a_proj_with_mqa"), h, kvr + dr, hd, true)?)?;
+            let latent = ops::rms_norm_in(
+                &ckv.narrow(1, 0, kvr)?,
+                &self.norm(&format!("{a}.kv_a_layernorm.weight"), kvr)?,
+                LATENT_NORM_EPS,
+                cm,
+            )?;
+            let k_rot = self
+                .rope(&ckv.narrow(1, kvr, dr)?.contiguous()?, 1, dr, 0, off)?
+                .reshape((1, t, dr))?;
+            let kv = cm
+                .round(self.proj(
+                    &format!("{a}.kv_b_proj"),
+                    &latent,
+                    nkv * (dn + dv),
+                    kvr,
+                    false,
+                )?)?
+                .reshape((t, nkv, dn + dv))?
+                .transpose(0, 1)?; // [nkv, t, dn + dv]
+            let k_new = Tensor::cat(
+                &[&kv.narrow(2, 0, dn)?, &k_rot.broadcast_as((nkv, t, dr))?],
+                2,
+            )?;
+            let v_new = kv.narrow(2, dn, dv)?.contiguous()?;
+            let (k_all, v_all) = match (past_k, past_v) {
+                (Some(pk), Some(pv)) => (
+                    Tensor::cat(&[pk, &k_new], 1)?,
+                    Tensor::cat(&[pv, &v_new], 1)?,
+                ),
+                _ => (k_new, v_new),
+            };
+            Ok((q_resid, q, k_all, v_all))
+        })?;
         // DSA selection.
         let (sel, index_k) = match c.indexer_types[l] {
             IndexerType::Full => {
@@ -1089,30 +1093,33 @@ impl GlmMoeDsa {
             },
         };
         count_host_step(&dev, HostStep::DsaTopK);
-        let mut mask = vec![f32::NEG_INFINITY; t * total];
-        for (r, keys) in sel.iter().enumerate() {
-            for &s in keys {
-                if s <= off + r {
-                    mask[r * total + s] = 0.0;
+        let mask = phase(&dev, "mla attention: dsa mask", || {
+            let mut mask = vec![f32::NEG_INFINITY; t * total];
+            for (r, keys) in sel.iter().enumerate() {
+                for &s in keys {
+                    if s <= off + r {
+                        mask[r * total + s] = 0.0;
+                    }
                 }
             }
-        }
-        let mask = Tensor::from_vec(mask, (t, total), &dev)?;
+            Ok(Tensor::from_vec(mask, (t, total), &dev)?)
+        })?;
         let scale = 1.0 / (dqk as f64).sqrt();
         let blk = self.row_block(nh, total);
-        let mut ys = Vec::with_capacity(t.div_ceil(blk));
-        for r0 in (0..t).step_by(blk) {
-            let n = blk.min(t - r0);
-            ys.push(ops::attention(
-                &q.narrow(1, r0, n)?,
+        let y = phase(&dev, "mla attention: scores to output", || {
+            Ok(ops::attention_blocked(
+                &q,
                 &k_all,
                 &v_all,
                 scale,
-                Some(&mask.narrow(0, r0, n)?),
-            )?);
-        }
-        let y = cm.round(Tensor::cat(&ys, 0)?)?; // [t, nh * dv]
-        let out = cm.round(self.proj(&format!("{a}.o_proj"), &y, hd, nh * dv, true)?)?;
+                Some(&mask),
+                blk,
+            )?)
+        })?;
+        let y = cm.round(y)?; // [t, nh * dv]
+        let out = phase(&dev, "mla attention: output projection", || {
+            Ok(cm.round(self.proj(&format!("{a}.o_proj"), &y, hd, nh * dv, true)?)?)
+        })?;
         let mut lc = vec![k_all, v_all];
         if let Some(ik) = index_k {
             lc.push(ik);

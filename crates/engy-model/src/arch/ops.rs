@@ -293,16 +293,48 @@ pub fn attention(
         .reshape((t, h * dv))
 }
 
-/// The scaled, masked scores `[h, t, s]` of [`attention`] and the values expanded to the `h`
-/// query heads `[h, s, dv]`.
-fn scores(
+/// [`attention`] over the query rows in blocks of `block` rows (at least 1), to bound the
+/// scores held at once to `[h, block, s]`: the same operations on each block, so every row
+/// gets the values one call over all rows gives (rows are independent), but the keys are
+/// transposed and the KV heads expanded once for all blocks, not once a block (at GLM-5's
+/// 64 heads and 4,096 keys that copy is 256 MiB).
+///
+/// # Errors
+/// Candle errors on inconsistent shapes.
+pub fn attention_blocked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
     mask: Option<&Tensor>,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let h = q.dim(0)?;
+    block: usize,
+) -> candle_core::Result<Tensor> {
+    let (h, t, _) = q.dims3()?;
+    let (kt, v) = keys_t(h, k, v)?;
+    let dv = v.dim(2)?;
+    let block = block.max(1);
+    let mut ys = Vec::with_capacity(t.div_ceil(block));
+    for r0 in (0..t).step_by(block) {
+        let n = block.min(t - r0);
+        let mut att = (q.narrow(1, r0, n)?.contiguous()?.matmul(&kt)? * scale)?;
+        if let Some(m) = mask {
+            att = att.broadcast_add(&m.narrow(0, r0, n)?)?;
+        }
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        ys.push(
+            att.matmul(&v)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((n, h * dv))?,
+        );
+    }
+    Tensor::cat(&ys, 0)
+}
+
+/// The keys expanded to the `h` query heads and transposed, `[h, d, s]`, and the values
+/// expanded, `[h, s, dv]`, both contiguous (grouped KV heads: `k` `[kv, s, d]`, `v`
+/// `[kv, s, dv]`).
+fn keys_t(h: usize, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     let (kv, s, d) = k.dims3()?;
     let dv = v.dim(2)?;
     let rep = h / kv.max(1);
@@ -312,8 +344,23 @@ fn scores(
         }
         z.unsqueeze(1)?.expand((kv, rep, s, w))?.reshape((h, s, w))
     };
-    let (k, v) = (expand(k, d)?, expand(v, dv)?);
-    let mut att = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
+    Ok((
+        expand(k, d)?.t()?.contiguous()?,
+        expand(v, dv)?.contiguous()?,
+    ))
+}
+
+/// The scaled, masked scores `[h, t, s]` of [`attention`] and the values expanded to the `h`
+/// query heads `[h, s, dv]`.
+fn scores(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (kt, v) = keys_t(q.dim(0)?, k, v)?;
+    let mut att = (q.contiguous()?.matmul(&kt)? * scale)?;
     if let Some(m) = mask {
         att = att.broadcast_add(m)?;
     }
@@ -969,6 +1016,68 @@ mod tests {
 
     /// `Qwen3_5MoeRMSNorm` rounds once (f32 `norm(x) * (1 + w)`, then bf16), where the
     /// Llama-style norm rounds the normalised row first: on this row the two differ.
+    /// Row blocks of every size give each row exactly the values of one call over all rows,
+    /// with grouped and ungrouped KV heads and an additive mask that drops some keys.
+    #[test]
+    fn blocked_attention_is_attention_row_for_row() {
+        let (t, s, d, dv) = (7usize, 9usize, 5usize, 3usize);
+        let val = |i: usize, m: usize| ((i * m + 11) % 29) as f32 / 7.0 - 2.0;
+        for (h, kv) in [(4usize, 4usize), (4, 2), (6, 1)] {
+            let q = Tensor::from_vec(
+                (0..h * t * d).map(|i| val(i, 13)).collect(),
+                (h, t, d),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let k = Tensor::from_vec(
+                (0..kv * s * d).map(|i| val(i, 17)).collect(),
+                (kv, s, d),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let v = Tensor::from_vec(
+                (0..kv * s * dv).map(|i| val(i, 19)).collect(),
+                (kv, s, dv),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let mask: Vec<f32> = (0..t * s)
+                .map(|i| {
+                    if (i * 5) % 7 == 3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, s), &Device::Cpu).unwrap();
+            let want = attention(&q, &k, &v, 0.37, Some(&mask)).unwrap();
+            assert_eq!(want.dims(), &[t, h * dv]);
+            let want = want.to_vec2::<f32>().unwrap();
+            assert!(want.iter().flatten().all(|x| x.is_finite()));
+            for block in [0usize, 1, 2, 3, 6, 7, 50] {
+                let got = attention_blocked(&q, &k, &v, 0.37, Some(&mask), block)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                let bits = |m: &[Vec<f32>]| -> Vec<u32> {
+                    m.iter().flatten().map(|x| x.to_bits()).collect()
+                };
+                assert_eq!(bits(&got), bits(&want), "h {h} kv {kv} block {block}");
+            }
+            let no_mask = attention(&q, &k, &v, 0.37, None)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let got = attention_blocked(&q, &k, &v, 0.37, None, 3)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            assert_eq!(got, no_mask, "h {h} kv {kv} unmasked");
+            assert_ne!(no_mask, want, "the mask drops keys");
+        }
+    }
+
     #[test]
     fn the_causal_mask_blocks_exactly_the_future_keys() {
         let m = causal_mask(3, 2, &Device::Cpu).unwrap().unwrap();
