@@ -9,6 +9,7 @@ use std::process::Command;
 const KERNELS: &[&str] = &[
     "attention",
     "delta_rule",
+    "dsa",
     "experts",
     "gated_deltanet",
     "topk",

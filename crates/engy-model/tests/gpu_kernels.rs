@@ -21,12 +21,17 @@
 //!   against the candle operations: `v`, `beta`, `g` bit for bit, `q` and `k` to the l2 norm's
 //!   order of summation;
 //! * the router's top-k on the device (`arch::router_kernels`) against the host's port of
-//!   torch's CPU `topk`: index for index, on rows full of exact ties.
+//!   torch's CPU `topk`: index for index, on rows full of exact ties;
+//! * the DSA indexer's top-k of key positions and its attention mask on the device
+//!   (`arch::dsa_kernels`) against the host's selection (`ops::topk_indices_ordered` on each
+//!   row's causal scores) and mask: index for index and bit for bit, in both tie orders.
 //!
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
 use candle_core::{DType, Device, Tensor};
-use engy_model::arch::{delta_rule, deltanet_kernels, expert_kernels, fused_attention, ops};
+use engy_model::arch::{
+    delta_rule, deltanet_kernels, dsa_kernels, expert_kernels, fused_attention, ops, TieOrder,
+};
 use engy_model::{Compute, DeviceSpec};
 
 mod common;
@@ -687,6 +692,106 @@ fn the_rule_inputs_kernel_is_the_candle_operations() {
                 "rule inputs {c:?}: {name} {:.5} of {} values equal",
                 equal as f64 / want.len() as f64,
                 want.len()
+            );
+        }
+    }
+}
+
+/// The DSA indexer's top-k and mask on the device (`arch::dsa_kernels`) against the host's
+/// rule, index for index and bit for bit: each query row keeps every causal key when it has at
+/// most `k`, else its `k` largest scores by `total_cmp` with ties in the run's tie order
+/// (`ops::topk_indices_ordered`); the mask is 0 at the kept keys and `-inf` elsewhere. Rows full
+/// of exact ties (few levels), `-0.0` beside `+0.0`, NaNs of both signs and infinities; rows
+/// with fewer causal keys than `k`, a cache offset, GLM-5's `index_topk` of 2,048 over 4,096
+/// keys, both tie orders; and the mask from a given selection (`dsa_kernels::mask`).
+#[test]
+fn the_dsa_top_k_kernel_is_the_hosts_selection() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    // (rows, cached positions, top-k, levels)
+    let cases = [
+        (300usize, 0usize, 64usize, 5usize),
+        (200, 150, 64, 1_000_000),
+        (96, 4000, 2048, 7),
+        (130, 0, 128, 3),
+        (33, 5, 1, 2),
+    ];
+    for (seed, &(t, off, k, levels)) in cases.iter().enumerate() {
+        let total = off + t;
+        let mut vals: Vec<f32> = bf16_values(t * total, 300 + seed as u64, 1.0)
+            .iter()
+            .map(|&v| ((v + 1.0) * 0.5 * levels as f32).floor() / levels as f32 - 0.5)
+            .collect();
+        let specials = [
+            -0.0f32,
+            0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        for (i, v) in vals.iter_mut().enumerate() {
+            if i % 37 == 0 {
+                *v = specials[(i / 37) % specials.len()];
+            }
+        }
+        let index = Tensor::from_vec(vals.clone(), (t, total), &dev).unwrap();
+        let mut orders_differ = 0usize;
+        for ties in [TieOrder::LowerFirst, TieOrder::HigherFirst] {
+            let got = dsa_kernels::topk_mask(&index, off, k, ties).unwrap();
+            if matches!(common::test_device(), DeviceSpec::Cpu) {
+                assert!(got.is_none(), "the DSA top-k kernel ran on the CPU");
+                assert!(dsa_kernels::mask(&[vec![0]], 0, 1, &dev).unwrap().is_none());
+                return;
+            }
+            let (sel, mask) = got.expect("the DSA top-k on the GPU");
+            assert_eq!(sel.len(), t);
+            let mut want_mask = vec![f32::NEG_INFINITY; t * total];
+            let mut want_sel = Vec::with_capacity(t);
+            for r in 0..t {
+                let causal = off + r + 1;
+                let row = &vals[r * total..r * total + causal];
+                let want: Vec<usize> = if causal <= k {
+                    (0..causal).collect()
+                } else {
+                    ops::topk_indices_ordered(row, k, ties)
+                };
+                assert_eq!(sel[r], want, "rows {t} off {off} k {k} {ties:?} row {r}");
+                if causal > k {
+                    let other = match ties {
+                        TieOrder::LowerFirst => TieOrder::HigherFirst,
+                        TieOrder::HigherFirst => TieOrder::LowerFirst,
+                    };
+                    orders_differ += usize::from(ops::topk_indices_ordered(row, k, other) != want);
+                }
+                for &s in &want {
+                    want_mask[r * total + s] = 0.0;
+                }
+                want_sel.push(want);
+            }
+            let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|x| x.to_bits()).collect() };
+            let got_mask = mask.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(
+                bits(&got_mask),
+                bits(&want_mask),
+                "mask: rows {t} off {off} k {k} {ties:?}"
+            );
+            let given = dsa_kernels::mask(&want_sel, off, total, &dev)
+                .unwrap()
+                .expect("the DSA mask on the GPU");
+            let given = given.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(
+                bits(&given),
+                bits(&want_mask),
+                "mask from a selection: rows {t} off {off} k {k}"
+            );
+        }
+        eprintln!("dsa top-k rows {t} off {off} k {k}: equal; {orders_differ} rows differ between the tie orders");
+        if levels < 100 && off + t > k {
+            assert!(
+                orders_differ > 0,
+                "rows {t} off {off} k {k}: the case must have ties that matter"
             );
         }
     }

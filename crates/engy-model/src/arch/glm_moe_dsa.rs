@@ -49,6 +49,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
+use super::dsa_kernels;
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
@@ -1075,16 +1076,22 @@ impl GlmMoeDsa {
             };
             Ok((q_resid, q, k_all, v_all))
         })?;
-        // DSA selection.
-        let (sel, index_k) = match c.indexer_types[l] {
+        // DSA selection, and the mask from it: on a GPU both are made there
+        // (`dsa_kernels`), else on the host.
+        let (sel, index_k, device_mask) = match c.indexer_types[l] {
             IndexerType::Full => {
-                let (sel, ik) = phase(h.device(), "mla attention: dsa indexer", || {
+                let (sel, ik, mask) = phase(h.device(), "mla attention: dsa indexer", || {
                     self.indexer(&a, h, &q_resid, off, past_ik)
                 })?;
-                (sel, Some(ik))
+                (sel, Some(ik), mask)
             }
             IndexerType::Shared => match prev_sel {
-                Some(s) if s.len() == t => (s, None),
+                Some(s) if s.len() == t => {
+                    let mask = phase(&dev, "mla attention: dsa mask", || {
+                        Ok(dsa_kernels::mask(&s, off, total, &dev)?)
+                    })?;
+                    (s, None, mask)
+                }
                 _ => {
                     return Err(cfg_err(format!(
                     "glm_moe_dsa: layer {l} is a shared indexer layer without a previous selection"
@@ -1092,18 +1099,23 @@ impl GlmMoeDsa {
                 }
             },
         };
-        count_host_step(&dev, HostStep::DsaTopK);
-        let mask = phase(&dev, "mla attention: dsa mask", || {
-            let mut mask = vec![f32::NEG_INFINITY; t * total];
-            for (r, keys) in sel.iter().enumerate() {
-                for &s in keys {
-                    if s <= off + r {
-                        mask[r * total + s] = 0.0;
+        let mask = match device_mask {
+            Some(m) => m,
+            None => {
+                count_host_step(&dev, HostStep::DsaTopK);
+                phase(&dev, "mla attention: dsa mask", || {
+                    let mut mask = vec![f32::NEG_INFINITY; t * total];
+                    for (r, keys) in sel.iter().enumerate() {
+                        for &s in keys {
+                            if s <= off + r {
+                                mask[r * total + s] = 0.0;
+                            }
+                        }
                     }
-                }
+                    Ok(Tensor::from_vec(mask, (t, total), &dev)?)
+                })?
             }
-            Ok(Tensor::from_vec(mask, (t, total), &dev)?)
-        })?;
+        };
         let scale = 1.0 / (dqk as f64).sqrt();
         let blk = self.row_block(nh, total);
         let y = phase(&dev, "mla attention: scores to output", || {
@@ -1127,8 +1139,10 @@ impl GlmMoeDsa {
         Ok((out, LayerCache(lc), sel))
     }
 
-    /// The DSA indexer of a full layer: per query row the key positions it keeps, and all
-    /// indexer keys so far `[off + t, index_head_dim]` (the layer's new indexer cache).
+    /// The DSA indexer of a full layer: per query row the key positions it keeps, all indexer
+    /// keys so far `[off + t, index_head_dim]` (the layer's new indexer cache), and on a GPU the
+    /// attention mask of the kept keys `[t, off + t]`, made there with the selection
+    /// ([`dsa_kernels::topk_mask`]; `None`: the caller builds it on the host).
     #[allow(clippy::type_complexity)]
     fn indexer(
         &self,
@@ -1137,7 +1151,7 @@ impl GlmMoeDsa {
         q_resid: &Tensor,
         off: usize,
         past: Option<&Tensor>,
-    ) -> Result<(Vec<Vec<usize>>, Tensor), ModelError> {
+    ) -> Result<(Vec<Vec<usize>>, Tensor, Option<Tensor>), ModelError> {
         let c = &self.cfg;
         let t = h.dim(0)?;
         let total = off + t;
@@ -1175,7 +1189,10 @@ impl GlmMoeDsa {
         // nothing but the memory held).
         let kt = ki_all.t()?.contiguous()?.unsqueeze(0)?; // [1, di, total]
         let blk = self.row_block(ni, total);
-        let mut index: Vec<Vec<f32>> = Vec::with_capacity(t);
+        // On a GPU the index rows stay there for the device's top-k.
+        let on_device = dsa_kernels::applies(h.device(), total);
+        let mut index: Vec<Vec<f32>> = Vec::with_capacity(if on_device { 0 } else { t });
+        let mut device_rows = Vec::new();
         for r0 in (0..t).step_by(blk) {
             let n = blk.min(t - r0);
             let scores = (qi
@@ -1188,7 +1205,20 @@ impl GlmMoeDsa {
                 .unsqueeze(1)?
                 .matmul(&scores)?
                 .squeeze(1)?;
-            index.extend(rows.to_vec2::<f32>()?);
+            if on_device {
+                device_rows.push(rows);
+            } else {
+                index.extend(rows.to_vec2::<f32>()?);
+            }
+        }
+        if on_device {
+            let rows = Tensor::cat(&device_rows, 0)?;
+            if let Some((sel, mask)) =
+                dsa_kernels::topk_mask(&rows, off, c.index_topk, self.dsa_ties)?
+            {
+                return Ok((sel, ki_all, Some(mask)));
+            }
+            index = rows.to_vec2::<f32>()?;
         }
         // Row by row in parallel: 4,096 rows of 4,096 keys take about a second on one core.
         use rayon::prelude::*;
@@ -1206,7 +1236,7 @@ impl GlmMoeDsa {
                 }
             })
             .collect();
-        Ok((sel, ki_all))
+        Ok((sel, ki_all, None))
     }
 
     /// The MoE block of layer `l` (tensor prefix `p`) on `h [t, hidden]` at positions `off..`:

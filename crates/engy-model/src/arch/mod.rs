@@ -24,6 +24,7 @@ use crate::{Compute, ModelError, Precision};
 pub mod config;
 pub mod delta_rule;
 pub mod deltanet_kernels;
+pub mod dsa_kernels;
 pub mod expert_kernels;
 pub mod experts;
 pub mod fused_attention;

@@ -715,28 +715,29 @@ impl Architecture for Qwen3_5Moe {
                 }
             }
             let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
-            let h = ops::rms_norm_1p_in(
-                &x,
-                &self.w.tensor(&format!("{p}.input_layernorm.weight"))?,
-                eps,
-                cm,
-            )?;
-            let dev = h.device().clone();
+            let dev = x.device().clone();
+            let norm = |x: &Tensor, name: &str| {
+                phase(&dev, "norms and residual adds", || {
+                    Ok(ops::rms_norm_1p_in(
+                        x,
+                        &self.w.tensor(&format!("{p}.{name}.weight"))?,
+                        eps,
+                        cm,
+                    )?)
+                })
+            };
+            let residual = |x: &Tensor, y: Tensor| {
+                phase(&dev, "norms and residual adds", || Ok(cm.round((x + y)?)?))
+            };
+            let h = norm(&x, "input_layernorm")?;
             let (y, lc) = match mixer {
                 Mixer::DeltaNet => phase(&dev, "gated deltanet", || self.delta_net(&p, &h, prev))?,
                 Mixer::Attention => phase(&dev, "attention", || self.attention(&p, &h, off, prev))?,
             };
             new_cache.push(lc);
-            x = cm.round((x + y)?)?;
-            let h = ops::rms_norm_1p_in(
-                &x,
-                &self
-                    .w
-                    .tensor(&format!("{p}.post_attention_layernorm.weight"))?,
-                eps,
-                cm,
-            )?;
-            x = cm.round((&x + phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?)?)?;
+            x = residual(&x, y)?;
+            let h = norm(&x, "post_attention_layernorm")?;
+            x = residual(&x, phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?)?;
             probe.push_layer(&x);
         }
         let out = ops::rms_norm_1p_in(&x, &self.w.tensor("model.norm.weight")?, eps, cm)?;
