@@ -17,7 +17,9 @@
 #      teacher-forced audit of ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape
 #      Qwen3.6-35B-A3B FP8 checkpoint of ENGY_GPU_BENCH_LAYERS (40) layers written here, by
 #      engy-audit (streamed, then --resident) and by transformers
-#      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory;
+#      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory, and
+#      whether two processes auditing the same commitment wrote identical reports (reported,
+#      not failed);
 #   5. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_GLM=0): the same on a real-shape GLM-5 FP8
 #      checkpoint of ENGY_GPU_BENCH_GLM_LAYERS (5: the release's 3 dense layers, then 2 MoE
 #      layers) at ENGY_GPU_BENCH_TOKENS tokens.
@@ -122,7 +124,7 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
   local once=(--commitment "$ck/commitment.json")
   # A first run fills the driver's kernel cache (~/.nv/ComputeCache: candle's kernels ship as
   # PTX and are compiled on first use); the second is the one measured.
-  "${audit[@]}" "${once[@]}" >/dev/null 2>"$work/$arch-engy-first.err"
+  "${audit[@]}" "${once[@]}" >"$work/$arch-engy-first.out" 2>"$work/$arch-engy-first.err"
   sed 's/^/   first run: /' "$work/$arch-engy-first.err"
   # Where the time goes: a run with ENGY_PROFILE=1 (each phase waits for the GPU, so this run
   # is slower than the measured one).
@@ -137,6 +139,14 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
   engy_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/$arch-engy.err")"
   engy_mem="$(cat "$work/peak")"
   echo "   engy-audit: $(head -n1 "$work/$arch-engy.out"), process wall $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s"
+  # Reproducibility across processes: the first and the measured run audit the same
+  # commitment in two processes; their reports (score, every batch's mismatches) should be
+  # identical. Reported, not failed: verdicts are what the checks above compare.
+  if cmp -s "$work/$arch-engy-first.out" "$work/$arch-engy.out"; then
+    echo "   reproducible: two processes wrote identical reports"
+  else
+    echo "   NOT reproducible: two processes' reports differ ($(diff "$work/$arch-engy-first.out" "$work/$arch-engy.out" | grep -c '^<') lines; scores: $(grep -h '^score' "$work/$arch-engy-first.out" "$work/$arch-engy.out" | cut -d' ' -f2 | tr '\n' ' '))"
+  fi
   # Weights resident: the same commitment audited twice in one process with --resident; the
   # second audit, on the weights the first kept on the GPU as bf16, is the one measured (the
   # anchor's weights are resident too). Then the same with ENGY_PROFILE=1 for the split.
