@@ -239,7 +239,7 @@ mod cuda {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, wrap};
+    use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, with_views, wrap};
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::Device;
 
@@ -315,30 +315,23 @@ mod cuda {
             shared_mem_bytes: shared32,
         };
         let f32v = DType::F32;
-        with_view::<f32, _>(q, f32v, |qv| {
-            with_view::<f32, _>(k, f32v, |kv| {
-                with_view::<f32, _>(v, f32v, |vv| {
-                    with_view::<f32, _>(beta, f32v, |bv| {
-                        with_view::<f32, _>(g, f32v, |gv| {
-                            let mut b = func.builder();
-                            b.arg(&qv).arg(&kv).arg(&vv).arg(&bv).arg(&gv);
-                            b.arg(&mut value).arg(&mut kc).arg(&mut qd);
-                            b.arg(&mut attn).arg(&mut kdt).arg(&mut lam);
-                            for d in &dims {
-                                b.arg(d);
-                            }
-                            // SAFETY: the kernel's signature is (5 × const float*, 6 × float*,
-                            // 6 × unsigned), as pushed; the inputs hold h · t · (dk, dk, dv,
-                            // 1, 1) floats (checked above), block (head, chunk) reads only its
-                            // chunk's tokens below t and writes only its own (chunk, head)
-                            // entries of the outputs, allocated for n · h of them.
-                            unsafe { b.launch(cfg) }
-                                .map(|_| ())
-                                .map_err(|e| err(OP, "launching the preparation", e))
-                        })
-                    })
-                })
-            })
+        with_views::<f32, _>(&[q, k, v, beta, g], f32v, |ins| {
+            let mut b = func.builder();
+            for x in ins {
+                b.arg(x);
+            }
+            b.arg(&mut value).arg(&mut kc).arg(&mut qd);
+            b.arg(&mut attn).arg(&mut kdt).arg(&mut lam);
+            for d in &dims {
+                b.arg(d);
+            }
+            // SAFETY: the kernel's signature is (5 × const float*, 6 × float*, 6 × unsigned),
+            // as pushed; the inputs hold h · t · (dk, dk, dv, 1, 1) floats (checked above),
+            // block (head, chunk) reads only its chunk's tokens below t and writes only its
+            // own (chunk, head) entries of the outputs, allocated for n · h of them.
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(|e| err(OP, "launching the preparation", e))
         })?;
         Ok(Some(ChunkParts {
             value: wrap(value, cd, (n, h, c, dv))?,
@@ -417,31 +410,30 @@ mod cuda {
             shared_mem_bytes: shared as u32,
         };
         let f32v = DType::F32;
-        with_view::<f32, _>(&p.value, f32v, |value| {
-            with_view::<f32, _>(&p.k_cumdecay, f32v, |kc| {
-                with_view::<f32, _>(&p.q_dec, f32v, |qd| {
-                    with_view::<f32, _>(&p.attn, f32v, |attn| {
-                        with_view::<f32, _>(&p.k_dec_t, f32v, |kdt| {
-                            with_view::<f32, _>(&p.last_decay, f32v, |lam| {
-                                let mut b = func.builder();
-                                b.arg(&value).arg(&kc).arg(&qd).arg(&attn).arg(&kdt);
-                                b.arg(&lam).arg(&mut st).arg(&mut out);
-                                for d in &dims {
-                                    b.arg(d);
-                                }
-                                // SAFETY: the kernel's signature is (6 × const float*, float*
-                                // state, float* out, 5 × unsigned), as pushed; the shapes were
-                                // checked above, so block (head, column block) reads and
-                                // writes only inside those buffers; `st` is this call's own
-                                // copy of the state, which the kernel updates in place.
-                                unsafe { b.launch(cfg) }
-                                    .map(|_| ())
-                                    .map_err(|e| err(OP, "launching", e))
-                            })
-                        })
-                    })
-                })
-            })
+        let parts = [
+            &p.value,
+            &p.k_cumdecay,
+            &p.q_dec,
+            &p.attn,
+            &p.k_dec_t,
+            &p.last_decay,
+        ];
+        with_views::<f32, _>(&parts, f32v, |ins| {
+            let mut b = func.builder();
+            for x in ins {
+                b.arg(x);
+            }
+            b.arg(&mut st).arg(&mut out);
+            for d in &dims {
+                b.arg(d);
+            }
+            // SAFETY: the kernel's signature is (6 × const float*, float* state, float* out,
+            // 5 × unsigned), as pushed; the shapes were checked above, so block (head, column
+            // block) reads and writes only inside those buffers; `st` is this call's own copy
+            // of the state, which the kernel updates in place.
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(|e| err(OP, "launching", e))
         })?;
         Ok(Some((
             wrap(out, cd, (h, n * c, dv))?,

@@ -163,7 +163,9 @@ mod imp {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
-    use crate::arch::kernels::{self, alloc, elementwise, err, u32_arg, with_view, wrap};
+    use crate::arch::kernels::{
+        self, alloc, elementwise, err, u32_arg, with_view, with_views, wrap,
+    };
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::{DType, Device};
 
@@ -219,25 +221,21 @@ mod imp {
                 .map(|_| ())
                 .map_err(|e| err(OP, "launching the q, k, v kernel", e))
         })?;
-        with_view::<f32, _>(b, DType::F32, |bv| {
-            with_view::<f32, _>(a, DType::F32, |av| {
-                with_view::<f32, _>(dt_bias, DType::F32, |dtv| {
-                    with_view::<f32, _>(a_log, DType::F32, |alv| {
-                        let mut l = gates.builder();
-                        l.arg(&bv).arg(&av).arg(&dtv).arg(&alv);
-                        l.arg(&mut beta)
-                            .arg(&mut g)
-                            .arg(&dims[0])
-                            .arg(&dims[2])
-                            .arg(&round);
-                        // SAFETY: (4 × const float*, 2 × float*, 2 × uint32_t, int) as
-                        // pushed; b and a hold t · nv, dt_bias and A_log nv, beta and g nv · t.
-                        unsafe { l.launch(elementwise(OP, t * nv, 256)?) }
-                            .map(|_| ())
-                            .map_err(|e| err(OP, "launching the gates kernel", e))
-                    })
-                })
-            })
+        with_views::<f32, _>(&[b, a, dt_bias, a_log], DType::F32, |ins| {
+            let mut l = gates.builder();
+            for x in ins {
+                l.arg(x);
+            }
+            l.arg(&mut beta)
+                .arg(&mut g)
+                .arg(&dims[0])
+                .arg(&dims[2])
+                .arg(&round);
+            // SAFETY: (4 × const float*, 2 × float*, 2 × uint32_t, int) as pushed; b and a
+            // hold t · nv, dt_bias and A_log nv, beta and g nv · t.
+            unsafe { l.launch(elementwise(OP, t * nv, 256)?) }
+                .map(|_| ())
+                .map_err(|e| err(OP, "launching the gates kernel", e))
         })?;
         Ok(Some([
             wrap(q, cd, (nv, t, dk))?,
@@ -315,23 +313,22 @@ mod imp {
         ];
         let (inv_dv, eps32) = ((1.0 / dv as f64) as f32, eps as f32);
         let round = i32::from(c == Compute::Bf16);
-        with_view::<f32, _>(o, DType::F32, |ov| {
-            with_view::<f32, _>(z, DType::F32, |zv| {
-                with_view::<f32, _>(w, DType::F32, |wv| {
-                    let mut b = f.builder();
-                    b.arg(&ov).arg(&zv).arg(&wv).arg(&mut out);
-                    for a in &args {
-                        b.arg(a);
-                    }
-                    b.arg(&inv_dv).arg(&eps32).arg(&round);
-                    // SAFETY: (3 × const float*, float*, 4 × uint32_t, float, float, int) as
-                    // pushed; warp (r, h) reads row r < t ≤ o_rows of head h of `o`, row r of
-                    // `z` and `w` (dv each), and writes row r, head h of `out`.
-                    unsafe { b.launch(elementwise(OP, t * heads * 32, 256)?) }
-                        .map(|_| ())
-                        .map_err(|e| err(OP, "launching the gated norm", e))
-                })
-            })
+        with_views::<f32, _>(&[o, z, w], DType::F32, |ins| {
+            let mut b = f.builder();
+            for x in ins {
+                b.arg(x);
+            }
+            b.arg(&mut out);
+            for a in &args {
+                b.arg(a);
+            }
+            b.arg(&inv_dv).arg(&eps32).arg(&round);
+            // SAFETY: (3 × const float*, float*, 4 × uint32_t, float, float, int) as pushed;
+            // warp (r, h) reads row r < t ≤ o_rows of head h of `o`, row r of `z` and `w` (dv
+            // each), and writes row r, head h of `out`.
+            unsafe { b.launch(elementwise(OP, t * heads * 32, 256)?) }
+                .map(|_| ())
+                .map_err(|e| err(OP, "launching the gated norm", e))
         })?;
         Ok(Some(wrap(out, cd, (t, heads * dv))?))
     }

@@ -63,6 +63,35 @@ pub(crate) fn with_view<T: CudaDType, R>(
         .slice(l.start_offset()..l.start_offset() + n))
 }
 
+/// [`with_view`] on several tensors at once: `f` gets their views in the order of `xs`
+/// (each converted to `dtype` and made contiguous where it is not already so).
+///
+/// # Errors
+/// A candle error when a tensor is not on a GPU, or a conversion's.
+pub(crate) fn with_views<T: CudaDType, R>(
+    xs: &[&Tensor],
+    dtype: DType,
+    f: impl FnOnce(&[CudaView<'_, T>]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let xs = xs
+        .iter()
+        .map(|x| x.to_dtype(dtype)?.contiguous())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let held: Vec<_> = xs.iter().map(Tensor::storage_and_layout).collect();
+    let mut views = Vec::with_capacity(held.len());
+    for (st, l) in &held {
+        let Storage::Cuda(st) = &**st else {
+            candle_core::bail!("a kernel's operand is not on the GPU");
+        };
+        let n = l.shape().elem_count();
+        views.push(
+            st.as_cuda_slice::<T>()?
+                .slice(l.start_offset()..l.start_offset() + n),
+        );
+    }
+    f(&views)
+}
+
 /// A tensor of `shape` over the device buffer `buf` (which holds exactly its elements).
 ///
 /// # Errors
