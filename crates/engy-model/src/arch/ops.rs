@@ -283,14 +283,7 @@ pub fn attention(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
-    let (att, v) = scores(q, k, v, scale, mask)?;
-    let (h, t, _) = q.dims3()?;
-    let dv = v.dim(2)?;
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
-    att.matmul(&v.contiguous()?)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((t, h * dv))
+    attention_blocked(q, k, v, scale, mask, q.dim(1)?)
 }
 
 /// [`attention`] over the query rows in blocks of `block` rows (at least 1), to bound the
