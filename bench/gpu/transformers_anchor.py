@@ -15,6 +15,9 @@ peak GPU memory in GiB, versions.
 
 ENGY_ANCHOR_DEVICE (default `cuda`) runs it elsewhere, e.g. `cpu` to check on a small
 checkpoint that transformers builds and runs a config (peak memory is then not measured).
+ENGY_ANCHOR_PROFILE=N: after the timed passes, one more pass under torch's profiler, and its N
+kernels of most device time to stderr (where transformers' time goes, to compare with
+`ENGY_PROFILE=1 engy-audit`); the JSON line is unchanged.
 """
 import json
 import os
@@ -56,6 +59,9 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             elif cuda:
                 torch.cuda.reset_peak_memory_stats()
+        top = int(os.environ.get("ENGY_ANCHOR_PROFILE", "0") or 0)
+        if top > 0:
+            profile(lambda: model.model(input_ids=ids, use_cache=False), cuda, top)
     finite = bool(torch.isfinite(out.last_hidden_state).all())
     s = statistics.median(times)
     print(json.dumps({
@@ -72,6 +78,25 @@ def main() -> None:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if cuda else str(device),
     }))
+
+
+def profile(run, cuda: bool, top: int) -> None:
+    """One pass of `run` under torch's profiler; its `top` kernels by device time to stderr."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = prof.key_averages()
+    # On a GPU, the kernels' own rows (an operator's row counts its kernels' time again).
+    kernels = [e for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(getattr(e, key) for e in kernels) / 1e6
+    print(f"anchor profile: {total:.3f} s of {'device' if cuda else 'cpu'} time in all", file=sys.stderr)
+    print(events.table(sort_by=key, row_limit=top, max_name_column_width=90), file=sys.stderr)
 
 
 if __name__ == "__main__":

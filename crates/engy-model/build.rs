@@ -12,6 +12,7 @@ const KERNELS: &[&str] = &[
     "dsa",
     "experts",
     "gated_deltanet",
+    "norm",
     "topk",
 ];
 

@@ -135,6 +135,42 @@ pub fn host_steps() -> [(HostStep, u64); 3] {
     HostStep::ALL.map(|s| (s, HOST_STEPS[s as usize].load(Ordering::Relaxed)))
 }
 
+/// With `ENGY_TRACE` set (any value but `0`), [`trace`] prints a digest of each tensor it is
+/// given to stderr: `engy trace: NAME #i: <hex>` (FNV-1a over the values' f32 bits, in order).
+/// Two runs that should agree bit for bit (two processes auditing one commitment) can then be
+/// compared line by line to find the first step where they part. Each trace copies the tensor
+/// to the host, so a traced pass is slow. Off by default.
+pub(crate) fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_TRACE").is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// Prints the digest of `t` as step `name` when `ENGY_TRACE` is set (see [`tracing`]); does
+/// nothing otherwise. A tensor that cannot be read is traced as `unreadable (error)`.
+pub fn trace(name: &str, t: &candle_core::Tensor) {
+    if !tracing() {
+        return;
+    }
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let i = SEQ.fetch_add(1, Ordering::Relaxed);
+    let values = t
+        .to_dtype(candle_core::DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>());
+    match values {
+        Ok(v) => {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for x in &v {
+                for b in x.to_bits().to_le_bytes() {
+                    h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+            eprintln!("engy trace: {name} #{i}: {h:016x} ({} values)", v.len());
+        }
+        Err(e) => eprintln!("engy trace: {name} #{i}: unreadable ({e})"),
+    }
+}
+
 /// The phases of a forward pass [`phase`] times when `ENGY_PROFILE` is set (any value but
 /// `0`): each phase waits for the device before and after, so its wall time is its own, and
 /// the profile is the sum per phase ([`profile`]). Off by default: the waits cost overlap.

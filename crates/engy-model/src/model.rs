@@ -87,11 +87,20 @@ impl Compute {
     }
 
     /// Rounds `t` (f32) to the activation dtype: bf16 storage with f32 accumulation inside each
-    /// operation, as GPU bf16 kernels do (candle's CPU matmul has no bf16 kernel).
+    /// operation, as GPU bf16 kernels do (candle's CPU matmul has no bf16 kernel). An f32
+    /// tensor on a GPU rounds in one kernel ([`crate::arch::norm_kernels::round_bf16`], the
+    /// same values as the two casts).
     pub(crate) fn round(self, t: Tensor) -> candle_core::Result<Tensor> {
         match self {
             Compute::F32 => Ok(t),
-            Compute::Bf16 => t.to_dtype(DType::BF16)?.to_dtype(DType::F32),
+            Compute::Bf16 => {
+                if t.dtype() == DType::F32 {
+                    if let Some(r) = crate::arch::norm_kernels::round_bf16(&t)? {
+                        return Ok(r);
+                    }
+                }
+                t.to_dtype(DType::BF16)?.to_dtype(DType::F32)
+            }
         }
     }
 

@@ -24,11 +24,15 @@
 //!   torch's CPU `topk`: index for index, on rows full of exact ties;
 //! * the DSA indexer's top-k of key positions and its attention mask on the device
 //!   (`arch::dsa_kernels`) against the host's selection (`ops::topk_indices_ordered` on each
-//!   row's causal scores) and mask: index for index and bit for bit, in both tie orders.
+//!   row's causal scores) and mask: index for index and bit for bit, in both tie orders;
+//! * the RMSNorm and bf16 rounding kernels (`arch::norm_kernels`) against candle's chain of
+//!   operations on the same device, bit for bit: every rule the architectures use, with and
+//!   without the residual add in front, on rows narrower and wider than one block.
 //!
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, D};
+use engy_model::arch::norm_kernels::{self, NormRule};
 use engy_model::arch::{
     delta_rule, deltanet_kernels, dsa_kernels, expert_kernels, fused_attention, ops, TieOrder,
 };
@@ -796,3 +800,119 @@ fn the_dsa_top_k_kernel_is_the_hosts_selection() {
         }
     }
 }
+
+/// candle's casts: f32 → bf16 → f32.
+fn cast_round(x: &Tensor) -> Tensor {
+    x.to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+}
+
+/// The RMSNorm `rule` as the chain of candle operations the kernel replaces.
+fn norm_chain(x: &Tensor, w: &Tensor, eps: f64, rule: NormRule) -> Tensor {
+    let var = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let r = (var + eps).unwrap().sqrt().unwrap().recip().unwrap();
+    let mut n = x.broadcast_mul(&r).unwrap();
+    if rule.round_normed {
+        n = cast_round(&n);
+    }
+    let w = if rule.one_plus {
+        (w + 1.0).unwrap()
+    } else {
+        w.clone()
+    };
+    let out = n.broadcast_mul(&w).unwrap();
+    if rule.round_out {
+        cast_round(&out)
+    } else {
+        out
+    }
+}
+
+/// The values' bits, so that NaNs and signed zeros compare too.
+fn bits(x: &Tensor) -> Vec<u32> {
+    x.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn the_norm_kernels_are_the_candle_operations() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    // Values of many binades, exact bf16 ties, signed zeros, infinities and a NaN.
+    let mut v: Vec<f32> = (0..4099)
+        .map(|i| ((i * 7919 % 4099) as f32 - 2049.0) * 1.37e-3 * (1 + i % 5) as f32)
+        .collect();
+    v.extend([
+        1.0 + f32::EPSILON * 64.0,  // halfway between two bf16 values, even below
+        1.0 + f32::EPSILON * 192.0, // halfway, even above
+        -0.0,
+        0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        3.4e38,
+    ]);
+    let x = Tensor::from_vec(v.clone(), v.len(), &dev).unwrap();
+    let got = norm_kernels::round_bf16(&x).unwrap();
+    if matches!(common::test_device(), DeviceSpec::Cpu) {
+        assert!(got.is_none(), "the norm kernels ran on the CPU");
+        return;
+    }
+    let got = got.expect("bf16 rounding on the GPU");
+    assert_eq!(bits(&got), bits(&cast_round(&x)), "bf16 rounding");
+
+    let rules = [
+        (false, false, false),
+        (false, true, true),
+        (true, false, false),
+        (true, false, true),
+    ]
+    .map(|(one_plus, round_normed, round_out)| NormRule {
+        one_plus,
+        round_normed,
+        round_out,
+    });
+    // Qwen3.6's hidden width, a head's width, a row narrower than its block, a row wider
+    // than one block of 1024 threads and not a multiple of it.
+    for (rows, n) in [(37usize, 2048usize), (64, 256), (9, 100), (5, 3000)] {
+        let x = Tensor::from_vec(bf16_values(rows * n, n as u64, 6.0), (rows, n), &dev).unwrap();
+        let y = Tensor::from_vec(bf16_values(rows * n, 3, 2.0), (rows, n), &dev).unwrap();
+        let w = Tensor::from_vec(bf16_values(n, 5, 1.5), n, &dev).unwrap();
+        for rule in rules {
+            let eps = 1e-6;
+            let (none, norm) = norm_kernels::rms_norm(&x, None, &w, eps, rule)
+                .unwrap()
+                .expect("norm on the GPU");
+            assert!(none.is_none());
+            let want = norm_chain(&x, &w, eps, rule);
+            assert_eq!(bits(&norm), bits(&want), "{rows}x{n} {rule:?}");
+            for round_sum in [false, true] {
+                let (sum, norm) = norm_kernels::rms_norm(&x, Some((&y, round_sum)), &w, eps, rule)
+                    .unwrap()
+                    .expect("norm on the GPU");
+                let mut s = (&x + &y).unwrap();
+                if round_sum {
+                    s = cast_round(&s);
+                }
+                let sum = sum.expect("the residual sum");
+                assert_eq!(bits(&sum), bits(&s), "{rows}x{n} sum, rounded {round_sum}");
+                let want = norm_chain(&s, &w, eps, rule);
+                assert_eq!(
+                    bits(&norm),
+                    bits(&want),
+                    "{rows}x{n} {rule:?} after the add"
+                );
+            }
+        }
+    }
+    eprintln!("norm kernels: bit for bit on 4 widths, 4 rules, with and without the residual add");
+}
+

@@ -925,6 +925,7 @@ impl GlmMoeDsa {
                 self.attention(l, &p, &h, off, &cache.layers[l].0, prev)
             })?;
             probe.push_attended(l, off, &sel);
+            crate::device::trace("glm attention output", &attn);
             x = cm.round((x + attn)?)?;
             let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
             let h2 = ops::rms_norm_in(&x, &ln2, c.rms_norm_eps, cm)?;
@@ -944,6 +945,7 @@ impl GlmMoeDsa {
                 })?;
                 (y, None)
             };
+            crate::device::trace("glm mlp output", &mlp);
             x = cm.round((x + mlp)?)?;
             probe.push_layer(&x);
             if let Some(tr) = trace.as_deref_mut() {
@@ -1116,6 +1118,10 @@ impl GlmMoeDsa {
                 })?
             }
         };
+        crate::device::trace("glm mla q", &q);
+        crate::device::trace("glm mla keys", &k_all);
+        crate::device::trace("glm mla values", &v_all);
+        crate::device::trace("glm mla mask", &mask);
         let scale = 1.0 / (dqk as f64).sqrt();
         let blk = self.row_block(nh, total);
         let y = phase(&dev, "mla attention: scores to output", || {
@@ -1129,6 +1135,7 @@ impl GlmMoeDsa {
             )?)
         })?;
         let y = cm.round(y)?; // [t, nh * dv]
+        crate::device::trace("glm mla attention", &y);
         let out = phase(&dev, "mla attention: output projection", || {
             Ok(cm.round(self.proj(&format!("{a}.o_proj"), &y, hd, nh * dv, true)?)?)
         })?;

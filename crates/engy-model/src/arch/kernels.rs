@@ -1,7 +1,7 @@
 //! engy's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs` with the `cuda`
 //! feature) and the device-buffer plumbing their launchers share ([`super::fused_attention`],
 //! [`super::delta_rule`], [`super::expert_kernels`], [`super::deltanet_kernels`],
-//! [`super::router_kernels`], [`super::dsa_kernels`]). Only in a `cuda` build.
+//! [`super::router_kernels`], [`super::dsa_kernels`], [`super::norm_kernels`]). Only in a `cuda` build.
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Storage, Tensor};
@@ -17,6 +17,8 @@ pub(crate) const DSA: &str = include_str!(concat!(env!("OUT_DIR"), "/dsa.ptx"));
 pub(crate) const EXPERTS: &str = include_str!(concat!(env!("OUT_DIR"), "/experts.ptx"));
 /// The PTX of `kernels/delta_rule.cu`.
 pub(crate) const DELTA_RULE: &str = include_str!(concat!(env!("OUT_DIR"), "/delta_rule.ptx"));
+/// The PTX of `kernels/norm.cu`.
+pub(crate) const NORM: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
 /// The PTX of `kernels/topk.cu`.
 pub(crate) const TOPK: &str = include_str!(concat!(env!("OUT_DIR"), "/topk.ptx"));
 

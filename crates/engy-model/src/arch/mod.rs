@@ -32,6 +32,7 @@ pub mod glm_moe_dsa;
 pub mod grouped_gemm;
 #[cfg(feature = "cuda")]
 mod kernels;
+pub mod norm_kernels;
 pub mod ops;
 pub mod qlinear;
 pub mod quant;

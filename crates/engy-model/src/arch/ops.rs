@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::{Compute, ModelError};
 
+use super::norm_kernels::{self, NormRule};
 use super::{TieOrder, Weights};
 
 /// `x · Wᵀ`: `x` `[T, in]`, `w` `[out, in]` (nn.Linear without bias) → `[T, out]`.
@@ -29,15 +30,35 @@ pub fn linear_t(x: &Tensor, wt: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// RMSNorm whose weight multiplies (Llama / Qwen3 / GLM): `x * rsqrt(mean(x²) + eps) * w`
-/// over the last dimension.
+/// over the last dimension. On a GPU one kernel ([`norm_kernels::rms_norm`], candle's
+/// arithmetic bit for bit).
 ///
 /// # Errors
 /// A candle error on a shape mismatch.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let rule = NormRule {
+        one_plus: false,
+        round_normed: false,
+        round_out: false,
+    };
+    norm_by_rule(x, w, eps, rule)
+}
+
+/// The RMSNorm `rule` as candle operations, or as one kernel where that applies
+/// ([`norm_kernels::rms_norm`]).
+fn norm_by_rule(x: &Tensor, w: &Tensor, eps: f64, rule: NormRule) -> candle_core::Result<Tensor> {
+    if let Some((_, y)) = norm_kernels::rms_norm(x, None, w, eps, rule)? {
+        return Ok(y);
+    }
+    let round = |t: Tensor, on: bool| if on { Compute::Bf16.round(t) } else { Ok(t) };
     let x = x.contiguous()?;
     let var = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?
-        .broadcast_mul(w)
+    let n = round(
+        x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?,
+        rule.round_normed,
+    )?;
+    let w = if rule.one_plus { (w + 1.0)? } else { w.clone() };
+    round(n.broadcast_mul(&w)?, rule.round_out)
 }
 
 /// RMSNorm of transformers' Llama-style modules (`LlamaRMSNorm`, `Qwen3MoeRMSNorm`,
@@ -48,15 +69,13 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
 /// # Errors
 /// A candle error on a shape mismatch.
 pub fn rms_norm_in(x: &Tensor, w: &Tensor, eps: f64, c: Compute) -> candle_core::Result<Tensor> {
-    match c {
-        Compute::F32 => rms_norm(x, w, eps),
-        Compute::Bf16 => {
-            let x = x.contiguous()?;
-            let var = x.sqr()?.mean_keepdim(D::Minus1)?;
-            let n = c.round(x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?)?;
-            c.round(n.broadcast_mul(w)?)
-        }
-    }
+    let bf16 = c == Compute::Bf16;
+    let rule = NormRule {
+        one_plus: false,
+        round_normed: bf16,
+        round_out: bf16,
+    };
+    norm_by_rule(x, w, eps, rule)
 }
 
 /// Zero-centred RMSNorm (Qwen3.5 / Qwen3-Next `Qwen3_5MoeRMSNorm`):
@@ -65,7 +84,16 @@ pub fn rms_norm_in(x: &Tensor, w: &Tensor, eps: f64, c: Compute) -> candle_core:
 /// # Errors
 /// A candle error on a shape mismatch.
 pub fn rms_norm_1p(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    rms_norm(x, &(w + 1.0)?, eps)
+    rms_norm_1p_in(x, w, eps, Compute::F32)
+}
+
+/// The rule of [`rms_norm_1p_in`] for `c`.
+fn rule_1p(c: Compute) -> NormRule {
+    NormRule {
+        one_plus: true,
+        round_normed: false,
+        round_out: c == Compute::Bf16,
+    }
 }
 
 /// [`rms_norm_1p`] in the activation dtype `c`: `Qwen3_5MoeRMSNorm` normalises and multiplies
@@ -75,7 +103,30 @@ pub fn rms_norm_1p(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tens
 /// # Errors
 /// A candle error on a shape mismatch.
 pub fn rms_norm_1p_in(x: &Tensor, w: &Tensor, eps: f64, c: Compute) -> candle_core::Result<Tensor> {
-    c.round(rms_norm_1p(x, w, eps)?)
+    norm_by_rule(x, w, eps, rule_1p(c))
+}
+
+/// A residual add and the [`rms_norm_1p_in`] after it: `s = c.round(x + y)` (the residual
+/// stream in the activation dtype) and its norm, returned as `(s, norm)`. On a GPU one kernel
+/// and one pass ([`norm_kernels::rms_norm`]), the same values as the two steps apart.
+///
+/// # Errors
+/// A candle error on a shape mismatch.
+pub fn add_rms_norm_1p_in(
+    x: &Tensor,
+    y: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    c: Compute,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let round_sum = c == Compute::Bf16;
+    if let Some((Some(s), n)) = norm_kernels::rms_norm(x, Some((y, round_sum)), w, eps, rule_1p(c))?
+    {
+        return Ok((s, n));
+    }
+    let s = c.round((x + y)?)?;
+    let n = rms_norm_1p_in(&s, w, eps, c)?;
+    Ok((s, n))
 }
 
 /// LayerNorm with weight and bias over the last dimension (biased variance).

@@ -620,16 +620,33 @@ impl Qwen3_5Moe {
         // logits are in the activation dtype, softmax and renormalisation in f32, the weights
         // then cast to the logits' dtype (`Qwen3_5MoeTopKRouter`); ties between bf16 logits
         // are broken as torch's `topk` breaks them.
-        let logits = cm.round(linear_t(h, &router)?)?;
+        let logits = phase(h.device(), "moe: router logits", || {
+            Ok(cm.round(linear_t(h, &router)?)?)
+        })?;
         let full = probe.wants_scores();
         let routed = phase(h.device(), "moe: routing", || {
             Ok(ops::softmax_route_in(&logits, self.top_k, cm, full)?)
         })?;
-        let rank = &routed.rank;
-        let used = probe.route(li, off, rank, RouteScores::new(rank), routed.own.clone());
-        let mut choice = routed.weights(&used, true)?;
-        for (_, wgt) in choice.iter_mut().flatten() {
-            *wgt = cm.round_f32(*wgt);
+        let choice = phase(h.device(), "moe: routing on the host", || {
+            let rank = &routed.rank;
+            let used = probe.route(li, off, rank, RouteScores::new(rank), routed.own.clone());
+            let mut choice = routed.weights(&used, true)?;
+            for (_, wgt) in choice.iter_mut().flatten() {
+                *wgt = cm.round_f32(*wgt);
+            }
+            Ok(choice)
+        })?;
+        if !crate::device::tracing() {
+        } else if let Ok(ids) = Tensor::new(
+            routed
+                .own
+                .iter()
+                .flatten()
+                .map(|&e| e as u32)
+                .collect::<Vec<u32>>(),
+            &candle_core::Device::Cpu,
+        ) {
+            crate::device::trace("qwen routing", &ids);
         }
         let mut out = phase(h.device(), "moe: routed experts", || {
             if experts::grouped(w) {
@@ -698,14 +715,32 @@ impl Architecture for Qwen3_5Moe {
         let eps = self.cfg.rms_norm_eps;
         let cm = self.compute;
         let mut x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
-        let mut new_cache = Vec::with_capacity(self.mixers.len());
+        let layers = self.mixers.len();
+        let dev = x.device().clone();
+        let norm_w = |name: &str| self.w.tensor(name);
+        // Each residual add and the norm after it run as one step
+        // ([`ops::add_rms_norm_1p_in`]): the mixer's output with the post-attention norm, the
+        // MoE block's with the next layer's input norm (the final norm after the last).
+        let add_norm = |x: &Tensor, y: &Tensor, name: &str| {
+            phase(&dev, "norms and residual adds", || {
+                Ok(ops::add_rms_norm_1p_in(x, y, &norm_w(name)?, eps, cm)?)
+            })
+        };
+        let first = match layers {
+            0 => "model.norm.weight",
+            _ => "model.layers.0.input_layernorm.weight",
+        };
+        let mut h = phase(&dev, "norms and residual adds", || {
+            Ok(ops::rms_norm_1p_in(&x, &norm_w(first)?, eps, cm)?)
+        })?;
+        let mut new_cache = Vec::with_capacity(layers);
         for (li, mixer) in self.mixers.iter().enumerate() {
             let p = format!("model.layers.{li}");
             // The next layer's routed experts are read while this one computes (on a GPU,
             // when every expert is stacked: `experts::dispatch`).
             if ids.len() * self.top_k >= self.experts || self.w.keeps_stacks(cm) {
                 let first = if li == 0 { 0 } else { li + 1 };
-                for l in first..=(li + 1).min(self.mixers.len() - 1) {
+                for l in first..=(li + 1).min(layers - 1) {
                     experts::prefetch(
                         &self.w,
                         |e| format!("model.layers.{l}.mlp.experts.{e}"),
@@ -715,32 +750,26 @@ impl Architecture for Qwen3_5Moe {
                 }
             }
             let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
-            let dev = x.device().clone();
-            let norm = |x: &Tensor, name: &str| {
-                phase(&dev, "norms and residual adds", || {
-                    Ok(ops::rms_norm_1p_in(
-                        x,
-                        &self.w.tensor(&format!("{p}.{name}.weight"))?,
-                        eps,
-                        cm,
-                    )?)
-                })
-            };
-            let residual = |x: &Tensor, y: Tensor| {
-                phase(&dev, "norms and residual adds", || Ok(cm.round((x + y)?)?))
-            };
-            let h = norm(&x, "input_layernorm")?;
             let (y, lc) = match mixer {
                 Mixer::DeltaNet => phase(&dev, "gated deltanet", || self.delta_net(&p, &h, prev))?,
                 Mixer::Attention => phase(&dev, "attention", || self.attention(&p, &h, off, prev))?,
             };
             new_cache.push(lc);
-            x = residual(&x, y)?;
-            let h = norm(&x, "post_attention_layernorm")?;
-            x = residual(&x, phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?)?;
+            crate::device::trace("qwen mixer output", &y);
+            let post = format!("{p}.post_attention_layernorm.weight");
+            (x, h) = add_norm(&x, &y, &post)?;
+            let y = phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?;
+            crate::device::trace("qwen moe output", &y);
+            let next = if li + 1 < layers {
+                format!("model.layers.{}.input_layernorm.weight", li + 1)
+            } else {
+                "model.norm.weight".to_string()
+            };
+            (x, h) = add_norm(&x, &y, &next)?;
             probe.push_layer(&x);
         }
-        let out = ops::rms_norm_1p_in(&x, &self.w.tensor("model.norm.weight")?, eps, cm)?;
+        // After the last layer `h` is the final norm's output.
+        let out = h;
         cache.layers = new_cache;
         cache.len = off + ids.len();
         Ok(out)
