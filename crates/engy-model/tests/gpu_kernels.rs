@@ -27,7 +27,10 @@
 //!   row's causal scores) and mask: index for index and bit for bit, in both tie orders;
 //! * the RMSNorm and bf16 rounding kernels (`arch::norm_kernels`) against candle's chain of
 //!   operations on the same device, bit for bit: every rule the architectures use, with and
-//!   without the residual add in front, on rows narrower and wider than one block.
+//!   without the residual add in front, on rows narrower and wider than one block;
+//! * a layer's block-FP8 expert stack, which goes up through one reused page-locked staging
+//!   buffer in several copies, against each expert decoded alone: bit for bit (the host once
+//!   overwrote the buffer while the previous copy out of it was still running).
 //!
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
@@ -916,3 +919,90 @@ fn the_norm_kernels_are_the_candle_operations() {
     eprintln!("norm kernels: bit for bit on 4 widths, 4 rules, with and without the residual add");
 }
 
+#[test]
+fn fp8_expert_stacks_are_the_stored_weights() {
+    let spec = common::test_device();
+    if matches!(spec, DeviceSpec::Cpu) {
+        // The stack's staged copies are the GPU's; the CPU decodes expert by expert.
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let fp8 = common::vectors_dir().join("qwen3_5_moe_fp8");
+    std::fs::copy(fp8.join("config.json"), dir.path().join("config.json")).unwrap();
+    // 2 MiB of codes an expert: a stack goes up 32 experts (64 MiB) a copy, every copy through
+    // the same staging buffer, so 80 experts take three copies back to back.
+    let (out, inp, experts) = (1024usize, 2048usize, 80usize);
+    let (tn, tk) = (out / 128, inp / 128);
+    let mut data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for e in 0..experts {
+        let codes: Vec<u8> = (0..out * inp)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let b = (x >> 56) as u8;
+                // 0x7f and 0xff are E4M3's NaNs.
+                if b & 0x7f == 0x7f {
+                    b ^ 1
+                } else {
+                    b
+                }
+            })
+            .collect();
+        let scales: Vec<u8> = (0..tn * tk)
+            .flat_map(|i| (1.0f32 + (e * 7 + i) as f32 / 64.0).to_le_bytes())
+            .collect();
+        let name = format!("t.experts.{e}.weight");
+        data.push((
+            format!("{name}_scale_inv"),
+            safetensors::Dtype::F32,
+            vec![tn, tk],
+            scales,
+        ));
+        data.push((name, safetensors::Dtype::F8_E4M3, vec![out, inp], codes));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, d, s, b)| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    let opts = engy_model::LoadOptions {
+        precision: engy_model::Precision::Bf16,
+        compute: Compute::F32,
+        residency: engy_model::Residency::Streaming,
+        dsa_ties: TieOrder::default(),
+        device: spec,
+    };
+    let (_, w) = engy_model::arch::open(dir.path(), &opts).unwrap();
+    let names: Vec<String> = (0..experts)
+        .map(|e| format!("t.experts.{e}.weight"))
+        .collect();
+    // Work queued ahead on the stream, as a pass keeps the GPU busy while the host stages the
+    // next layer's experts: each copy then waits in the queue, and a buffer the host rewrote
+    // too early would be read with the next copy's bytes.
+    let a = Tensor::zeros((4096, 4096), DType::F32, w.device()).unwrap();
+    let mut busy = a.clone();
+    for _ in 0..200 {
+        busy = busy.matmul(&a).unwrap();
+    }
+    let stack = w.stacked(&names, out, inp, Compute::F32).unwrap();
+    drop(busy);
+    let mut wrong = Vec::new();
+    for (e, name) in names.iter().enumerate() {
+        let alone = w.tensor(name).unwrap();
+        if bits(&stack.get(e).unwrap()) != bits(&alone) {
+            wrong.push(e);
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "experts {wrong:?} of the stack are not their stored weights"
+    );
+    eprintln!(
+        "fp8 expert stack: {experts} experts in three staged copies, each its stored weights"
+    );
+}

@@ -83,9 +83,29 @@ pub struct Weights {
     prefetched: std::sync::Mutex<Vec<Prefetched>>,
     /// Page-locked staging buffers by length, for [`Weights::upload`] on a GPU.
     #[cfg(feature = "cuda")]
-    staging: std::sync::Mutex<
-        HashMap<usize, candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u8>>,
-    >,
+    staging: std::sync::Mutex<HashMap<usize, Staging>>,
+}
+
+/// A page-locked staging buffer of [`Weights::upload`] and the event recorded after the last
+/// copy out of it: the host waits on the event before writing the buffer again. cudarc's own
+/// event on a pinned buffer is recorded only when it manages synchronisation between several
+/// streams (`CudaContext::is_managing_stream_synchronization`), which candle's one stream never
+/// turns on; without this event the host overwrote a buffer while the previous copy out of it
+/// was still reading it, and a GPU audit's weights varied from process to process.
+#[cfg(feature = "cuda")]
+struct Staging {
+    buf: candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u8>,
+    copied: Option<candle_core::cuda_backend::cudarc::driver::CudaEvent>,
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // The buffer is freed after this: no copy may still read it.
+        if let Some(e) = &self.copied {
+            let _ = e.synchronize();
+        }
+    }
 }
 
 /// The bytes of a list of tensors being read in the background ([`Weights::prefetch`]).
@@ -603,20 +623,24 @@ impl Weights {
                 // SAFETY: the buffer's contents are unset; every byte is written below before
                 // the copy reads it.
                 match unsafe { stream.context().alloc_pinned::<u8>(bytes.len()) } {
-                    Ok(p) => v.insert(p),
+                    Ok(buf) => v.insert(Staging { buf, copied: None }),
                     Err(_) => return Ok(None),
                 }
             }
         };
-        // Waits for the previous copy out of this buffer to finish before writing it.
-        let host = pinned.as_mut_slice().map_err(dev_err)?;
+        // The previous copy out of this buffer must be done before the host writes it.
+        if let Some(e) = pinned.copied.take() {
+            e.synchronize().map_err(dev_err)?;
+        }
+        let host = pinned.buf.as_mut_slice().map_err(dev_err)?;
         host.par_chunks_mut(1 << 22)
             .zip(bytes.par_chunks(1 << 22))
             .for_each(|(d, s)| d.copy_from_slice(s));
         // SAFETY: the device buffer is fully written by the copy, which is ordered on the
         // stream before any kernel that reads the tensor.
         let mut dst = unsafe { stream.alloc::<u8>(bytes.len()) }.map_err(dev_err)?;
-        stream.memcpy_htod(&*pinned, &mut dst).map_err(dev_err)?;
+        stream.memcpy_htod(&pinned.buf, &mut dst).map_err(dev_err)?;
+        pinned.copied = Some(stream.record_event(None).map_err(dev_err)?);
         let storage = candle_core::cuda_backend::CudaStorage::wrap_cuda_slice(dst, cd.clone());
         Ok(Some(Tensor::from_storage(
             candle_core::Storage::Cuda(storage),
