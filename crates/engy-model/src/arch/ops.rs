@@ -731,11 +731,20 @@ pub fn softmax_route_in(
     let probs = candle_nn::ops::softmax_last_dim(&logits)?;
     if !full_rows && c == Compute::Bf16 {
         if let Some(top) = super::router_kernels::torch_topk(&probs, k)? {
-            let (own, own_probs) = top.into_iter().unzip();
+            // Each row's top-k also kept flat, for [`SoftmaxRoute::weights`] after
+            // [`SoftmaxRoute::take_own`] has handed the rows on.
+            let k = top.first().map_or(0, |(i, _)| i.len());
+            let mut idx = Vec::with_capacity(top.len() * k);
+            let mut p = Vec::with_capacity(top.len() * k);
+            for (i, v) in &top {
+                idx.extend_from_slice(i);
+                p.extend_from_slice(v);
+            }
+            let own: Vec<Vec<usize>> = top.into_iter().map(|(i, _)| i).collect();
             return Ok(SoftmaxRoute {
                 rank: Vec::new(),
                 own,
-                probs: RouteProbs::Own(own_probs),
+                probs: RouteProbs::Own { k, idx, p },
             });
         }
     }
@@ -772,15 +781,29 @@ pub struct SoftmaxRoute {
     probs: RouteProbs,
 }
 
-/// The probabilities a [`SoftmaxRoute`] kept: every row's, or only those of its own top-k.
+/// The probabilities a [`SoftmaxRoute`] kept: every row's, or only those of its own top-k
+/// (row-major `[T, k]`: the experts `idx` and their probabilities `p`).
 #[derive(Debug, Clone)]
 enum RouteProbs {
     Rows(Vec<Vec<f32>>),
-    Own(Vec<Vec<f32>>),
+    Own {
+        k: usize,
+        idx: Vec<usize>,
+        p: Vec<f32>,
+    },
 }
 
 impl SoftmaxRoute {
-    /// [`softmax_weights`] of the experts `used[r]` dispatched for each row `r`.
+    /// Moves the own top-k rows out ([`SoftmaxRoute::own`] is then empty), for a routing
+    /// decision that takes them by value ([`super::Probe::route`]) without a copy;
+    /// [`SoftmaxRoute::weights`] still works after it.
+    pub fn take_own(&mut self) -> Vec<Vec<usize>> {
+        std::mem::take(&mut self.own)
+    }
+
+    /// [`softmax_weights`] of the experts `used[r]` dispatched for each row `r`. (Rows one
+    /// after the other: on a GPU machine rayon's pool is busy with the next layer's weight
+    /// reads, and a parallel loop here waited behind them.)
     ///
     /// # Errors
     /// A candle error when `used` has another number of rows, or when only the own top-k's
@@ -791,12 +814,12 @@ impl SoftmaxRoute {
         used: &[Vec<usize>],
         renormalise: bool,
     ) -> candle_core::Result<Vec<Vec<(usize, f32)>>> {
-        if used.len() != self.own.len() {
-            candle_core::bail!(
-                "routing: {} dispatched rows for {} routed",
-                used.len(),
-                self.own.len()
-            );
+        let rows = match &self.probs {
+            RouteProbs::Rows(rows) => rows.len(),
+            RouteProbs::Own { k, idx, .. } => idx.len().checked_div(*k).unwrap_or(0),
+        };
+        if used.len() != rows {
+            candle_core::bail!("routing: {} dispatched rows for {rows} routed", used.len());
         }
         match &self.probs {
             RouteProbs::Rows(rows) => Ok(used
@@ -804,24 +827,26 @@ impl SoftmaxRoute {
                 .zip(rows)
                 .map(|(u, p)| softmax_weights(p, u, renormalise))
                 .collect()),
-            RouteProbs::Own(top) => used
+            RouteProbs::Own { k: 0, .. } => Ok(vec![Vec::new(); used.len()]),
+            RouteProbs::Own { k, idx, p } => used
                 .iter()
-                .zip(self.own.iter().zip(top))
+                .zip(idx.chunks(*k).zip(p.chunks(*k)))
                 .map(|(u, (own, p))| {
-                    let at = |e: usize| {
-                        own.iter()
-                            .position(|&o| o == e)
-                            .and_then(|j| p.get(j).copied())
-                    };
+                    if u.as_slice() == own {
+                        return Ok(weights_of(u, p, renormalise));
+                    }
                     let picked = u
                         .iter()
                         .map(|&e| {
-                            at(e).ok_or_else(|| {
-                                candle_core::Error::Msg(format!(
-                                    "routing: expert {e} is dispatched but only the own \
-                                     top-k's probabilities were kept"
-                                ))
-                            })
+                            own.iter()
+                                .position(|&o| o == e)
+                                .and_then(|j| p.get(j).copied())
+                                .ok_or_else(|| {
+                                    candle_core::Error::Msg(format!(
+                                        "routing: expert {e} is dispatched but only the own \
+                                         top-k's probabilities were kept"
+                                    ))
+                                })
                         })
                         .collect::<candle_core::Result<Vec<f32>>>()?;
                     Ok(weights_of(u, &picked, renormalise))
@@ -975,21 +1000,28 @@ mod tests {
             vec![0.4, 0.1, 0.2, 0.2, 0.1],
         ];
         let own: Vec<Vec<usize>> = rows.iter().map(|r| torch_topk_indices(r, 3)).collect();
-        let kept: Vec<Vec<f32>> = own
+        let kept: Vec<f32> = own
             .iter()
             .zip(&rows)
-            .map(|(o, r)| o.iter().map(|&e| r[e]).collect())
+            .flat_map(|(o, r)| o.iter().map(|&e| r[e]))
             .collect();
         let full = SoftmaxRoute {
             rank: rows.clone(),
             own: own.clone(),
             probs: RouteProbs::Rows(rows.clone()),
         };
-        let top = SoftmaxRoute {
+        let mut top = SoftmaxRoute {
             rank: Vec::new(),
             own: own.clone(),
-            probs: RouteProbs::Own(kept),
+            probs: RouteProbs::Own {
+                k: 3,
+                idx: own.iter().flatten().copied().collect(),
+                p: kept,
+            },
         };
+        // The rows handed on, the weights still come from what was kept.
+        assert_eq!(top.take_own(), own);
+        assert!(top.own.is_empty());
         for renormalise in [true, false] {
             let (a, b) = (
                 full.weights(&own, renormalise).unwrap(),

@@ -624,12 +624,13 @@ impl Qwen3_5Moe {
             Ok(cm.round(linear_t(h, &router)?)?)
         })?;
         let full = probe.wants_scores();
-        let routed = phase(h.device(), "moe: routing", || {
+        let mut routed = phase(h.device(), "moe: routing", || {
             Ok(ops::softmax_route_in(&logits, self.top_k, cm, full)?)
         })?;
         let choice = phase(h.device(), "moe: routing on the host", || {
+            let own = routed.take_own();
             let rank = &routed.rank;
-            let used = probe.route(li, off, rank, RouteScores::new(rank), routed.own.clone());
+            let used = probe.route(li, off, rank, RouteScores::new(rank), own);
             let mut choice = routed.weights(&used, true)?;
             for (_, wgt) in choice.iter_mut().flatten() {
                 *wgt = cm.round_f32(*wgt);
@@ -638,11 +639,10 @@ impl Qwen3_5Moe {
         })?;
         if !crate::device::tracing() {
         } else if let Ok(ids) = Tensor::new(
-            routed
-                .own
+            choice
                 .iter()
                 .flatten()
-                .map(|&e| e as u32)
+                .map(|&(e, _)| e as u32)
                 .collect::<Vec<u32>>(),
             &candle_core::Device::Cpu,
         ) {

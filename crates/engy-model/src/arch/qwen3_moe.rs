@@ -223,9 +223,10 @@ impl Qwen3Moe {
         // `Qwen3MoeTopKRouter`: logits in the activation dtype, softmax (and renormalisation)
         // in f32, the weights cast back to the logits' dtype.
         let logits = c.round(linear_t(x, &router)?)?;
-        let routed = ops::softmax_route_in(&logits, self.top_k, c, probe.wants_scores())?;
+        let mut routed = ops::softmax_route_in(&logits, self.top_k, c, probe.wants_scores())?;
+        let own = routed.take_own();
         let rank = &routed.rank;
-        let used = probe.route(i, off, rank, RouteScores::new(rank), routed.own.clone());
+        let used = probe.route(i, off, rank, RouteScores::new(rank), own);
         let mut choice = routed.weights(&used, self.norm_topk_prob)?;
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
