@@ -29,8 +29,10 @@
 //!   operations on the same device, bit for bit: every rule the architectures use, with and
 //!   without the residual add in front, on rows narrower and wider than one block;
 //! * a layer's block-FP8 expert stack, which goes up through one reused page-locked staging
-//!   buffer in several copies, against each expert decoded alone: bit for bit (the host once
-//!   overwrote the buffer while the previous copy out of it was still running).
+//!   buffer in several copies while earlier work is still queued, against each expert decoded
+//!   alone: bit for bit. (The host once rewrote that buffer without waiting for the copy out
+//!   of it; this test did not catch that on the H200, where the race showed only in whole
+//!   audits: `ENGY_TRACE` digests of two processes parted at the first MoE block.)
 //!
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
@@ -982,8 +984,7 @@ fn fp8_expert_stacks_are_the_stored_weights() {
         .map(|e| format!("t.experts.{e}.weight"))
         .collect();
     // Work queued ahead on the stream, as a pass keeps the GPU busy while the host stages the
-    // next layer's experts: each copy then waits in the queue, and a buffer the host rewrote
-    // too early would be read with the next copy's bytes.
+    // next layer's experts, so that each copy waits in the queue.
     let a = Tensor::zeros((4096, 4096), DType::F32, w.device()).unwrap();
     let mut busy = a.clone();
     for _ in 0..200 {
