@@ -11,8 +11,8 @@
 //! `fast_sum` reduction (the same block size and tree), then candle's scale, `+ eps`, square
 //! root and reciprocal, and the products and roundings of the unfused rule
 //! (scripts/gpu-check.sh: `gpu_kernels` compares them). Each returns `None` where it does not
-//! apply (the CPU, a build without the `cuda` feature, `ENGY_FUSED_NORM=0`, rows wider than
-//! 2³² − 1); the caller then runs the candle operations.
+//! apply (the CPU, a build without the `cuda` feature, `ENGY_FUSED_NORM=0`, an empty tensor);
+//! the caller then runs the candle operations. A row count or width past 32 bits is an error.
 use candle_core::Tensor;
 
 /// Whether the kernels may be used: not turned off by `ENGY_FUSED_NORM=0`.

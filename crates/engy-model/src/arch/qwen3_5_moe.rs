@@ -637,16 +637,11 @@ impl Qwen3_5Moe {
             }
             Ok(choice)
         })?;
-        if !crate::device::tracing() {
-        } else if let Ok(ids) = Tensor::new(
-            choice
-                .iter()
-                .flatten()
-                .map(|&(e, _)| e as u32)
-                .collect::<Vec<u32>>(),
-            &candle_core::Device::Cpu,
-        ) {
-            crate::device::trace("qwen routing", &ids);
+        if crate::device::tracing() {
+            let ids: Vec<u32> = choice.iter().flatten().map(|&(e, _)| e as u32).collect();
+            if let Ok(ids) = Tensor::new(ids, &candle_core::Device::Cpu) {
+                crate::device::trace("qwen routing", &ids);
+            }
         }
         let mut out = phase(h.device(), "moe: routed experts", || {
             if experts::grouped(w) {
