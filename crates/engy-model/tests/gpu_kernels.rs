@@ -931,9 +931,9 @@ fn fp8_expert_stacks_are_the_stored_weights() {
     let dir = tempfile::tempdir().unwrap();
     let fp8 = common::vectors_dir().join("qwen3_5_moe_fp8");
     std::fs::copy(fp8.join("config.json"), dir.path().join("config.json")).unwrap();
-    // 2 MiB of codes an expert: a stack goes up 32 experts (64 MiB) a copy, every copy through
-    // the same staging buffer, so 80 experts take three copies back to back.
-    let (out, inp, experts) = (1024usize, 2048usize, 80usize);
+    // 2 MiB of codes an expert: a stack goes up 32 experts (64 MiB) a copy, and copies of one
+    // size share a staging buffer, so 96 experts take three copies through the same buffer.
+    let (out, inp, experts) = (1024usize, 2048usize, 96usize);
     let (tn, tk) = (out / 128, inp / 128);
     let mut data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -1004,6 +1004,7 @@ fn fp8_expert_stacks_are_the_stored_weights() {
         "experts {wrong:?} of the stack are not their stored weights"
     );
     eprintln!(
-        "fp8 expert stack: {experts} experts in three staged copies, each its stored weights"
+        "fp8 expert stack: {experts} experts in three copies through one staging buffer, \
+         each its stored weights"
     );
 }

@@ -11,8 +11,9 @@
 //! `fast_sum` reduction (the same block size and tree), then candle's scale, `+ eps`, square
 //! root and reciprocal, and the products and roundings of the unfused rule
 //! (scripts/gpu-check.sh: `gpu_kernels` compares them). Each returns `None` where it does not
-//! apply (the CPU, a build without the `cuda` feature, `ENGY_FUSED_NORM=0`, an empty tensor);
-//! the caller then runs the candle operations. A row count or width past 32 bits is an error.
+//! apply (the CPU, a build without the `cuda` feature, `ENGY_FUSED_NORM=0`, an empty tensor,
+//! operands that are not f32); the caller then runs the candle operations. A row count or
+//! width past 32 bits is an error.
 use candle_core::Tensor;
 
 /// Whether the kernels may be used: not turned off by `ENGY_FUSED_NORM=0`.
@@ -78,8 +79,19 @@ pub fn rms_norm(
             residual.map(|(y, _)| y.dims().to_vec())
         );
     }
-    if n == 0 || x.elem_count() == 0 {
+    let f32 = candle_core::DType::F32;
+    if n == 0
+        || x.elem_count() == 0
+        || x.dtype() != f32
+        || w.dtype() != f32
+        || residual.is_some_and(|(y, _)| y.dtype() != f32)
+    {
+        // Empty, or not the f32 activations the kernel computes on: candle's operations.
         return Ok(None);
+    }
+    if n > (u32::MAX - 1024) as usize {
+        // The kernel's column loop counts in 32 bits.
+        candle_core::bail!("rms norm: rows of {n} values are too wide for the kernel");
     }
     imp::rms_norm(x, residual, w, eps, rule)
 }

@@ -795,8 +795,9 @@ enum RouteProbs {
 
 impl SoftmaxRoute {
     /// Moves the own top-k rows out ([`SoftmaxRoute::own`] is then empty), for a routing
-    /// decision that takes them by value ([`super::Probe::route`]) without a copy;
-    /// [`SoftmaxRoute::weights`] still works after it.
+    /// decision that takes them by value ([`super::Probe::route`]) without copying each row
+    /// again; [`SoftmaxRoute::weights`] still works after it (from a flat copy kept with the
+    /// probabilities).
     pub fn take_own(&mut self) -> Vec<Vec<usize>> {
         std::mem::take(&mut self.own)
     }

@@ -628,10 +628,12 @@ impl Weights {
                 }
             }
         };
-        // The previous copy out of this buffer must be done before the host writes it.
-        if let Some(e) = pinned.copied.take() {
+        // The previous copy out of this buffer must be done before the host writes it (the
+        // event is dropped only once that is known).
+        if let Some(e) = &pinned.copied {
             e.synchronize().map_err(dev_err)?;
         }
+        pinned.copied = None;
         let host = pinned.buf.as_mut_slice().map_err(dev_err)?;
         host.par_chunks_mut(1 << 22)
             .zip(bytes.par_chunks(1 << 22))
@@ -639,8 +641,19 @@ impl Weights {
         // SAFETY: the device buffer is fully written by the copy, which is ordered on the
         // stream before any kernel that reads the tensor.
         let mut dst = unsafe { stream.alloc::<u8>(bytes.len()) }.map_err(dev_err)?;
-        stream.memcpy_htod(&pinned.buf, &mut dst).map_err(dev_err)?;
-        pinned.copied = Some(stream.record_event(None).map_err(dev_err)?);
+        if let Err(e) = stream.memcpy_htod(&pinned.buf, &mut dst) {
+            // A copy may have been queued: none may still read the buffer after this.
+            let _ = stream.synchronize();
+            return Err(dev_err(e));
+        }
+        match stream.record_event(None) {
+            Ok(done) => pinned.copied = Some(done),
+            Err(e) => {
+                // No event to wait on later: wait for the copy now.
+                stream.synchronize().map_err(dev_err)?;
+                return Err(dev_err(e));
+            }
+        }
         let storage = candle_core::cuda_backend::CudaStorage::wrap_cuda_slice(dst, cd.clone());
         Ok(Some(Tensor::from_storage(
             candle_core::Storage::Cuda(storage),
