@@ -149,14 +149,17 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
     reproducible=0
     echo "   NOT reproducible: two processes' reports differ ($(diff "$work/$arch-engy-first.out" "$work/$arch-engy.out" | grep -c '^<') lines; scores: $(grep -h '^score' "$work/$arch-engy-first.out" "$work/$arch-engy.out" | cut -d' ' -f2 | tr '\n' ' '))"
   fi
-  # Weights resident: the same commitment audited twice in one process with --resident; the
-  # second audit, on the weights the first kept on the GPU as bf16, is the one measured (the
-  # anchor's weights are resident too). Then the same with ENGY_PROFILE=1 for the split.
+  # Weights resident: the same commitment audited four times in one process with --resident;
+  # the median of audits 2 to 4, on the weights the first kept on the GPU as bf16, is the one
+  # measured (the anchor's weights are resident too, and it takes the median of three
+  # passes). Then twice with ENGY_PROFILE=1 for the split.
   local twice=("${once[@]}" "${once[@]}")
-  peak_mem "${audit[@]}" "${twice[@]}" --resident >/dev/null 2>"$work/$arch-engy-resident.err"
+  peak_mem "${audit[@]}" "${twice[@]}" "${twice[@]}" --resident >/dev/null \
+    2>"$work/$arch-engy-resident.err"
   sed 's/^/   resident run: /' "$work/$arch-engy-resident.err"
   local res_s res_mem
-  res_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/$arch-engy-resident.err" | tail -n1)"
+  res_s="$(sed -n 's/.*recomputed on cuda:0 in \([0-9.]*\) s.*/\1/p' "$work/$arch-engy-resident.err" \
+    | tail -n +2 | sort -n | sed -n 2p)"
   res_mem="$(cat "$work/peak")"
   ENGY_PROFILE=1 "${audit[@]}" "${twice[@]}" --resident >/dev/null 2>"$work/$arch-engy-resident-profile.err"
   sed 's/^/   resident profiled run: /' "$work/$arch-engy-resident-profile.err"
@@ -167,7 +170,7 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
       >/dev/null 2>"$work/$arch-engy-resident-padded.err"
     sed 's/^/   resident profiled run, ENGY_GROUPED_GEMM=0: /' "$work/$arch-engy-resident-padded.err"
   fi
-  peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" \
+  peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" 3 \
     >"$work/$arch-tf.json" 2>"$work/$arch-tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
   tail -n 3 "$work/$arch-tf.err"
@@ -179,8 +182,8 @@ label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem, res_s, res_mem = sys.a
 tf = json.load(open(tf_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
 rows = [("engy-audit --device cuda (bf16 recompute, weights streamed)", num(engy_s), num(engy_mem)),
-        ("engy-audit --device cuda --resident (bf16 recompute, second audit, weights resident)", num(res_s), num(res_mem)),
-        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']}, weights resident)", tf["seconds"], num(tf_mem))]
+        ("engy-audit --device cuda --resident (bf16 recompute, median of audits 2 to 4, weights resident)", num(res_s), num(res_mem)),
+        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']}, median of 3 passes, weights resident)", tf["seconds"], num(tf_mem))]
 print(f"   {label}, {layers} layers, {tokens} tokens, {tf['gpu']}")
 print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
 print("   |---|---|---|---|")
