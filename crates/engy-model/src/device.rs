@@ -79,8 +79,49 @@ fn cuda_device(n: usize) -> Result<Device, ModelError> {
         return Ok(d.clone());
     }
     let d = Device::new_cuda(n).map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))?;
+    if let Device::Cuda(cd) = &d {
+        if keeps_pool() {
+            keep_pool(cd).map_err(|e| ModelError::Device(format!("cuda:{n}: memory pool: {e}")))?;
+        }
+    }
     open.insert(n, d.clone());
     Ok(d)
+}
+
+/// Whether [`keep_pool`] runs: not turned off by `ENGY_KEEP_POOL=0`.
+#[cfg(feature = "cuda")]
+fn keeps_pool() -> bool {
+    std::env::var("ENGY_KEEP_POOL").map_or(true, |v| v != "0")
+}
+
+/// Lets the device's default memory pool keep the memory freed into it (release threshold:
+/// all of it). candle allocates every tensor from that pool (`cuMemAllocAsync`); with the
+/// driver's default threshold of 0 every stream or event synchronisation hands the pool's free
+/// memory back to the driver, and the next allocations map it again. An audit synchronises
+/// at every MoE layer (the router's top-k to the host) and at every staged weight upload, so
+/// that remapping recurred through the pass. The pool then holds at most the pass's peak,
+/// which [`memory_in_use`] counts. `ENGY_KEEP_POOL=0` leaves the driver's default.
+///
+/// # Errors
+/// The driver's error when the pool cannot be read or set.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn keep_pool(cd: &candle_core::CudaDevice) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let ctx = cd.cuda_stream().context().clone();
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    let mut all = u64::MAX;
+    // SAFETY: the device is the context's own; the release threshold's value is a u64.
+    unsafe {
+        let pool =
+            result::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| e.to_string())?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut all as *mut u64).cast(),
+        )
+        .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
