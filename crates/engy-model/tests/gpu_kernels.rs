@@ -537,7 +537,8 @@ fn the_gated_norm_kernel_is_the_candle_operations() {
 /// on rows full of exact ties (values from a few levels, as bf16 router logits tie), through
 /// both of torch's paths (`nth_element` when `k * 64 > n`, `partial_sort` otherwise), at
 /// Qwen3.6's router shape (256 experts, top 8) and others; and the whole router
-/// (`ops::softmax_route_in`) with and without full rows choosing the same experts and weights.
+/// (`ops::softmax_route_in`) with and without full rows choosing the same experts and weights,
+/// also when routings are started and waited out of order (`ops::softmax_route_start`).
 #[test]
 fn the_router_top_k_kernel_is_torchs_order() {
     let dev = common::test_device()
@@ -601,6 +602,42 @@ fn the_router_top_k_kernel_is_torchs_order() {
             host.weights(&host.own, renormalise).unwrap()
         );
     }
+    // Routings started before the host waits (a shared expert queued between): two in
+    // flight at once through two landing buffers, the second of other logits and a larger
+    // size, waited in the other order; one dropped unwaited, its buffers back in the pool.
+    let wider = Tensor::from_vec(
+        bf16_values(2 * rows * n, 8, 4.0)
+            .iter()
+            .map(|v| (v * 8.0).round() / 8.0)
+            .collect::<Vec<f32>>(),
+        (2 * rows, n),
+        &dev,
+    )
+    .unwrap();
+    let first = ops::softmax_route_start(&logits, k, Compute::Bf16, false).unwrap();
+    let second = ops::softmax_route_start(&wider, k, Compute::Bf16, false).unwrap();
+    let dropped = ops::softmax_route_start(&wider, k, Compute::Bf16, false).unwrap();
+    let queued = (&wider * 2.0).unwrap().sum_all().unwrap();
+    drop(dropped);
+    let second = second.finish().unwrap();
+    let first = first.finish().unwrap();
+    assert_eq!(first.own, device.own, "a routing waited second");
+    let wider_host = ops::softmax_route_in(&wider, k, Compute::Bf16, true).unwrap();
+    assert_eq!(
+        second.own, wider_host.own,
+        "a routing in flight beside another"
+    );
+    assert_eq!(
+        second.weights(&second.own, true).unwrap(),
+        wider_host.weights(&wider_host.own, true).unwrap()
+    );
+    let again = ops::softmax_route_in(&wider, k, Compute::Bf16, false).unwrap();
+    assert_eq!(
+        again.own, wider_host.own,
+        "a routing through a reused buffer"
+    );
+    queued.to_scalar::<f32>().unwrap();
+
     // A dispatched expert outside the own top-k needs full rows.
     let mut other = device.own.clone();
     other[0][0] = (0..n).find(|e| !device.own[0].contains(e)).unwrap();

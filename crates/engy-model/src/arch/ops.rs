@@ -722,6 +722,22 @@ pub fn softmax_route_in(
     c: Compute,
     full_rows: bool,
 ) -> candle_core::Result<SoftmaxRoute> {
+    softmax_route_start(logits, k, c, full_rows)?.finish()
+}
+
+/// [`softmax_route_in`] up to the copy of its top-k to the host, where the top-k runs on the
+/// device ([`super::router_kernels::torch_topk_start`]): the caller queues work that does not
+/// depend on the routing (a shared expert) and then calls [`RouteStart::finish`], so the
+/// device computes while the host routes. Elsewhere the routing is done here.
+///
+/// # Errors
+/// As [`softmax_route_in`].
+pub fn softmax_route_start(
+    logits: &Tensor,
+    k: usize,
+    c: Compute,
+    full_rows: bool,
+) -> candle_core::Result<RouteStart> {
     let pick: fn(&[f32], usize) -> Vec<usize> = match c {
         Compute::F32 => topk_indices,
         Compute::Bf16 => torch_topk_indices,
@@ -730,22 +746,8 @@ pub fn softmax_route_in(
     let logits = logits.to_dtype(DType::F32)?;
     let probs = candle_nn::ops::softmax_last_dim(&logits)?;
     if !full_rows && c == Compute::Bf16 {
-        if let Some(top) = super::router_kernels::torch_topk(&probs, k)? {
-            // Each row's top-k also kept flat, for [`SoftmaxRoute::weights`] after
-            // [`SoftmaxRoute::take_own`] has handed the rows on.
-            let k = top.first().map_or(0, |(i, _)| i.len());
-            let mut idx = Vec::with_capacity(top.len() * k);
-            let mut p = Vec::with_capacity(top.len() * k);
-            for (i, v) in &top {
-                idx.extend_from_slice(i);
-                p.extend_from_slice(v);
-            }
-            let own: Vec<Vec<usize>> = top.into_iter().map(|(i, _)| i).collect();
-            return Ok(SoftmaxRoute {
-                rank: Vec::new(),
-                own,
-                probs: RouteProbs::Own { k, idx, p },
-            });
+        if let Some(pending) = super::router_kernels::torch_topk_start(&probs, k)? {
+            return Ok(RouteStart(Started::Copying(pending)));
         }
     }
     crate::device::count_host_step(logits.device(), crate::device::HostStep::Routing);
@@ -763,11 +765,53 @@ pub fn softmax_route_in(
         use rayon::prelude::*;
         probs.par_iter().map(|row| pick(row, k)).collect()
     };
-    Ok(SoftmaxRoute {
+    Ok(RouteStart(Started::Done(SoftmaxRoute {
         rank,
         own,
         probs: RouteProbs::Rows(probs),
-    })
+    })))
+}
+
+/// A routing begun by [`softmax_route_start`]: done, or its device top-k on the way to the
+/// host.
+#[derive(Debug)]
+pub struct RouteStart(Started);
+
+#[derive(Debug)]
+enum Started {
+    Done(SoftmaxRoute),
+    Copying(super::router_kernels::PendingTopK),
+}
+
+impl RouteStart {
+    /// The routing, once the device's top-k (if any) is on the host.
+    ///
+    /// # Errors
+    /// A candle error when the device fails.
+    pub fn finish(self) -> candle_core::Result<SoftmaxRoute> {
+        match self.0 {
+            Started::Done(r) => Ok(r),
+            Started::Copying(pending) => {
+                let top = pending.wait()?;
+                // Each row's top-k also kept flat, for [`SoftmaxRoute::weights`] after
+                // [`SoftmaxRoute::take_own`] has handed the rows on.
+                let own = top
+                    .idx
+                    .chunks_exact(top.k.max(1))
+                    .map(<[usize]>::to_vec)
+                    .collect();
+                Ok(SoftmaxRoute {
+                    rank: Vec::new(),
+                    own,
+                    probs: RouteProbs::Own {
+                        k: top.k,
+                        idx: top.idx,
+                        p: top.p,
+                    },
+                })
+            }
+        }
+    }
 }
 
 /// What [`softmax_route_in`] returns for `T` rows.

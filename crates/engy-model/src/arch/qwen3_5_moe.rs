@@ -624,9 +624,31 @@ impl Qwen3_5Moe {
             Ok(cm.round(linear_t(h, &router)?)?)
         })?;
         let full = probe.wants_scores();
-        let mut routed = phase(h.device(), "moe: routing", || {
-            Ok(ops::softmax_route_in(&logits, self.top_k, cm, full)?)
+        let started = phase(h.device(), "moe: routing", || {
+            Ok(ops::softmax_route_start(&logits, self.top_k, cm, full)?)
         })?;
+        // The shared expert does not depend on the routing: queued before the host waits for
+        // the router's top-k, the device computes it while the host routes.
+        let shared = if self.shared_inter > 0 {
+            Some(phase(h.device(), "moe: shared expert", || {
+                let shared = ops::swiglu_in(
+                    w,
+                    &format!("{m}.shared_expert"),
+                    h,
+                    d,
+                    self.shared_inter,
+                    cm,
+                )?;
+                let g = cm.round(ops::sigmoid(&cm.round(linear_t(
+                    h,
+                    &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
+                )?)?)?)?;
+                Ok(cm.round(shared.broadcast_mul(&g)?)?)
+            })?)
+        } else {
+            None
+        };
+        let mut routed = phase(h.device(), "moe: routing: wait", || Ok(started.finish()?))?;
         let choice = phase(h.device(), "moe: routing on the host", || {
             let own = routed.take_own();
             let rank = &routed.rank;
@@ -663,22 +685,7 @@ impl Qwen3_5Moe {
                 })
             }
         })?;
-        if self.shared_inter > 0 {
-            let shared = phase(h.device(), "moe: shared expert", || {
-                let shared = ops::swiglu_in(
-                    w,
-                    &format!("{m}.shared_expert"),
-                    h,
-                    d,
-                    self.shared_inter,
-                    cm,
-                )?;
-                let g = cm.round(ops::sigmoid(&cm.round(linear_t(
-                    h,
-                    &w.matrix_t(&format!("{m}.shared_expert_gate"), 1, d)?,
-                )?)?)?)?;
-                Ok(cm.round(shared.broadcast_mul(&g)?)?)
-            })?;
+        if let Some(shared) = shared {
             out = cm.round((out + shared)?)?;
         }
         probe.push_block(li, off, h, &out);
