@@ -81,7 +81,12 @@ fn cuda_device(n: usize) -> Result<Device, ModelError> {
     let d = Device::new_cuda(n).map_err(|e| ModelError::Device(format!("cuda:{n}: {e}")))?;
     if let Device::Cuda(cd) = &d {
         if keeps_pool() {
-            keep_pool(cd).map_err(|e| ModelError::Device(format!("cuda:{n}: memory pool: {e}")))?;
+            keep_pool(cd).map_err(|e| {
+                ModelError::Device(format!(
+                    "cuda:{n}: setting the memory pool's release threshold: {e} \
+                     (ENGY_KEEP_POOL=0 leaves the driver's default)"
+                ))
+            })?;
         }
     }
     open.insert(n, d.clone());
