@@ -5,7 +5,10 @@
 //! * [`torch_topk`]: per row, the `k` largest values in the order torch's CPU `topk` returns
 //!   them: the host's port of libstdc++'s `nth_element` / `partial_sort`
 //!   ([`super::ops::torch_topk_indices`]) run step for step by one thread per row, so exact ties
-//!   (frequent among bf16 router logits) come out as on the host, bit for bit.
+//!   (frequent among bf16 router logits) come out as on the host, bit for bit;
+//! * [`torch_topk_start`]: the same, its copy to the host started (into reused page-locked
+//!   buffers, an event recorded after it) but not waited for, so the caller can queue work
+//!   that does not depend on the routing before [`PendingTopK::wait`].
 //!
 //! scripts/gpu-check.sh checks it against the host's port on rows full of ties (`gpu_kernels`).
 //! It returns `None` where it does not apply (the CPU, a build without the `cuda` feature,
