@@ -621,6 +621,11 @@ fn the_router_top_k_kernel_is_torchs_order() {
     drop(dropped);
     let second = second.finish().unwrap();
     let first = first.finish().unwrap();
+    // Both went through the device's top-k (the host's fallback copies every row's logits).
+    assert!(
+        first.rank.is_empty() && second.rank.is_empty(),
+        "a started routing fell back to the host"
+    );
     assert_eq!(first.own, device.own, "a routing waited second");
     let wider_host = ops::softmax_route_in(&wider, k, Compute::Bf16, true).unwrap();
     assert_eq!(
