@@ -17,20 +17,45 @@
 // [n, h, c, dk], attn [n, h, c, c], kdt (decayed kᵀ) [n, h, dk, c], lambda (last decay)
 // [n, h]. `state` [h, dk, dv] is read as the state before chunk 0 and overwritten with the
 // state after the last chunk; `out` [h, n·c, dv]. c and dk multiples of 16, c ≤ 16·MAX_C,
-// dk ≤ 16·MAX_K. Launch: grid (h, ceil(dv / COLS)), 256 threads (16 × COLS); dynamic shared memory (tile + (dk + c) · COLS)
-// floats, tile = max(c·(dk + 1), dk·(c + 1), c·(c + 1)): one of the chunk's operands at a
-// time (rows padded by one float against bank conflicts), the block's columns of S, and of
-// v_new.
+// dk ≤ 16·MAX_K. Launch: grid (h, ceil(dv / COLS)), 256 threads (16 × COLS); dynamic shared
+// memory (2 · tile + (dk + c) · COLS) floats, tile = max(c·(dk + 1), dk·(c + 1), c·(c + 1)):
+// two operand tiles (rows padded by one float against bank conflicts), the block's columns of
+// S, and of v_new.
+//
+// The chunk's four operands (Kc, Qd, A, Kdᵀ) do not depend on the state, so they stream
+// through the two tiles one step ahead: while a step computes with one operand, the next
+// operand (the next chunk's Kc after this chunk's Kdᵀ) is on its way into the other tile by
+// `cp.async`, and the step only waits for its own. The arithmetic is the one-tile kernel's,
+// operation for operation.
+
+// Starts copying `rows × width` floats of `src` (contiguous) into `dst` (row stride
+// width + 1), four bytes an instruction, as one `cp.async` group of this thread's copies.
+__device__ __forceinline__ void start_tile(float* dst, const float* src, unsigned rows,
+                                           unsigned width) {
+    const unsigned total = rows * width;
+    for (unsigned x = threadIdx.x; x < total; x += blockDim.x) {
+        const unsigned sa = (unsigned)__cvta_generic_to_shared(dst + (x / width) * (width + 1) + x % width);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sa), "l"(src + x));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Waits for all but the most recent `cp.async` group of this thread, then for the block.
+__device__ __forceinline__ void wait_previous() {
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    __syncthreads();
+}
+
 extern "C" __global__ void engy_delta_rule_chunks(
     const float* __restrict__ value, const float* __restrict__ kc, const float* __restrict__ qd,
     const float* __restrict__ attn, const float* __restrict__ kdt,
     const float* __restrict__ lambda, float* __restrict__ state, float* __restrict__ out,
     unsigned n, unsigned h, unsigned c, unsigned dk, unsigned dv) {
     extern __shared__ float sh[];
-    // The tile holds the largest of c × (dk + 1), dk × (c + 1) and c × (c + 1) floats.
+    // Each tile holds the largest of c × (dk + 1), dk × (c + 1) and c × (c + 1) floats.
     const unsigned tile_len = max(max(c * (dk + 1), dk * (c + 1)), c * (c + 1));
-    float* tile = sh;
-    float* S = sh + tile_len;            // [dk][COLS]
+    float* tiles[2] = {sh, sh + tile_len};
+    float* S = sh + 2 * tile_len;        // [dk][COLS]
     float* vn = S + dk * COLS;           // [c][COLS]
     const unsigned head = blockIdx.x;
     const unsigned j0 = blockIdx.y * COLS;
@@ -40,28 +65,28 @@ extern "C" __global__ void engy_delta_rule_chunks(
         const unsigned p = x / COLS, j = x % COLS;
         S[x] = j < cols ? st[(size_t)p * dv + j0 + j] : 0.0f;
     }
-    // Copies a rows × width block of `src` (contiguous) into `tile` with row stride width + 1,
-    // eight loads in flight per thread before their stores (a load then its store, one at a
-    // time, waits out the memory latency once per element).
-    auto load = [&](const float* src, unsigned rows, unsigned width) {
-        const unsigned total = rows * width, step = blockDim.x;
-        unsigned x = threadIdx.x;
-        for (; x + 7 * step < total; x += 8 * step) {
-            float v[8];
-#pragma unroll
-            for (unsigned u = 0; u < 8; ++u) v[u] = src[x + u * step];
-#pragma unroll
-            for (unsigned u = 0; u < 8; ++u) {
-                const unsigned y = x + u * step;
-                tile[(y / width) * (width + 1) + y % width] = v[u];
-            }
+    // Operand g of the sequence: chunk g / 4, step g % 4 (Kc, Qd, A, Kdᵀ), into tile g % 2.
+    // Past the last one an empty group, so that `wait_previous` always waits for the
+    // operand of the step at hand.
+    auto start = [&](unsigned g) {
+        if (g >= 4 * n) {
+            asm volatile("cp.async.commit_group;\n" ::);
+            return;
         }
-        for (; x < total; x += step) tile[(x / width) * (width + 1) + x % width] = src[x];
+        const size_t hc = (size_t)(g / 4) * h + head;
+        float* t = tiles[g % 2];
+        switch (g % 4) {
+            case 0: start_tile(t, kc + hc * c * dk, c, dk); break;
+            case 1: start_tile(t, qd + hc * c * dk, c, dk); break;
+            case 2: start_tile(t, attn + hc * c * c, c, c); break;
+            default: start_tile(t, kdt + hc * dk * c, dk, c); break;
+        }
     };
     // Thread layout (blockDim.x == 256): column j of the block's COLS, and rows rb, rb + 16, …
     // of each product, each row's sum its own accumulator (independent chains).
     const unsigned j = threadIdx.x % COLS, rb = threadIdx.x / COLS;
     const unsigned rows_c = c / 16, rows_k = dk / 16;  // ≤ MAX_C, ≤ MAX_K (checked by the host)
+    start(0);
     __syncthreads();
     for (unsigned i = 0; i < n; ++i) {
         const size_t hc = (size_t)i * h + head;  // (chunk, head) entry
@@ -69,8 +94,9 @@ extern "C" __global__ void engy_delta_rule_chunks(
         const float lam = lambda[hc];
         float acc[MAX_C];
         // v_new = value − Kc · S
-        load(kc + hc * c * dk, c, dk);
-        __syncthreads();
+        start(4 * i + 1);
+        wait_previous();
+        const float* tile = tiles[0];
 #pragma unroll
         for (unsigned m = 0; m < MAX_C; ++m) acc[m] = 0.0f;
         for (unsigned p = 0; p < dk; ++p) {
@@ -86,9 +112,10 @@ extern "C" __global__ void engy_delta_rule_chunks(
                 vn[r * COLS + j] = j < cols ? __fsub_rn(val[(size_t)r * dv + j0 + j], acc[m]) : 0.0f;
             }
         __syncthreads();
-        // out = Qd · S + A · v_new, the two products in turn through the tile.
-        load(qd + hc * c * dk, c, dk);
-        __syncthreads();
+        // out = Qd · S + A · v_new, the two products in turn through the tiles.
+        start(4 * i + 2);
+        wait_previous();
+        tile = tiles[1];
 #pragma unroll
         for (unsigned m = 0; m < MAX_C; ++m) acc[m] = 0.0f;
         for (unsigned p = 0; p < dk; ++p) {
@@ -98,8 +125,9 @@ extern "C" __global__ void engy_delta_rule_chunks(
                 if (m < rows_c) acc[m] = fmaf(tile[(rb + 16 * m) * (dk + 1) + p], sv, acc[m]);
         }
         __syncthreads();
-        load(attn + hc * c * c, c, c);
-        __syncthreads();
+        start(4 * i + 3);
+        wait_previous();
+        tile = tiles[0];
         float b[MAX_C];
 #pragma unroll
         for (unsigned m = 0; m < MAX_C; ++m) b[m] = 0.0f;
@@ -117,8 +145,9 @@ extern "C" __global__ void engy_delta_rule_chunks(
             }
         __syncthreads();
         // S = S · λ + Kdᵀ · v_new
-        load(kdt + hc * dk * c, dk, c);
-        __syncthreads();
+        start(4 * i + 4);
+        wait_previous();
+        tile = tiles[1];
         float s2[MAX_K];
 #pragma unroll
         for (unsigned m = 0; m < MAX_K; ++m) s2[m] = 0.0f;
@@ -136,6 +165,7 @@ extern "C" __global__ void engy_delta_rule_chunks(
             }
         __syncthreads();
     }
+    asm volatile("cp.async.wait_all;\n" ::);
     for (unsigned x = threadIdx.x; x < dk * COLS; x += blockDim.x) {
         const unsigned p = x / COLS, j = x % COLS;
         if (j < cols) st[(size_t)p * dv + j0 + j] = S[x];

@@ -240,12 +240,13 @@ mod cuda {
 mod cuda {
     use super::*;
     use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, with_views, wrap};
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::Device;
 
     const OP: &str = "delta rule chunks";
-    /// The most dynamic shared memory the preparation kernel asks for (every GPU from
-    /// Ampere on grants 99 KiB a block once asked).
+    /// The most dynamic shared memory the preparation kernel and the chunk loop ask for
+    /// (every GPU from Ampere on grants 99 KiB a block once asked).
     const PREP_SHARED_MAX: usize = 99 * 1024;
 
     #[allow(unsafe_code)]
@@ -256,7 +257,6 @@ mod cuda {
         beta: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<Option<ChunkParts>> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
         let Device::Cuda(cd) = q.device() else {
             return Ok(None);
         };
@@ -370,14 +370,16 @@ mod cuda {
                 state.dims()
             );
         }
+        // Two operand tiles (the next operand streams into one while a step reads the other),
+        // then the block's columns of the state and of v_new.
         let tile = (c * (dk + 1)).max(dk * (c + 1)).max(c * (c + 1));
-        let shared = (tile + (dk + c) * COLS) * std::mem::size_of::<f32>();
+        let shared = (2 * tile + (dk + c) * COLS) * std::mem::size_of::<f32>();
         // The kernel's layout: 16 rows × COLS columns of threads, c / 16 ≤ 4 chunk rows and
         // dk / 16 ≤ 8 key rows each.
         let layout = c % 16 == 0 && dk % 16 == 0 && c <= 64 && dk <= 128;
-        if shared > 48 * 1024 || !layout {
-            // Past the default shared-memory window, or a shape the kernel's thread layout
-            // does not cover: the unfused loop runs instead.
+        if shared > PREP_SHARED_MAX || !layout {
+            // Past what the kernel asks for, or a shape the kernel's thread layout does not
+            // cover: the unfused loop runs instead.
             return Ok(None);
         }
         let stream = cd.cuda_stream();
@@ -397,6 +399,12 @@ mod cuda {
             "engy_delta_rule",
             kernels::DELTA_RULE,
         )?;
+        let shared32 = u32_arg(OP, "shared memory", shared)?;
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared32 as i32,
+        )
+        .map_err(|e| err(OP, "asking for the chunk loop's shared memory", e))?;
         let dims = [
             u32_arg(OP, "chunks", n)?,
             u32_arg(OP, "heads", h)?,
@@ -407,7 +415,7 @@ mod cuda {
         let cfg = LaunchConfig {
             grid_dim: (dims[1], u32_arg(OP, "column blocks", dv.div_ceil(COLS))?, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: shared as u32,
+            shared_mem_bytes: shared32,
         };
         let f32v = DType::F32;
         let parts = [
