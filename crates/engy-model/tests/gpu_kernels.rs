@@ -1050,3 +1050,72 @@ fn fp8_expert_stacks_are_the_stored_weights() {
          each its stored weights"
     );
 }
+
+/// MLA's attention in a bf16 recompute on a GPU (`fused_attention::attention_f32_probs`:
+/// bf16 GEMMs, the probabilities kept f32 as three bf16 planes) against the candle
+/// operations of the rule (`ops::attention_blocked`, f32 throughout) on the CPU: the same
+/// values to f32 rounding (within 2⁻¹⁶ of the values' largest magnitude), with a DSA-like
+/// mask (causal, a third of the visible keys dropped, each row keeping itself), grouped and
+/// ungrouped heads, and query blocks of 1, 7 and all rows.
+#[test]
+fn mla_attention_is_the_f32_rule() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    let cpu = &Device::Cpu;
+    for (ci, &(h, kv, t, off, d, dv, block)) in [
+        (
+            4usize, 4usize, 100usize, 30usize, 256usize, 256usize, 100usize,
+        ),
+        (8, 2, 37, 0, 192, 128, 7),
+        (2, 2, 5, 9, 64, 64, 1),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let s = off + t;
+        let seed = 200 + ci as u64 * 3;
+        let q = Tensor::from_vec(bf16_values(h * t * d, seed, 1.5), (h, t, d), cpu).unwrap();
+        let k = Tensor::from_vec(bf16_values(kv * s * d, seed + 1, 1.5), (kv, s, d), cpu).unwrap();
+        let v =
+            Tensor::from_vec(bf16_values(kv * s * dv, seed + 2, 4.0), (kv, s, dv), cpu).unwrap();
+        let mut mask = vec![f32::NEG_INFINITY; t * s];
+        for i in 0..t {
+            for j in 0..=off + i {
+                if j == off + i || (i * 7 + j * 13) % 3 != 0 {
+                    mask[i * s + j] = 0.0;
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (t, s), cpu).unwrap();
+        let scale = 1.0 / (d as f64).sqrt();
+        let want = ops::attention_blocked(&q, &k, &v, scale, Some(&mask), t).unwrap();
+        let on = |x: &Tensor| x.to_device(&dev).unwrap();
+        let got = fused_attention::attention_f32_probs(
+            &on(&q),
+            &on(&k),
+            &on(&v),
+            scale,
+            Some(&on(&mask)),
+            block,
+        )
+        .unwrap();
+        if matches!(common::test_device(), DeviceSpec::Cpu) {
+            assert!(got.is_none(), "the MLA kernel path ran on the CPU");
+            return;
+        }
+        let got = got.unwrap_or_else(|| panic!("case {ci}: the MLA kernel path did not apply"));
+        assert_eq!(got.dims(), &[t, h * dv], "case {ci}");
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (want, got) = (flat(&want), flat(&got.to_device(cpu).unwrap()));
+        let top = want.iter().fold(0f32, |a, &x| a.max(x.abs()));
+        let bound = top * 2f32.powi(-16);
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(w, g)| (w - g).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= bound, "case {ci}: off by {worst} (bound {bound})");
+        eprintln!("mla attention case {ci}: within {worst:e} of scale {top}");
+    }
+}

@@ -59,7 +59,83 @@ pub fn attention(
     if t == 0 || s == 0 || d == 0 || dv == 0 {
         return Ok(None);
     }
-    cuda::attention(q, k, v, scale, mask, Dims { h, kv, t, s, d, dv })
+    cuda::attention(q, k, v, scale, mask, Dims { h, kv, t, s, d, dv }, false)
+}
+
+/// Whether [`attention_f32_probs`] may be used: not turned off by `ENGY_FUSED_MLA=0`.
+pub fn f32_probs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_FUSED_MLA").map_or(true, |v| v != "0"))
+}
+
+/// [`super::ops::attention_blocked`] on a GPU where `q`, `k` and `v` hold bf16 values (a bf16
+/// recompute of MLA, whose rule keeps the softmax's probabilities f32, as SDPA does): the
+/// scores `q·kᵀ` as a bf16 GEMM (each product exact in f32, f32 accumulation), one kernel for
+/// `x = scores·scale + mask`, the row max, `e = exp(x − max)` and the f32 row sum, and `e·v`
+/// with `e` unrounded: `e` is written as three bf16 planes `e₁ = bf16(e)`,
+/// `e₂ = bf16(e − e₁)`, `e₃ = bf16(e − e₁ − e₂)`, whose sum is `e` (24 bits in three times
+/// 8; an `e` below bf16's normal range loses bits, each under `2⁻¹²⁶` of the row's largest
+/// `e`, which is 1), and one GEMM over `[e₁ e₂ e₃]` and `v` stacked three times sums the
+/// exact products. The result `(Σ e·v) / Σ e` `[t, h·dv]` f32 (heads concatenated, as
+/// [`super::ops::attention_blocked`]) differs from the candle operations' `Σ (e/Σe)·v` in
+/// the order and placement of f32 roundings only. Query rows run in blocks of `block`, to
+/// bound the scores held at once. `None` where it does not apply (the CPU, a build without
+/// the `cuda` feature, `ENGY_FUSED_MLA=0`).
+///
+/// # Errors
+/// A candle error on inconsistent shapes, or when cuBLAS or the driver fails.
+pub fn attention_f32_probs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    block: usize,
+) -> candle_core::Result<Option<Tensor>> {
+    if !f32_probs_enabled() || q.device().is_cpu() {
+        return Ok(None);
+    }
+    let (h, t, d) = q.dims3()?;
+    let (kv, s, dk) = k.dims3()?;
+    let (kv2, s2, dv) = v.dims3()?;
+    let mask_ok = mask.map_or(Ok(true), |m| m.dims2().map(|dims| dims == (t, s)))?;
+    if kv == 0 || h % kv != 0 || dk != d || (kv2, s2) != (kv, s) || !mask_ok {
+        candle_core::bail!(
+            "fused attention: q {:?}, k {:?}, v {:?}, mask {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            mask.map(Tensor::dims)
+        );
+    }
+    if t == 0 || s == 0 || d == 0 || dv == 0 || cfg!(not(feature = "cuda")) {
+        return Ok(None);
+    }
+    // Keys and the values three times along the keys, as bf16, once for every block.
+    let kb = k.to_dtype(candle_core::DType::BF16)?.contiguous()?;
+    let v3 = Tensor::cat(&[v, v, v], 1)?
+        .to_dtype(candle_core::DType::BF16)?
+        .contiguous()?;
+    let block = block.max(1);
+    let mut ys = Vec::with_capacity(t.div_ceil(block));
+    for r0 in (0..t).step_by(block) {
+        let n = block.min(t - r0);
+        let qb = q.narrow(1, r0, n)?.contiguous()?;
+        let mb = mask.map(|m| m.narrow(0, r0, n)).transpose()?;
+        let dims = Dims {
+            h,
+            kv,
+            t: n,
+            s,
+            d,
+            dv,
+        };
+        let Some(y) = cuda::attention(&qb, &kb, &v3, scale, mb.as_ref(), dims, true)? else {
+            return Ok(None);
+        };
+        ys.push(y.transpose(0, 1)?.contiguous()?.reshape((n, h * dv))?);
+    }
+    Ok(Some(Tensor::cat(&ys, 0)?))
 }
 
 /// The sizes of one [`attention`] call.
@@ -85,6 +161,7 @@ mod cuda {
         _scale: f64,
         _mask: Option<&Tensor>,
         _dims: Dims,
+        _split: bool,
     ) -> candle_core::Result<Option<Tensor>> {
         Ok(None)
     }
@@ -183,10 +260,15 @@ mod cuda {
         scale: f64,
         mask: Option<&Tensor>,
         Dims { h, kv, t, s, d, dv }: Dims,
+        split: bool,
     ) -> candle_core::Result<Option<Tensor>> {
         let Device::Cuda(cd) = q.device() else {
             return Ok(None);
         };
+        // With `split`, the exponentials go to the product with `v` unrounded, as three bf16
+        // planes whose sum is each f32 exponential (`v` then holds the values three times
+        // along the keys, `[kv, 3·s, dv]`, so one GEMM over `3·s` sums all three).
+        let planes = if split { 3 } else { 1 };
         let stream = cd.cuda_stream();
         let rep = h / kv;
         let rows = h * t;
@@ -211,13 +293,14 @@ mod cuda {
             })
         })?;
         // The softmax, one block per score row (head-major rows, as the GEMM wrote them).
-        let mut e = unsafe { alloc::<bf16>(&stream, rows * s)? };
+        let mut e = unsafe { alloc::<bf16>(&stream, rows * s * planes)? };
         let mut sums = unsafe { alloc::<f32>(&stream, rows)? };
-        let func = cd.get_or_load_custom_func(
-            "engy_attention_softmax_bf16",
-            "engy_attention",
-            kernels::ATTENTION,
-        )?;
+        let name = if split {
+            "engy_attention_softmax_split3"
+        } else {
+            "engy_attention_softmax_bf16"
+        };
+        let func = cd.get_or_load_custom_func(name, "engy_attention", kernels::ATTENTION)?;
         let (t32, s32) = (u32_arg(OP, "queries", t)?, u32_arg(OP, "keys", s)?);
         let scale32 = scale as f32;
         let cfg = LaunchConfig {
@@ -240,10 +323,10 @@ mod cuda {
             b.arg(&t32);
             b.arg(&s32);
             b.arg(&scale32);
-            // SAFETY: the kernel's signature is (const float*, const float*, int, bf16*,
+            // SAFETY: the kernels' signature is (const float*, const float*, int, bf16*,
             // float*, unsigned, unsigned, float), as pushed; block `r` reads row `r` of
             // `scores` (`rows` rows of `s`) and row `r % t` of the mask (`t` rows of `s`), and
-            // writes row `r` of `e` and `sums[r]`.
+            // writes row `r` of `e` (`planes · s` values) and `sums[r]`.
             unsafe { b.launch(cfg) }
                 .map(|_| ())
                 .map_err(|x| err(OP, "launching the softmax", x))
@@ -253,17 +336,18 @@ mod cuda {
             None => launch(None)?,
         }
         drop(scores);
-        // y [kv, rep·t, dv] = E [rep·t, s] · V [s, dv]. Column-major: yᵀ [dv, rep·t] =
-        // Vᵀ (stored [dv, s]) · Eᵀ (stored [s, rep·t]).
+        // y [kv, rep·t, dv] = E [rep·t, s'] · V [s', dv], s' = planes · s. Column-major:
+        // yᵀ [dv, rep·t] = Vᵀ (stored [dv, s']) · Eᵀ (stored [s', rep·t]).
+        let sp = planes * s;
         let mut y = unsafe { alloc::<f32>(&stream, rows * dv)? };
         with_view::<bf16, _>(v, DType::BF16, |vb| {
             gemm(
                 cd,
                 &stream,
                 (false, false),
-                (dv, rep * t, s),
-                (&vb, dv, s * dv),
-                (&e, s, rep * t * s),
+                (dv, rep * t, sp),
+                (&vb, dv, sp * dv),
+                (&e, sp, rep * t * sp),
                 (&mut y, dv, rep * t * dv),
                 kv,
             )

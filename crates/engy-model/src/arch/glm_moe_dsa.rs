@@ -51,6 +51,7 @@ use serde_json::Value;
 
 use super::dsa_kernels;
 use super::experts;
+use super::fused_attention;
 use super::ops::{self, linear_t};
 use super::{
     Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
@@ -1125,6 +1126,21 @@ impl GlmMoeDsa {
         let scale = 1.0 / (dqk as f64).sqrt();
         let blk = self.row_block(nh, total);
         let y = phase(&dev, "mla attention: scores to output", || {
+            // In a bf16 recompute q, k and v hold bf16 values: on a GPU the scores and the
+            // products run on the tensor cores, the probabilities still f32
+            // ([`fused_attention::attention_f32_probs`]).
+            if cm == Compute::Bf16 {
+                if let Some(y) = fused_attention::attention_f32_probs(
+                    &q,
+                    &k_all,
+                    &v_all,
+                    scale,
+                    Some(&mask),
+                    blk,
+                )? {
+                    return Ok(y);
+                }
+            }
             Ok(ops::attention_blocked(
                 &q,
                 &k_all,
