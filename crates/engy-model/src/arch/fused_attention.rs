@@ -252,6 +252,17 @@ mod cuda {
         }
     }
 
+    /// Runs `f` as profile phase `name` (`crate::device::phase`: timed with `ENGY_PROFILE`,
+    /// else just run).
+    fn step<T>(
+        dev: &Device,
+        name: &'static str,
+        f: impl FnOnce() -> candle_core::Result<T>,
+    ) -> candle_core::Result<T> {
+        crate::device::phase(dev, name, || Ok(f()?))
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+
     #[allow(unsafe_code)]
     pub(super) fn attention(
         q: &Tensor,
@@ -278,18 +289,20 @@ mod cuda {
         // SAFETY (allocations): the GEMMs write every element of `scores` and `y`, the softmax
         // every row of `e` and every entry of `sums`, before anything reads them.
         let mut scores = unsafe { alloc::<f32>(&stream, rows * s)? };
-        with_view::<bf16, _>(q, DType::BF16, |qb| {
-            with_view::<bf16, _>(k, DType::BF16, |kb| {
-                gemm(
-                    cd,
-                    &stream,
-                    (true, false),
-                    (s, rep * t, d),
-                    (&kb, d, s * d),
-                    (&qb, d, rep * t * d),
-                    (&mut scores, s, rep * t * s),
-                    kv,
-                )
+        step(q.device(), "attention: scores gemm", || {
+            with_view::<bf16, _>(q, DType::BF16, |qb| {
+                with_view::<bf16, _>(k, DType::BF16, |kb| {
+                    gemm(
+                        cd,
+                        &stream,
+                        (true, false),
+                        (s, rep * t, d),
+                        (&kb, d, s * d),
+                        (&qb, d, rep * t * d),
+                        (&mut scores, s, rep * t * s),
+                        kv,
+                    )
+                })
             })
         })?;
         // The softmax, one block per score row (head-major rows, as the GEMM wrote them).
@@ -331,26 +344,31 @@ mod cuda {
                 .map(|_| ())
                 .map_err(|x| err(OP, "launching the softmax", x))
         };
-        match mask {
-            Some(m) => with_view::<f32, _>(m, DType::F32, |mv| launch(Some(&mv)))?,
-            None => launch(None)?,
-        }
+        step(q.device(), "attention: softmax", || {
+            match mask {
+                Some(m) => with_view::<f32, _>(m, DType::F32, |mv| launch(Some(&mv)))?,
+                None => launch(None)?,
+            }
+            Ok(())
+        })?;
         drop(scores);
         // y [kv, rep·t, dv] = E [rep·t, s'] · V [s', dv], s' = planes · s. Column-major:
         // yᵀ [dv, rep·t] = Vᵀ (stored [dv, s']) · Eᵀ (stored [s', rep·t]).
         let sp = planes * s;
         let mut y = unsafe { alloc::<f32>(&stream, rows * dv)? };
-        with_view::<bf16, _>(v, DType::BF16, |vb| {
-            gemm(
-                cd,
-                &stream,
-                (false, false),
-                (dv, rep * t, sp),
-                (&vb, dv, sp * dv),
-                (&e, sp, rep * t * sp),
-                (&mut y, dv, rep * t * dv),
-                kv,
-            )
+        step(q.device(), "attention: e·v gemm", || {
+            with_view::<bf16, _>(v, DType::BF16, |vb| {
+                gemm(
+                    cd,
+                    &stream,
+                    (false, false),
+                    (dv, rep * t, sp),
+                    (&vb, dv, sp * dv),
+                    (&e, sp, rep * t * sp),
+                    (&mut y, dv, rep * t * dv),
+                    kv,
+                )
+            })
         })?;
         drop(e);
         let y = wrap(y, cd, (h, t, dv))?;

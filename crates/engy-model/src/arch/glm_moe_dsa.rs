@@ -456,8 +456,16 @@ pub struct GlmMoeDsa {
     dsa_ties: super::TieOrder,
 }
 
-/// Default [`GlmMoeDsa::with_score_budget`]: 2^24 f32 (64 MiB) per score block.
+/// Default [`GlmMoeDsa::with_score_budget`] on the CPU: 2^24 f32 (64 MiB) per score block.
 pub const DEFAULT_SCORE_BUDGET: usize = 1 << 24;
+
+/// Default [`GlmMoeDsa::with_score_budget`] on a GPU: 2^26 f32 (256 MiB) per score block
+/// (256 query rows of MLA's 64 heads at 4,096 keys), so that each block's GEMMs and kernels
+/// are big enough to fill the device (MLA's attention holds about 2.5 times the block at
+/// once: its f32 scores and the exponentials as three bf16 planes). Measured on an H200 (GLM-5, 5 layers, 4,096 tokens,
+/// resident): 1.29 to 1.30 s an audit against 1.73 to 1.75 s at 2^24 and 1.42 to 1.50 s at
+/// 2^28, the reports byte-identical at all three (docs/AUDITOR.md "On a GPU").
+pub const DEFAULT_SCORE_BUDGET_GPU: usize = 1 << 26;
 
 impl std::fmt::Debug for GlmMoeDsa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -641,12 +649,17 @@ impl GlmMoeDsa {
     pub fn load(text: TextConfig, w: Arc<Weights>, opts: &LoadOptions) -> Result<Self, ModelError> {
         let cfg = GlmMoeDsaConfig::from_json(&text.raw)?;
         let inv_freq = inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim);
+        let w_on_cpu = w.device().is_cpu();
         let m = Self {
             text,
             cfg,
             w,
             inv_freq,
-            score_budget: DEFAULT_SCORE_BUDGET,
+            score_budget: if w_on_cpu {
+                DEFAULT_SCORE_BUDGET
+            } else {
+                DEFAULT_SCORE_BUDGET_GPU
+            },
             compute: opts.compute,
             dsa_ties: opts.dsa_ties,
         };
@@ -1186,27 +1199,31 @@ impl GlmMoeDsa {
         );
         let cm = self.compute;
         let ix = format!("{a}.indexer");
-        let qi = cm.round(self.proj(&format!("{ix}.wq_b"), q_resid, ni * di, qr, false)?)?;
-        let qi = self.rope(&qi, ni, di, 0, off)?;
-        // torch's LayerNorm on a bf16 input computes in f32 and rounds its output once.
-        let ki = cm.round(ops::layer_norm(
-            &cm.round(self.proj(&format!("{ix}.wk"), h, di, hd, false)?)?,
-            &self.norm(&format!("{ix}.k_norm.weight"), di)?,
-            &self.norm(&format!("{ix}.k_norm.bias"), di)?,
-            INDEXER_NORM_EPS,
-        )?)?;
-        let ki = self.rope(&ki, 1, di, 0, off)?.reshape((t, di))?;
-        let ki_all = match past {
-            Some(old) => Tensor::cat(&[old, &ki], 0)?,
-            None => ki,
-        };
-        if ki_all.dim(0)? != total {
-            return Err(cfg_err(
-                "glm_moe_dsa: the indexer key cache does not match the sequence",
-            ));
-        }
-        let ww = self.w.matrix_t(&format!("{ix}.weights_proj"), ni, hd)?;
-        let w = (cm.round(linear_t(h, &ww)?)? * (ni as f64).powf(-0.5))?;
+        let dev = h.device();
+        let (qi, ki_all, w) = phase(dev, "mla attention: dsa indexer: projections", || {
+            let qi = cm.round(self.proj(&format!("{ix}.wq_b"), q_resid, ni * di, qr, false)?)?;
+            let qi = self.rope(&qi, ni, di, 0, off)?;
+            // torch's LayerNorm on a bf16 input computes in f32 and rounds its output once.
+            let ki = cm.round(ops::layer_norm(
+                &cm.round(self.proj(&format!("{ix}.wk"), h, di, hd, false)?)?,
+                &self.norm(&format!("{ix}.k_norm.weight"), di)?,
+                &self.norm(&format!("{ix}.k_norm.bias"), di)?,
+                INDEXER_NORM_EPS,
+            )?)?;
+            let ki = self.rope(&ki, 1, di, 0, off)?.reshape((t, di))?;
+            let ki_all = match past {
+                Some(old) => Tensor::cat(&[old, &ki], 0)?,
+                None => ki,
+            };
+            if ki_all.dim(0)? != total {
+                return Err(cfg_err(
+                    "glm_moe_dsa: the indexer key cache does not match the sequence",
+                ));
+            }
+            let ww = self.w.matrix_t(&format!("{ix}.weights_proj"), ni, hd)?;
+            let w = (cm.round(linear_t(h, &ww)?)? * (ni as f64).powf(-0.5))?;
+            Ok((qi, ki_all, w))
+        })?;
         // w [t, ni]. Per block of query rows: scores [n, ni, total] = relu(q·k · di^-0.5), then
         // index [n, total] = Σ_h w_h · scores_h (rows are independent, so blocking changes
         // nothing but the memory held).
@@ -1216,29 +1233,37 @@ impl GlmMoeDsa {
         let on_device = dsa_kernels::applies(h.device(), total);
         let mut index: Vec<Vec<f32>> = Vec::with_capacity(if on_device { 0 } else { t });
         let mut device_rows = Vec::new();
-        for r0 in (0..t).step_by(blk) {
-            let n = blk.min(t - r0);
-            let scores = (qi
-                .narrow(0, r0, n)?
-                .matmul(&kt.broadcast_as((n, di, total))?)?
-                * (di as f64).powf(-0.5))?
-            .relu()?;
-            let rows = w
-                .narrow(0, r0, n)?
-                .unsqueeze(1)?
-                .matmul(&scores)?
-                .squeeze(1)?;
-            if on_device {
-                device_rows.push(rows);
-            } else {
-                index.extend(rows.to_vec2::<f32>()?);
+        phase(dev, "mla attention: dsa indexer: scores", || {
+            for r0 in (0..t).step_by(blk) {
+                let n = blk.min(t - r0);
+                let scores = (qi
+                    .narrow(0, r0, n)?
+                    .matmul(&kt.broadcast_as((n, di, total))?)?
+                    * (di as f64).powf(-0.5))?
+                .relu()?;
+                let rows = w
+                    .narrow(0, r0, n)?
+                    .unsqueeze(1)?
+                    .matmul(&scores)?
+                    .squeeze(1)?;
+                if on_device {
+                    device_rows.push(rows);
+                } else {
+                    index.extend(rows.to_vec2::<f32>()?);
+                }
             }
-        }
+            Ok(())
+        })?;
         if on_device {
             let rows = Tensor::cat(&device_rows, 0)?;
-            if let Some((sel, mask)) =
-                dsa_kernels::topk_mask(&rows, off, c.index_topk, self.dsa_ties)?
-            {
+            if let Some((sel, mask)) = phase(dev, "mla attention: dsa indexer: top-k", || {
+                Ok(dsa_kernels::topk_mask(
+                    &rows,
+                    off,
+                    c.index_topk,
+                    self.dsa_ties,
+                )?)
+            })? {
                 return Ok((sel, ki_all, Some(mask)));
             }
             index = rows.to_vec2::<f32>()?;
