@@ -754,7 +754,8 @@ fn the_rule_inputs_kernel_is_the_candle_operations() {
 /// (`ops::topk_indices_ordered`); the mask is 0 at the kept keys and `-inf` elsewhere. Rows full
 /// of exact ties (few levels), `-0.0` beside `+0.0`, NaNs of both signs and infinities; rows
 /// with fewer causal keys than `k`, a cache offset, GLM-5's `index_topk` of 2,048 over 4,096
-/// keys, both tie orders; and the mask from a given selection (`dsa_kernels::mask`).
+/// keys, both tie orders; and the mask from a given selection, on the host
+/// (`dsa_kernels::mask`) and as the device left it (`dsa_kernels::mask_from`).
 #[test]
 fn the_dsa_top_k_kernel_is_the_hosts_selection() {
     let dev = common::test_device()
@@ -794,9 +795,14 @@ fn the_dsa_top_k_kernel_is_the_hosts_selection() {
             if matches!(common::test_device(), DeviceSpec::Cpu) {
                 assert!(got.is_none(), "the DSA top-k kernel ran on the CPU");
                 assert!(dsa_kernels::mask(&[vec![0]], 0, 1, &dev).unwrap().is_none());
+                let cpu_sel = Tensor::from_vec(vec![0u32], (1, 1), &dev).unwrap();
+                assert!(dsa_kernels::mask_from(&cpu_sel, 0, 1).unwrap().is_none());
                 return;
             }
-            let (sel, mask) = got.expect("the DSA top-k on the GPU");
+            let (device_sel, mask) = got.expect("the DSA top-k on the GPU");
+            assert!(!device_sel.device().is_cpu(), "the selection left the GPU");
+            assert_eq!(device_sel.dims(), &[t, k]);
+            let sel = dsa_kernels::selection_rows(&device_sel).unwrap();
             assert_eq!(sel.len(), t);
             let mut want_mask = vec![f32::NEG_INFINITY; t * total];
             let mut want_sel = Vec::with_capacity(t);
@@ -836,6 +842,15 @@ fn the_dsa_top_k_kernel_is_the_hosts_selection() {
                 bits(&given),
                 bits(&want_mask),
                 "mask from a selection: rows {t} off {off} k {k}"
+            );
+            let kept = dsa_kernels::mask_from(&device_sel, off, total)
+                .unwrap()
+                .expect("the DSA mask from the device's selection");
+            let kept = kept.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(
+                bits(&kept),
+                bits(&want_mask),
+                "mask from the device's selection: rows {t} off {off} k {k}"
             );
         }
         eprintln!("dsa top-k rows {t} off {off} k {k}: equal; {orders_differ} rows differ between the tie orders");

@@ -3,13 +3,16 @@
 //! the mask (`[T, keys]` f32) is never built there and copied up; only the kept positions
 //! (`[T, index_topk]`) come back, for the selection the layer returns.
 //!
-//! * [`topk_mask`]: per query row the host's selection ([`super::glm_moe_dsa`]'s indexer:
+//! * [`topk_mask`]: per query row the host's selection, left on the device as a `[T, k]` u32
+//!   tensor (each row's kept positions in order, then [`NONE`]) until someone asks for it
+//!   ([`selection_rows`]: a routing or index-set record), so a pass that only attends copies
+//!   nothing back; ([`super::glm_moe_dsa`]'s indexer:
 //!   every causal key when there are at most `index_topk`, else the `index_topk` largest scores
 //!   by f32 `total_cmp`, ties by index in the run's DSA tie order, largest first,
 //!   [`super::ops::topk_indices_ordered`]), and the mask. The order is strict and total on
 //!   (value, index), so the device's sort gives the host's list exactly, not approximately.
-//! * [`mask`]: the mask from a selection already made (a shared-indexer layer reusing the
-//!   previous layer's).
+//! * [`mask`] and [`mask_from`]: the mask from a selection already made, on the host or on
+//!   the device (a shared-indexer layer reusing the previous layer's).
 //!
 //! scripts/gpu-check.sh checks both against the host's rule, index for index and bit for bit,
 //! on rows full of ties, `-0.0` and NaN (`gpu_kernels`). Each returns `None` where it does not
@@ -25,6 +28,9 @@ use super::TieOrder;
 /// the row's causal length: 16,384 keys are 128 KiB).
 pub const MAX_KEYS: usize = 1 << 14;
 
+/// The padding of a row of a device selection ([`topk_mask`]) past its kept positions.
+pub const NONE: u32 = u32::MAX;
+
 /// Whether the kernels may be used: not turned off by `ENGY_FUSED_DSA=0`.
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -38,8 +44,9 @@ pub fn applies(index_device: &candle_core::Device, total: usize) -> bool {
 }
 
 /// For the index scores `index` `[T, total]` (f32, on a GPU) of query rows at positions
-/// `off ..`: each row's kept key positions (at most `k`, in the host's order) and the additive
-/// attention mask `[T, total]` (0 at a kept key, `-inf` elsewhere).
+/// `off ..`: the selection, each row's kept key positions (at most `k`, in the host's order,
+/// then [`NONE`]) as a `[T, k]` u32 tensor on the device ([`selection_rows`] brings it to the
+/// host), and the additive attention mask `[T, total]` (0 at a kept key, `-inf` elsewhere).
 ///
 /// # Errors
 /// A candle error when `index` is not `[T, off + T]` or the device fails.
@@ -48,7 +55,7 @@ pub fn topk_mask(
     off: usize,
     k: usize,
     ties: TieOrder,
-) -> candle_core::Result<Option<(Vec<Vec<usize>>, Tensor)>> {
+) -> candle_core::Result<Option<(Tensor, Tensor)>> {
     let (t, total) = index.dims2()?;
     if !applies(index.device(), total) || k == 0 || t == 0 {
         return Ok(None);
@@ -57,6 +64,39 @@ pub fn topk_mask(
         candle_core::bail!("dsa top-k: {t} rows at offset {off} do not have {total} keys");
     }
     imp::topk_mask(index, off, k, ties)
+}
+
+/// A selection of [`topk_mask`] (`[T, k]` u32, on any device) as the host holds it: per row
+/// its kept positions in order, the [`NONE`] padding dropped. Copies the `T·k` positions to
+/// the host.
+///
+/// # Errors
+/// A candle error when `sel` is not a 2-D u32 tensor or the copy fails.
+pub fn selection_rows(sel: &Tensor) -> candle_core::Result<Vec<Vec<usize>>> {
+    Ok(sel
+        .to_vec2::<u32>()?
+        .into_iter()
+        .map(|row| {
+            row.into_iter()
+                .take_while(|&s| s != NONE)
+                .map(|s| s as usize)
+                .collect()
+        })
+        .collect())
+}
+
+/// [`mask`] for a selection still on the device (`sel` `[T, k]` u32 of [`topk_mask`]): no
+/// copy between host and device. `None` where the kernels do not apply (the CPU, a build
+/// without the `cuda` feature, `ENGY_FUSED_DSA=0`).
+///
+/// # Errors
+/// A candle error when `sel` is not a 2-D u32 tensor or the device fails.
+pub fn mask_from(sel: &Tensor, off: usize, total: usize) -> candle_core::Result<Option<Tensor>> {
+    let (t, k) = sel.dims2()?;
+    if !cfg!(feature = "cuda") || !enabled() || sel.device().is_cpu() || t == 0 || total == 0 {
+        return Ok(None);
+    }
+    imp::mask_from(sel, off, total, k)
 }
 
 /// The additive attention mask `[T, total]` on `device` for the selection `sel` (row `r` at
@@ -86,7 +126,16 @@ mod imp {
         _off: usize,
         _k: usize,
         _ties: TieOrder,
-    ) -> candle_core::Result<Option<(Vec<Vec<usize>>, Tensor)>> {
+    ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        Ok(None)
+    }
+
+    pub(super) fn mask_from(
+        _sel: &Tensor,
+        _off: usize,
+        _total: usize,
+        _k: usize,
+    ) -> candle_core::Result<Option<Tensor>> {
         Ok(None)
     }
 
@@ -105,7 +154,7 @@ mod imp {
     use super::*;
     use crate::arch::kernels::{self, alloc, err, u32_arg, with_view, wrap};
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device};
 
@@ -114,9 +163,6 @@ mod imp {
     const THREADS: u32 = 1024;
     /// The name the DSA PTX module is cached under on the device.
     const MODULE: &str = "engy_dsa";
-    /// A kept-position slot past the row's count.
-    const NONE: u32 = u32::MAX;
-
     /// One block per row: `rows` blocks of [`THREADS`], `shared` bytes of dynamic memory.
     fn per_row(rows: usize, shared: u32) -> candle_core::Result<LaunchConfig> {
         Ok(LaunchConfig {
@@ -130,7 +176,7 @@ mod imp {
     #[allow(unsafe_code)]
     fn launch_mask(
         cd: &CudaDevice,
-        sel: &CudaSlice<u32>,
+        sel: &CudaView<'_, u32>,
         rows: usize,
         off: usize,
         total: usize,
@@ -164,7 +210,7 @@ mod imp {
         off: usize,
         k: usize,
         ties: TieOrder,
-    ) -> candle_core::Result<Option<(Vec<Vec<usize>>, Tensor)>> {
+    ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
         let Device::Cuda(cd) = index.device() else {
             return Ok(None);
         };
@@ -201,20 +247,32 @@ mod imp {
                 .map(|_| ())
                 .map_err(|e| err(OP, "launching the top-k", e))
         })?;
-        let mask = launch_mask(cd, &sel, rows, off, total, k)?;
-        let kept = stream
-            .clone_dtoh(&sel)
-            .map_err(|e| err(OP, "copying the kept positions", e))?;
-        let sel = kept
-            .chunks_exact(k)
-            .map(|row| {
-                row.iter()
-                    .take_while(|&&s| s != NONE)
-                    .map(|&s| s as usize)
-                    .collect()
-            })
-            .collect();
-        Ok(Some((sel, mask)))
+        let mask = launch_mask(cd, &sel.slice(..), rows, off, total, k)?;
+        Ok(Some((wrap(sel, cd, (rows, k))?, mask)))
+    }
+
+    pub(super) fn mask_from(
+        sel: &Tensor,
+        off: usize,
+        total: usize,
+        k: usize,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(cd) = sel.device() else {
+            return Ok(None);
+        };
+        let rows = sel.dim(0)?;
+        if sel.dtype() != DType::U32 {
+            candle_core::bail!("dsa mask: a selection is u32, not {:?}", sel.dtype());
+        }
+        let sel = sel.contiguous()?;
+        let (st, l) = sel.storage_and_layout();
+        let candle_core::Storage::Cuda(st) = &*st else {
+            candle_core::bail!("dsa mask: the selection is not on the GPU");
+        };
+        let view = st
+            .as_cuda_slice::<u32>()?
+            .slice(l.start_offset()..l.start_offset() + rows * k);
+        Ok(Some(launch_mask(cd, &view, rows, off, total, k)?))
     }
 
     pub(super) fn mask(
@@ -238,6 +296,6 @@ mod imp {
         let up = stream
             .clone_htod(&flat)
             .map_err(|e| err(OP, "copying the kept positions up", e))?;
-        Ok(Some(launch_mask(cd, &up, rows, off, total, k)?))
+        Ok(Some(launch_mask(cd, &up.slice(..), rows, off, total, k)?))
     }
 }

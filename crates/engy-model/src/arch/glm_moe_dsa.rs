@@ -456,6 +456,33 @@ pub struct GlmMoeDsa {
     dsa_ties: super::TieOrder,
 }
 
+/// A DSA layer's kept key positions per query row: on the host, or still on the GPU where
+/// its top-k ran there (`[T, index_topk]` u32, [`dsa_kernels::topk_mask`]), copied back only
+/// when a record asks for it ([`Selection::host`]), so a plain audit pass copies nothing.
+enum Selection {
+    Host(Vec<Vec<usize>>),
+    Device(Tensor),
+}
+
+impl Selection {
+    /// Query rows.
+    fn rows(&self) -> Result<usize, ModelError> {
+        Ok(match self {
+            Selection::Host(v) => v.len(),
+            Selection::Device(t) => t.dim(0)?,
+        })
+    }
+
+    /// Per row its kept positions in the selection's order (a copy from the device for a
+    /// device selection).
+    fn host(&self) -> Result<std::borrow::Cow<'_, [Vec<usize>]>, ModelError> {
+        Ok(match self {
+            Selection::Host(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+            Selection::Device(t) => std::borrow::Cow::Owned(dsa_kernels::selection_rows(t)?),
+        })
+    }
+}
+
 /// Default [`GlmMoeDsa::with_score_budget`] on the CPU: 2^24 f32 (64 MiB) per score block.
 pub const DEFAULT_SCORE_BUDGET: usize = 1 << 24;
 
@@ -928,7 +955,7 @@ impl GlmMoeDsa {
         let cm = self.compute;
         let mut x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
         let mut new_layers = Vec::with_capacity(c.num_hidden_layers);
-        let mut selection: Option<Vec<Vec<usize>>> = None;
+        let mut selection: Option<Selection> = None;
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
@@ -938,7 +965,15 @@ impl GlmMoeDsa {
             let (attn, layer_cache, sel) = phase(&dev, "mla attention", || {
                 self.attention(l, &p, &h, off, &cache.layers[l].0, prev)
             })?;
-            probe.push_attended(l, off, &sel);
+            // The kept positions come to the host only for the records that ask for them.
+            let kept = if probe.attended.is_some() || trace.is_some() {
+                Some(sel.host()?.into_owned())
+            } else {
+                None
+            };
+            if let Some(kept) = &kept {
+                probe.push_attended(l, off, kept);
+            }
             crate::device::trace("glm attention output", &attn);
             x = cm.round((x + attn)?)?;
             let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
@@ -965,15 +1000,9 @@ impl GlmMoeDsa {
             if let Some(tr) = trace.as_deref_mut() {
                 tr.residuals.push(x.clone());
                 tr.experts.push(experts);
-                tr.attended.push(
-                    sel.iter()
-                        .map(|s| {
-                            let mut s = s.clone();
-                            s.sort_unstable();
-                            s
-                        })
-                        .collect(),
-                );
+                let mut kept = kept.unwrap_or_default();
+                kept.iter_mut().for_each(|s| s.sort_unstable());
+                tr.attended.push(kept);
             }
             selection = Some(sel);
             new_layers.push(layer_cache);
@@ -1016,8 +1045,8 @@ impl GlmMoeDsa {
         h: &Tensor,
         off: usize,
         past: &[Tensor],
-        prev_sel: Option<Vec<Vec<usize>>>,
-    ) -> Result<(Tensor, LayerCache, Vec<Vec<usize>>), ModelError> {
+        prev_sel: Option<Selection>,
+    ) -> Result<(Tensor, LayerCache, Selection), ModelError> {
         let c = &self.cfg;
         let dev = h.device().clone();
         let t = h.dim(0)?;
@@ -1102,9 +1131,12 @@ impl GlmMoeDsa {
                 (sel, Some(ik), mask)
             }
             IndexerType::Shared => match prev_sel {
-                Some(s) if s.len() == t => {
+                Some(s) if s.rows()? == t => {
                     let mask = phase(&dev, "mla attention: dsa mask", || {
-                        Ok(dsa_kernels::mask(&s, off, total, &dev)?)
+                        Ok(match &s {
+                            Selection::Host(v) => dsa_kernels::mask(v, off, total, &dev)?,
+                            Selection::Device(d) => dsa_kernels::mask_from(d, off, total)?,
+                        })
                     })?;
                     (s, None, mask)
                 }
@@ -1121,7 +1153,7 @@ impl GlmMoeDsa {
                 count_host_step(&dev, HostStep::DsaTopK);
                 phase(&dev, "mla attention: dsa mask", || {
                     let mut mask = vec![f32::NEG_INFINITY; t * total];
-                    for (r, keys) in sel.iter().enumerate() {
+                    for (r, keys) in sel.host()?.iter().enumerate() {
                         for &s in keys {
                             if s <= off + r {
                                 mask[r * total + s] = 0.0;
@@ -1187,7 +1219,7 @@ impl GlmMoeDsa {
         q_resid: &Tensor,
         off: usize,
         past: Option<&Tensor>,
-    ) -> Result<(Vec<Vec<usize>>, Tensor, Option<Tensor>), ModelError> {
+    ) -> Result<(Selection, Tensor, Option<Tensor>), ModelError> {
         let c = &self.cfg;
         let t = h.dim(0)?;
         let total = off + t;
@@ -1264,7 +1296,7 @@ impl GlmMoeDsa {
                     self.dsa_ties,
                 )?)
             })? {
-                return Ok((sel, ki_all, Some(mask)));
+                return Ok((Selection::Device(sel), ki_all, Some(mask)));
             }
             index = rows.to_vec2::<f32>()?;
         }
@@ -1284,7 +1316,7 @@ impl GlmMoeDsa {
                 }
             })
             .collect();
-        Ok((sel, ki_all, None))
+        Ok((Selection::Host(sel), ki_all, None))
     }
 
     /// The MoE block of layer `l` (tensor prefix `p`) on `h [t, hidden]` at positions `off..`:
