@@ -953,14 +953,18 @@ impl GlmMoeDsa {
         }
         let hd = c.hidden_size;
         let cm = self.compute;
-        let mut x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
+        let dev = self.w.device().clone();
+        let mut x = phase(&dev, "embedding", || {
+            Ok(cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?)
+        })?;
         let mut new_layers = Vec::with_capacity(c.num_hidden_layers);
         let mut selection: Option<Selection> = None;
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
-            let h = ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?;
-            let dev = h.device().clone();
+            let h = phase(&dev, "norms and residual adds", || {
+                let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
+                Ok(ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?)
+            })?;
             let prev = selection.take();
             let (attn, layer_cache, sel) = phase(&dev, "mla attention", || {
                 self.attention(l, &p, &h, off, &cache.layers[l].0, prev)
@@ -975,9 +979,13 @@ impl GlmMoeDsa {
                 probe.push_attended(l, off, kept);
             }
             crate::device::trace("glm attention output", &attn);
-            x = cm.round((x + attn)?)?;
-            let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
-            let h2 = ops::rms_norm_in(&x, &ln2, c.rms_norm_eps, cm)?;
+            let (x2, h2) = phase(&dev, "norms and residual adds", || {
+                let x2 = cm.round((&x + attn)?)?;
+                let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
+                let h2 = ops::rms_norm_in(&x2, &ln2, c.rms_norm_eps, cm)?;
+                Ok((x2, h2))
+            })?;
+            x = x2;
             let (mlp, experts) = if c.sparse_mlp[l] {
                 let (y, e) = phase(&dev, "moe", || self.moe(l, &p, &h2, off, probe))?;
                 (y, Some(e))
@@ -995,7 +1003,9 @@ impl GlmMoeDsa {
                 (y, None)
             };
             crate::device::trace("glm mlp output", &mlp);
-            x = cm.round((x + mlp)?)?;
+            x = phase(&dev, "norms and residual adds", || {
+                Ok(cm.round((&x + mlp)?)?)
+            })?;
             probe.push_layer(&x);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.residuals.push(x.clone());
@@ -1007,7 +1017,10 @@ impl GlmMoeDsa {
             selection = Some(sel);
             new_layers.push(layer_cache);
         }
-        let out = ops::rms_norm_in(&x, &self.norm("model.norm.weight", hd)?, c.rms_norm_eps, cm)?;
+        let out = phase(&dev, "norms and residual adds", || {
+            let w = self.norm("model.norm.weight", hd)?;
+            Ok(ops::rms_norm_in(&x, &w, c.rms_norm_eps, cm)?)
+        })?;
         cache.layers = new_layers;
         cache.len = off + ids.len();
         Ok(out)
