@@ -1,16 +1,16 @@
 //! The DSA indexer's top-k of key positions and the attention mask built from it on a GPU
 //! (`kernels/dsa.cu`), so that the index scores (`[T, keys]` f32) never come to the host and
-//! the mask (`[T, keys]` f32) is never built there and copied up; only the kept positions
-//! (`[T, index_topk]`) come back, for the selection the layer returns.
+//! the mask (`[T, keys]` f32) is never built there and copied up; the kept positions
+//! (`[T, index_topk]`) stay there too unless a record asks for them.
 //!
-//! * [`topk_mask`]: per query row the host's selection, left on the device as a `[T, k]` u32
-//!   tensor (each row's kept positions in order, then [`NONE`]) until someone asks for it
-//!   ([`selection_rows`]: a routing or index-set record), so a pass that only attends copies
-//!   nothing back; ([`super::glm_moe_dsa`]'s indexer:
+//! * [`topk_mask`]: per query row the host's selection ([`super::glm_moe_dsa`]'s indexer:
 //!   every causal key when there are at most `index_topk`, else the `index_topk` largest scores
 //!   by f32 `total_cmp`, ties by index in the run's DSA tie order, largest first,
 //!   [`super::ops::topk_indices_ordered`]), and the mask. The order is strict and total on
 //!   (value, index), so the device's sort gives the host's list exactly, not approximately.
+//!   The selection stays on the device as a `[T, k]` u32 tensor (each row's kept positions in
+//!   order, then [`NONE`]); [`selection_rows`] brings it to the host for a record that asks
+//!   for it (an index-set comparison, a traced pass), so a plain pass copies nothing back.
 //! * [`mask`] and [`mask_from`]: the mask from a selection already made, on the host or on
 //!   the device (a shared-indexer layer reusing the previous layer's).
 //!
@@ -68,7 +68,7 @@ pub fn topk_mask(
 
 /// A selection of [`topk_mask`] (`[T, k]` u32, on any device) as the host holds it: per row
 /// its kept positions in order, the [`NONE`] padding dropped. Copies the `T·k` positions to
-/// the host.
+/// the host (32 MiB a layer at GLM-5's 4,096 rows of 2,048).
 ///
 /// # Errors
 /// A candle error when `sel` is not a 2-D u32 tensor or the copy fails.
@@ -260,19 +260,13 @@ mod imp {
         let Device::Cuda(cd) = sel.device() else {
             return Ok(None);
         };
-        let rows = sel.dim(0)?;
         if sel.dtype() != DType::U32 {
             candle_core::bail!("dsa mask: a selection is u32, not {:?}", sel.dtype());
         }
-        let sel = sel.contiguous()?;
-        let (st, l) = sel.storage_and_layout();
-        let candle_core::Storage::Cuda(st) = &*st else {
-            candle_core::bail!("dsa mask: the selection is not on the GPU");
-        };
-        let view = st
-            .as_cuda_slice::<u32>()?
-            .slice(l.start_offset()..l.start_offset() + rows * k);
-        Ok(Some(launch_mask(cd, &view, rows, off, total, k)?))
+        let rows = sel.dim(0)?;
+        with_view::<u32, _>(sel, DType::U32, |view| {
+            launch_mask(cd, &view, rows, off, total, k).map(Some)
+        })
     }
 
     pub(super) fn mask(

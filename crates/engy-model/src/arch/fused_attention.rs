@@ -15,6 +15,14 @@
 //!
 //! On by default on a GPU; `ENGY_FUSED_ATTENTION=0` turns it off (the unfused candle
 //! operations then run), for comparing the two.
+//!
+//! [`attention_f32_probs`] is the same three steps for a rule that keeps the probabilities
+//! f32 (GLM's MLA, as SDPA computes it): the softmax kernel writes each f32 exponential as
+//! three bf16 planes whose sum is it, and the second GEMM runs over the planes and `v`
+//! stacked three times, so the products are the f32 exponentials' own. `ENGY_FUSED_MLA=0`
+//! turns it off (`ops::attention_blocked` then runs). With `ENGY_PROFILE`, each call's three
+//! steps are the phases `attention: scores gemm`, `attention: softmax` and
+//! `attention: e·v gemm`.
 use candle_core::Tensor;
 
 /// Whether [`attention`] may be used: not turned off by `ENGY_FUSED_ATTENTION=0`.

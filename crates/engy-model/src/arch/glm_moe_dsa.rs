@@ -489,9 +489,10 @@ pub const DEFAULT_SCORE_BUDGET: usize = 1 << 24;
 /// Default [`GlmMoeDsa::with_score_budget`] on a GPU: 2^26 f32 (256 MiB) per score block
 /// (256 query rows of MLA's 64 heads at 4,096 keys), so that each block's GEMMs and kernels
 /// are big enough to fill the device (MLA's attention holds about 2.5 times the block at
-/// once: its f32 scores and the exponentials as three bf16 planes). Measured on an H200 (GLM-5, 5 layers, 4,096 tokens,
-/// resident): 1.29 to 1.30 s an audit against 1.73 to 1.75 s at 2^24 and 1.42 to 1.50 s at
-/// 2^28, the reports byte-identical at all three (docs/AUDITOR.md "On a GPU").
+/// once: its f32 scores and the exponentials as three bf16 planes). Measured on an H200
+/// (GLM-5, 5 layers, 4,096 tokens, resident): 1.29 to 1.30 s an audit against 1.73 to
+/// 1.75 s at 2^24 and 1.42 to 1.50 s at 2^28, the reports byte-identical at all three
+/// (docs/AUDITOR.md "On a GPU").
 pub const DEFAULT_SCORE_BUDGET_GPU: usize = 1 << 26;
 
 impl std::fmt::Debug for GlmMoeDsa {
