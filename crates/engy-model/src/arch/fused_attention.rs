@@ -51,23 +51,10 @@ pub fn attention(
     if !enabled() || q.device().is_cpu() {
         return Ok(None);
     }
-    let (h, t, d) = q.dims3()?;
-    let (kv, s, dk) = k.dims3()?;
-    let (kv2, s2, dv) = v.dims3()?;
-    let mask_ok = mask.map_or(Ok(true), |m| m.dims2().map(|dims| dims == (t, s)))?;
-    if kv == 0 || h % kv != 0 || dk != d || (kv2, s2) != (kv, s) || !mask_ok {
-        candle_core::bail!(
-            "fused attention: q {:?}, k {:?}, v {:?}, mask {:?} do not fit together",
-            q.dims(),
-            k.dims(),
-            v.dims(),
-            mask.map(Tensor::dims)
-        );
-    }
-    if t == 0 || s == 0 || d == 0 || dv == 0 {
+    let Some(dims) = Dims::of(q, k, v, mask)? else {
         return Ok(None);
-    }
-    cuda::attention(q, k, v, scale, mask, Dims { h, kv, t, s, d, dv }, false)
+    };
+    cuda::attention(q, k, v, scale, mask, dims, false)
 }
 
 /// Whether [`attention_f32_probs`] may be used: not turned off by `ENGY_FUSED_MLA=0`.
@@ -103,20 +90,10 @@ pub fn attention_f32_probs(
     if !f32_probs_enabled() || q.device().is_cpu() {
         return Ok(None);
     }
-    let (h, t, d) = q.dims3()?;
-    let (kv, s, dk) = k.dims3()?;
-    let (kv2, s2, dv) = v.dims3()?;
-    let mask_ok = mask.map_or(Ok(true), |m| m.dims2().map(|dims| dims == (t, s)))?;
-    if kv == 0 || h % kv != 0 || dk != d || (kv2, s2) != (kv, s) || !mask_ok {
-        candle_core::bail!(
-            "fused attention: q {:?}, k {:?}, v {:?}, mask {:?} do not fit together",
-            q.dims(),
-            k.dims(),
-            v.dims(),
-            mask.map(Tensor::dims)
-        );
-    }
-    if t == 0 || s == 0 || d == 0 || dv == 0 || cfg!(not(feature = "cuda")) {
+    let Some(Dims { h, kv, t, s, d, dv }) = Dims::of(q, k, v, mask)? else {
+        return Ok(None);
+    };
+    if cfg!(not(feature = "cuda")) {
         return Ok(None);
     }
     // Keys and the values three times along the keys, as bf16, once for every block.
@@ -156,6 +133,38 @@ struct Dims {
     s: usize,
     d: usize,
     dv: usize,
+}
+
+impl Dims {
+    /// The sizes of `q` `[h, t, d]`, `k` `[kv, s, d]`, `v` `[kv, s, dv]` and `mask` `[t, s]`;
+    /// `None` for an empty product (a size of 0).
+    ///
+    /// # Errors
+    /// A candle error when they do not fit together (`kv` must divide `h`).
+    fn of(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> candle_core::Result<Option<Dims>> {
+        let (h, t, d) = q.dims3()?;
+        let (kv, s, dk) = k.dims3()?;
+        let (kv2, s2, dv) = v.dims3()?;
+        let mask_ok = mask.map_or(Ok(true), |m| m.dims2().map(|dims| dims == (t, s)))?;
+        if kv == 0 || h % kv != 0 || dk != d || (kv2, s2) != (kv, s) || !mask_ok {
+            candle_core::bail!(
+                "fused attention: q {:?}, k {:?}, v {:?}, mask {:?} do not fit together",
+                q.dims(),
+                k.dims(),
+                v.dims(),
+                mask.map(Tensor::dims)
+            );
+        }
+        if t == 0 || s == 0 || d == 0 || dv == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Dims { h, kv, t, s, d, dv }))
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
