@@ -343,7 +343,11 @@ impl Model {
         let dev = self.opts.device.device()?;
         crate::device::phase(&dev, "forward", || {
             let h = self.forward_probed(ids, &mut cache, probe)?;
-            Ok(h.to_vec2::<f32>()?)
+            crate::device::phase(
+                &dev,
+                "hidden states to the host",
+                || Ok(h.to_vec2::<f32>()?),
+            )
         })
     }
 
