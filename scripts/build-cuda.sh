@@ -7,20 +7,25 @@
 #   DIR/audit_oracle      the audit oracle test (ENGY_TEST_DEVICE=cuda)
 #   DIR/gpu_kernels       engy's own kernels against the unfused rules (ENGY_TEST_DEVICE=cuda)
 #   DIR/synth_checkpoint  writes the real-shape Qwen3.6 FP8 checkpoint for the benchmark
-# docs/AUDITOR.md "On a GPU" says how to run them. Binaries are stripped (they carry the
-# kernels' PTX); at run time they need only the NVIDIA driver and the CUDA 13 libraries
-# (cudart, cublas, cublasLt, curand, nvrtc).
+# docs/AUDITOR.md "On a GPU" says how to run them. DIR is relative to the directory the script
+# is called from. Binaries are stripped (they carry the kernels' PTX); at run time they need
+# the NVIDIA driver (libcuda.so.1: without it they do not start, not even for --help) and the
+# CUDA 13 libraries libcublas.so.13, libcublasLt.so.13 and libcurand.so.10.
 set -euo pipefail
+out="$(realpath -m -- "${1:-$(dirname "$0")/../target/gpu}")"
 cd "$(dirname "$0")/.."
-out="${1:-target/gpu}"
 eval "$(scripts/cuda-toolkit.sh)"
 mkdir -p "$out"
 cargo build --release --locked -p engy-audit --features cuda
 cargo build --release --locked -p engy-model --example synth_checkpoint
-tests="$(cargo test --release --locked -p engy-model --features cuda \
-  --test arch_vectors --test audit_oracle --test gpu_kernels --no-run 2>&1 | tee /dev/stderr \
-  | sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p')"
-target="${CARGO_TARGET_DIR:-target}"
+# The test build's output goes to stderr as it comes (`tee` into a file, never /dev/stderr:
+# that reopens a redirected log at offset 0 and writes over it) and is read for the paths.
+built="$(mktemp)"
+trap 'rm -f "$built"' EXIT
+cargo test --release --locked -p engy-model --features cuda \
+  --test arch_vectors --test audit_oracle --test gpu_kernels --no-run 2>&1 | tee "$built" >&2
+tests="$(sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p' "$built")"
+target="$(realpath -m -- "${CARGO_TARGET_DIR:-target}")"
 install -m 755 "$target/release/engy-audit" "$out/engy-audit"
 install -m 755 "$target/release/examples/synth_checkpoint" "$out/synth_checkpoint"
 while read -r name path; do
