@@ -397,8 +397,19 @@ fn report_text(r: &AuditReport) -> String {
                     engy_model::arch::TieOrder::HigherFirst => " (DSA ties higher-first)",
                     engy_model::arch::TieOrder::LowerFirst => "",
                 };
+                let cut = match (o.dsa_boundary_ties, o.dsa_ties, o.verdict) {
+                    (Some(0), engy_model::arch::TieOrder::LowerFirst, "cheat") => {
+                        "; no DSA top-k cut through a tie, so ties higher-first compute the \
+                         same (not run)"
+                            .to_string()
+                    }
+                    (Some(0), ..) => "; no DSA top-k cut through a tie".to_string(),
+                    (Some(1), ..) => "; 1 DSA top-k row cut through a tie".to_string(),
+                    (Some(n), ..) => format!("; {n} DSA top-k rows cut through a tie"),
+                    (None, ..) => String::new(),
+                };
                 format!(
-                    "{}{ties} {} (max {} mismatches in a batch)",
+                    "{}{ties} {} (max {} mismatches in a batch{cut})",
                     o.compute.label(),
                     o.verdict,
                     o.max_exp_mismatches

@@ -33,7 +33,11 @@
 //!    the model spec's, unchanged. On an architecture with a DSA indexer, exact ties at the
 //!    `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
 //!    known (`arch::TieOrder`), so when neither recompute passes with ties taken lower index
-//!    first, both are run again with ties taken higher index first.
+//!    first, both are run again with ties taken higher index first; each only when its
+//!    lower-first pass had a selection that cut through a tie (`arch::Probe::
+//!    dsa_boundary_ties`), since otherwise the higher-first pass keeps the same keys in every
+//!    layer and computes the same, bit for bit. A sequence no longer than `index_topk` never
+//!    cuts: every query keeps all its keys.
 use serde::Serialize;
 
 use engy_core::toploc::{self, Dtype, Params, ProofPoly};
@@ -100,6 +104,12 @@ pub struct RecomputeOutcome {
     pub passing_batches: usize,
     /// The largest `exp_mismatches` of any batch.
     pub max_exp_mismatches: u64,
+    /// Architectures with a DSA indexer: the (row, layer) pairs whose top-k selection cut
+    /// through a tie in this recompute ([`AuditReport::dsa_boundary_ties`]). When 0 (and
+    /// `dsa_ties` is lower-first), the same activation dtype with ties higher-first would
+    /// compute the same, so it is not run. `None` elsewhere.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dsa_boundary_ties: Option<usize>,
 }
 
 /// Thresholds of the model spec (PROTOCOL.md §4; defaults of `qwen3.6-35b-a3b`) and the
@@ -336,6 +346,12 @@ pub struct AuditReport {
     pub compute: Option<Compute>,
     /// The DSA tie order of that recompute (`None` when verification did not run).
     pub dsa_ties: Option<TieOrder>,
+    /// Architectures with a DSA indexer: the (row, layer) pairs of that recompute whose
+    /// top-k selection cut through a tie, where the other tie order keeps another set
+    /// ([`arch::Probe::dsa_boundary_ties`]: exact on the CPU, possibly more on a GPU, never
+    /// fewer). `None` elsewhere and when verification did not run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dsa_boundary_ties: Option<usize>,
     /// Every recompute run, in order ([`Recompute`]); empty when verification did not run.
     pub recomputes: Vec<RecomputeOutcome>,
     /// The routing check of the reported recompute (`None` when verification did not run).
@@ -364,6 +380,7 @@ impl AuditReport {
             params,
             compute: None,
             dsa_ties: None,
+            dsa_boundary_ties: None,
             recomputes: Vec::new(),
             routing: None,
             index_sets: None,
@@ -474,6 +491,17 @@ fn audit_computes(
     let mut best: Option<AuditReport> = None;
     let mut outcomes = Vec::with_capacity(plan.len());
     for &(compute, dsa_ties) in plan {
+        // Ties higher-first change a pass only where a selection cut through a tie: when the
+        // same dtype's lower-first pass counted none, this one would compute the same.
+        let redundant = dsa_ties == TieOrder::HigherFirst
+            && outcomes.iter().any(|o: &RecomputeOutcome| {
+                o.compute == compute
+                    && o.dsa_ties == TieOrder::LowerFirst
+                    && o.dsa_boundary_ties == Some(0)
+            });
+        if redundant {
+            continue;
+        }
         let sibling;
         let o = model.options();
         let m = if (compute, dsa_ties) == (o.compute, o.dsa_ties) {
@@ -498,6 +526,7 @@ fn audit_computes(
                 .map(|b| b.exp_mismatches)
                 .max()
                 .unwrap_or(0),
+            dsa_boundary_ties: report.dsa_boundary_ties,
         });
         let passed = report.verdict == Verdict::Pass;
         let better = match &best {
@@ -705,11 +734,13 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         .map(|r| RoutingCheck::new(r.clone(), margin, p.routing.replay));
     let dsa = arch::has_dsa(model.config().kind);
     let mut attended = OwnIndexSets::new();
+    let mut boundary_ties = 0usize;
     let hidden = model.hidden_states_probed(
         &input,
         &mut Probe {
             check: check.as_mut(),
             attended: (dsa && c.indexer_topk.is_some()).then_some(&mut attended),
+            dsa_boundary_ties: dsa.then_some(&mut boundary_ties),
             ..Probe::default()
         },
     )?;
@@ -749,6 +780,7 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         params: p,
         compute: Some(model.compute()),
         dsa_ties: Some(model.options().dsa_ties),
+        dsa_boundary_ties: dsa.then_some(boundary_ties),
         recomputes: Vec::new(),
         routing: Some(routing),
         index_sets,

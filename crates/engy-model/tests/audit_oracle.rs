@@ -14,6 +14,10 @@
 //! printed, not asserted. The table it prints is the one in docs/AUDITOR.md
 //! "bf16 and f32 recomputes".
 //!
+//! On a DSA architecture it also asserts the rule of the tie orders (docs/AUDITOR.md "bf16 and
+//! f32 recomputes", DSA ties): a higher-first recompute runs exactly when the lower-first pass
+//! of its dtype cut through a tie, and prints how many were not run.
+//!
 //! Checkpoints: the oracle names its case folders after the arch oracle's; each case's
 //! checkpoint is the first of `<oracle>/<case>` (when it holds a `config.json`),
 //! `$ENGY_ARCH_VECTORS_DIR/<case>`, `<oracle>/../arch/<case>` and the shipped
@@ -24,6 +28,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use engy_model::arch::TieOrder;
 use engy_model::audit::{audit_with, AuditParams, Recompute, Verdict};
 use engy_model::{LoadOptions, Model, Residency};
 
@@ -83,6 +88,8 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
     let params = AuditParams::default();
     let mut failures = Vec::new();
     let mut audited = 0;
+    // Recomputes run, and higher-first ones not run because their lower-first pass cut no tie.
+    let (mut passes, mut skipped) = (0usize, 0usize);
     for case_dir in &cases {
         let case = case_dir
             .file_name()
@@ -135,10 +142,45 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 }
             };
             row.pass += usize::from(passed);
+            passes += report.recomputes.len();
+            // The plan up to its passing entry (all of it, for a cheat): a DSA higher-first
+            // recompute runs exactly when its lower-first pass cut through a tie.
+            let dsa = engy_model::arch::has_dsa(model.config().kind);
+            let outcome = |c, t| {
+                report
+                    .recomputes
+                    .iter()
+                    .find(|o| (o.compute, o.dsa_ties) == (c, t))
+            };
+            for (compute, ties) in Recompute::Auto.plan(dsa) {
+                let ran = outcome(compute, ties);
+                if ties == TieOrder::HigherFirst {
+                    let cut = outcome(compute, TieOrder::LowerFirst)
+                        .and_then(|o| o.dsa_boundary_ties)
+                        .is_none_or(|n| n > 0);
+                    if ran.is_some() != cut {
+                        failures.push(format!(
+                            "{case}/{stem}: {compute:?} higher-first {} though its lower-first \
+                             pass {}",
+                            if ran.is_some() { "ran" } else { "did not run" },
+                            if cut {
+                                "cut through a tie"
+                            } else {
+                                "cut no tie"
+                            }
+                        ));
+                    }
+                }
+                match ran {
+                    Some(o) if o.verdict == "pass" => break,
+                    Some(_) => {}
+                    None => skipped += 1,
+                }
+            }
             for o in &report.recomputes {
                 let key = match o.dsa_ties {
-                    engy_model::arch::TieOrder::LowerFirst => o.compute.label().to_string(),
-                    engy_model::arch::TieOrder::HigherFirst => {
+                    TieOrder::LowerFirst => o.compute.label().to_string(),
+                    TieOrder::HigherFirst => {
                         format!("{}/ties-higher-first", o.compute.label())
                     }
                 };
@@ -194,6 +236,10 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
             }
         }
     }
+    println!(
+        "{audited} commitments, {passes} recomputes run, {skipped} DSA higher-first recomputes \
+         not run (their lower-first pass cut no tie)"
+    );
     assert!(audited > 0, "no commitments under {}", oracle.display());
     assert!(
         failures.is_empty(),

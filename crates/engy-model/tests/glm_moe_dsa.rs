@@ -310,3 +310,92 @@ fn glm_row_blocking_changes_nothing() {
     let (a, b) = (a.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap());
     assert_eq!(a, b);
 }
+
+/// A pass whose DSA selections cut through no tie (`Probe::dsa_boundary_ties` stays 0) is the
+/// pass with ties taken higher-first, bit for bit, which is why the auditor skips that
+/// recompute then (engy_model::audit, step 6). Every case, both activation dtypes, the
+/// reference's sequences and longer ones, so that selections past `index_topk` are made both
+/// with and without ties.
+#[test]
+fn a_pass_that_cut_no_tie_is_the_higher_first_pass() {
+    use engy_model::arch::TieOrder;
+    use engy_model::Compute;
+    let (mut same, mut cut) = (0usize, 0usize);
+    for case in glm_cases() {
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(case.join("config.json")).unwrap()).unwrap();
+        let topk = config["index_topk"].as_u64().expect("index_topk") as usize;
+        let vocab = config["vocab_size"].as_u64().expect("vocab_size");
+        let r = Reference::open(&case);
+        let mut seqs: Vec<Vec<u32>> = (0..r.sequences()).map(|k| r.ids(k)).collect();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for len in [topk + 3, 3 * topk, 8 * topk] {
+            seqs.push(
+                (0..len)
+                    .map(|_| {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        ((x >> 33) % vocab) as u32
+                    })
+                    .collect(),
+            );
+        }
+        for compute in [Compute::Bf16, Compute::F32] {
+            let open = |dsa_ties| {
+                let cfg = TextConfig::read(&case).unwrap();
+                let w = Weights::open(
+                    &case,
+                    cfg.quantization.as_ref(),
+                    Precision::Bf16,
+                    Residency::Streaming,
+                )
+                .unwrap();
+                let opts = LoadOptions {
+                    compute,
+                    dsa_ties,
+                    ..LoadOptions::default()
+                };
+                GlmMoeDsa::load(cfg, Arc::new(w), &opts).unwrap()
+            };
+            let (lower, higher) = (open(TieOrder::LowerFirst), open(TieOrder::HigherFirst));
+            for ids in &seqs {
+                let mut ties = 0usize;
+                let probe = &mut Probe {
+                    dsa_boundary_ties: Some(&mut ties),
+                    ..Probe::default()
+                };
+                let a = lower.forward(ids, &mut lower.new_cache(), probe).unwrap();
+                let b = higher
+                    .forward(ids, &mut higher.new_cache(), &mut Probe::default())
+                    .unwrap();
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    v.iter().map(|f| f.to_bits()).collect()
+                };
+                let equal = bits(&a) == bits(&b);
+                println!(
+                    "{} {compute:?} {} tokens: {ties} rows cut through a tie, the orders {}",
+                    case.display(),
+                    ids.len(),
+                    if equal { "agree" } else { "differ" }
+                );
+                if ties == 0 {
+                    assert!(
+                        equal,
+                        "{}: no tie cut, yet the orders differ",
+                        case.display()
+                    );
+                    if ids.len() > topk {
+                        same += 1;
+                    }
+                } else {
+                    cut += 1;
+                }
+            }
+        }
+    }
+    // Both outcomes occur past index_topk, so the assertion above tests something.
+    assert!(
+        same > 0 && cut > 0,
+        "{same} passes without a cut tie, {cut} with"
+    );
+}

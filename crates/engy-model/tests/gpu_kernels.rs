@@ -25,6 +25,8 @@
 //! * the DSA indexer's top-k of key positions and its attention mask on the device
 //!   (`arch::dsa_kernels`) against the host's selection (`ops::topk_indices_ordered` on each
 //!   row's causal scores) and mask: index for index and bit for bit, in both tie orders;
+//!   and the count of rows whose selection cuts through a tie, made where the scores are
+//!   (`dsa_kernels::rows_cutting_ties`), never below the host's exact count;
 //! * the RMSNorm and bf16 rounding kernels (`arch::norm_kernels`) against candle's chain of
 //!   operations on the same device, bit for bit: every rule the architectures use, with and
 //!   without the residual add in front, on rows narrower and wider than one block;
@@ -860,6 +862,91 @@ fn the_dsa_top_k_kernel_is_the_hosts_selection() {
                 "rows {t} off {off} k {k}: the case must have ties that matter"
             );
         }
+    }
+}
+
+/// The count of rows whose selection cuts through a tie, made where the index scores are
+/// (`dsa_kernels::rows_cutting_ties`, candle operations on the test device), against the
+/// host's exact rule (`ops::topk_cuts_tie`): never below it, equal on rows without `-0.0`
+/// or NaN, and every row of a block with a NaN. It decides whether an audit runs the second
+/// DSA tie order, so a count below the exact one would skip a recompute that differs.
+#[test]
+fn the_device_tie_count_is_never_below_the_hosts() {
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    // (rows, cached positions, top-k, levels, specials)
+    let cases = [
+        (300usize, 0usize, 64usize, 5usize, false),
+        (200, 150, 64, 1_000_000, false),
+        (96, 4000, 2048, 7, false),
+        (130, 0, 128, 3, true),
+        (64, 10, 40, 1_000_000, true),
+        (20, 0, 64, 3, false),
+        (100, 50, 32, 0, false),
+    ];
+    for (seed, &(t, off, k, levels, specials)) in cases.iter().enumerate() {
+        let total = off + t;
+        // levels 0: every score distinct (no tie anywhere, so nothing may be counted).
+        let mut vals: Vec<f32> = if levels == 0 {
+            (0..t * total)
+                .map(|i| ((i * 7919) % (t * total)) as f32 - 1000.0)
+                .collect()
+        } else {
+            bf16_values(t * total, 900 + seed as u64, 1.0)
+                .iter()
+                .map(|&v| ((v + 1.0) * 0.5 * levels as f32).floor() / levels as f32 - 0.5)
+                .collect()
+        };
+        if specials {
+            for (i, v) in vals.iter_mut().enumerate() {
+                if i % 41 == 0 {
+                    *v = [-0.0f32, 0.0, f32::INFINITY][(i / 41) % 3];
+                }
+            }
+        }
+        let mut exact = 0usize;
+        let mut padded = Vec::with_capacity(t * k);
+        for r in 0..t {
+            let causal = off + r + 1;
+            let row = &vals[r * total..r * total + causal];
+            let kept: Vec<usize> = if causal <= k {
+                (0..causal).collect()
+            } else {
+                ops::topk_indices_ordered(row, k, TieOrder::LowerFirst)
+            };
+            exact += usize::from(ops::topk_cuts_tie(row, &kept));
+            padded.extend(kept.iter().map(|&s| s as u32));
+            padded.extend(std::iter::repeat_n(dsa_kernels::NONE, k - kept.len()));
+        }
+        let index = Tensor::from_vec(vals.clone(), (t, total), &dev).unwrap();
+        let sel = Tensor::from_vec(padded, (t, k), &dev).unwrap();
+        let got = dsa_kernels::rows_cutting_ties(&index, &sel, off, k).unwrap();
+        eprintln!("dsa ties rows {t} off {off} k {k}: {got} rows counted, {exact} exactly");
+        if specials {
+            assert!(got >= exact, "rows {t} off {off} k {k}: {got} < {exact}");
+        } else {
+            assert_eq!(got, exact, "rows {t} off {off} k {k}");
+        }
+        if (1..100).contains(&levels) && off + t > k {
+            assert!(
+                exact > 0,
+                "rows {t} off {off} k {k}: the case must have ties"
+            );
+        }
+        if levels == 0 {
+            assert_eq!(got, 0, "distinct scores: rows {t} off {off} k {k}");
+        }
+        // A NaN in a row with more than k causal keys: every such row counts.
+        let mut with_nan = vals;
+        with_nan[(t - 1) * total] = f32::NAN;
+        let index = Tensor::from_vec(with_nan, (t, total), &dev).unwrap();
+        let got = dsa_kernels::rows_cutting_ties(&index, &sel, off, k).unwrap();
+        assert_eq!(
+            got,
+            t.min((off + t).saturating_sub(k)),
+            "NaN: rows {t} off {off} k {k}"
+        );
     }
 }
 

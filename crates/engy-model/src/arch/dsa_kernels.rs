@@ -85,6 +85,66 @@ pub fn selection_rows(sel: &Tensor) -> candle_core::Result<Vec<Vec<usize>>> {
         .collect())
 }
 
+/// How many query rows of a selection cut through a tie, counted where the index scores
+/// are (candle operations, any device, so a GPU pass copies nothing to the host): `index`
+/// `[T, total]` f32 index scores of rows at positions `off ..`, `sel` `[T, k]` u32 each row's
+/// kept positions ([`topk_mask`], or the host's selection padded with [`NONE`]). A row with
+/// more causal keys than `k` counts when a causal key left out scores `>=` the least score
+/// kept (IEEE: `-0.0` and `0.0` count as equal), and every such row of `index` counts when any
+/// score is NaN. So the count is never below the exact one of
+/// [`super::ops::topk_cuts_tie`] (`f32::total_cmp`, the selection's own order), and exceeds
+/// it only where a `-0.0` meets a `0.0` or a NaN is present: a count of 0 means the other
+/// [`TieOrder`] keeps the same sets. Holds `[T, total]` f32 twice at once.
+///
+/// # Errors
+/// A candle error when the shapes do not fit (`total = off + T`, `sel` `[T, k]`), `sel` is not
+/// u32, or the device fails.
+pub fn rows_cutting_ties(
+    index: &Tensor,
+    sel: &Tensor,
+    off: usize,
+    k: usize,
+) -> candle_core::Result<usize> {
+    use candle_core::DType;
+    let (t, total) = index.dims2()?;
+    if total != off + t || sel.dims2()? != (t, k) || sel.dtype() != DType::U32 {
+        candle_core::bail!(
+            "dsa ties: scores {:?} and selection {:?} {:?} of {k} at offset {off} do not fit",
+            index.dims(),
+            sel.dims(),
+            sel.dtype()
+        );
+    }
+    // Row r has off + r + 1 causal keys: more than k from r = k - off on.
+    let first = k.saturating_sub(off);
+    if first >= t || k == 0 {
+        return Ok(0);
+    }
+    let n = t - first;
+    let scores = index.narrow(0, first, n)?;
+    let count_f32 = |x: &Tensor| -> candle_core::Result<f32> {
+        x.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()
+    };
+    if count_f32(&scores.ne(&scores)?)? > 0.0 {
+        return Ok(n);
+    }
+    let least = scores
+        .gather(&sel.narrow(0, first, n)?.contiguous()?, 1)?
+        .min_keepdim(1)?; // [n, 1]
+    let dev = index.device();
+    let to_u32 = |x: usize| {
+        u32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("dsa ties: {x} keys")))
+    };
+    let keys = Tensor::arange(0u32, to_u32(total)?, dev)?.unsqueeze(0)?; // [1, total]
+    let last = Tensor::arange(to_u32(off + first)?, to_u32(off + t)?, dev)?.unsqueeze(1)?;
+    let at_least = scores.broadcast_ge(&least)?.to_dtype(DType::F32)?;
+    let causal = keys.broadcast_le(&last)?.to_dtype(DType::F32)?;
+    // Sums of 0s and 1s: exact in f32 below 2^24 keys a row (the NaN test above only asks
+    // whether its sum is positive).
+    let per_row = (at_least * causal)?.sum(1)?;
+    Ok(count_f32(&per_row.gt(k as f32)?)? as usize)
+}
+
 /// [`mask`] for a selection still on the device (`sel` `[T, k]` u32 of [`topk_mask`]): no
 /// copy between host and device. `None` where the kernels do not apply (the CPU, a build
 /// without the `cuda` feature, `ENGY_FUSED_DSA=0`).

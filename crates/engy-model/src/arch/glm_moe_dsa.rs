@@ -967,9 +967,13 @@ impl GlmMoeDsa {
                 Ok(ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?)
             })?;
             let prev = selection.take();
-            let (attn, layer_cache, sel) = phase(&dev, "mla attention", || {
-                self.attention(l, &p, &h, off, &cache.layers[l].0, prev)
+            let count_ties = probe.dsa_boundary_ties.is_some();
+            let (attn, layer_cache, sel, ties) = phase(&dev, "mla attention", || {
+                self.attention(l, &h, off, &cache.layers[l].0, prev, count_ties)
             })?;
+            if let Some(n) = probe.dsa_boundary_ties.as_deref_mut() {
+                *n += ties;
+            }
             // The kept positions come to the host only for the records that ask for them.
             let kept = if probe.attended.is_some() || trace.is_some() {
                 Some(sel.host()?.into_owned())
@@ -1049,18 +1053,19 @@ impl GlmMoeDsa {
     }
 
     /// MLA attention with the DSA selection for the `t` rows of `h` at positions
-    /// `off..off + t`. Returns the attention output `[t, hidden]`, the layer's new cache and
-    /// the selection (per row, the absolute key positions it attends).
+    /// `off..off + t`. Returns the attention output `[t, hidden]`, the layer's new cache, the
+    /// selection (per row, the absolute key positions it attends) and, with `count_ties`, how
+    /// many rows of a layer with its own indexer cut through a tie (`GlmMoeDsa::indexer`).
     #[allow(clippy::type_complexity)]
     fn attention(
         &self,
         l: usize,
-        p: &str,
         h: &Tensor,
         off: usize,
         past: &[Tensor],
         prev_sel: Option<Selection>,
-    ) -> Result<(Tensor, LayerCache, Selection), ModelError> {
+        count_ties: bool,
+    ) -> Result<(Tensor, LayerCache, Selection, usize), ModelError> {
         let c = &self.cfg;
         let dev = h.device().clone();
         let t = h.dim(0)?;
@@ -1075,7 +1080,7 @@ impl GlmMoeDsa {
         );
         let dqk = dn + dr;
         let cm = self.compute;
-        let a = format!("{p}.self_attn");
+        let a = format!("model.layers.{l}.self_attn");
         let (past_k, past_v, past_ik) = match past {
             [] => (None, None, None),
             [k, v] => (Some(k), Some(v), None),
@@ -1137,11 +1142,13 @@ impl GlmMoeDsa {
         })?;
         // DSA selection, and the mask from it: on a GPU both are made there
         // (`dsa_kernels`), else on the host.
+        let mut ties = 0;
         let (sel, index_k, device_mask) = match c.indexer_types[l] {
             IndexerType::Full => {
-                let (sel, ik, mask) = phase(h.device(), "mla attention: dsa indexer", || {
-                    self.indexer(&a, h, &q_resid, off, past_ik)
+                let (sel, ik, mask, n) = phase(h.device(), "mla attention: dsa indexer", || {
+                    self.indexer(&a, h, &q_resid, off, past_ik, count_ties)
                 })?;
+                ties = n;
                 (sel, Some(ik), mask)
             }
             IndexerType::Shared => match prev_sel {
@@ -1218,13 +1225,16 @@ impl GlmMoeDsa {
         if let Some(ik) = index_k {
             lc.push(ik);
         }
-        Ok((out, LayerCache(lc), sel))
+        Ok((out, LayerCache(lc), sel, ties))
     }
 
     /// The DSA indexer of a full layer: per query row the key positions it keeps, all indexer
-    /// keys so far `[off + t, index_head_dim]` (the layer's new indexer cache), and on a GPU the
+    /// keys so far `[off + t, index_head_dim]` (the layer's new indexer cache), on a GPU the
     /// attention mask of the kept keys `[t, off + t]`, made there with the selection
-    /// ([`dsa_kernels::topk_mask`]; `None`: the caller builds it on the host).
+    /// ([`dsa_kernels::topk_mask`]; `None`: the caller builds it on the host), and with
+    /// `count_ties` the rows whose selection cuts through a tie (exactly on the host,
+    /// [`ops::topk_cuts_tie`]; never fewer on a GPU, [`dsa_kernels::rows_cutting_ties`];
+    /// 0 without `count_ties`).
     #[allow(clippy::type_complexity)]
     fn indexer(
         &self,
@@ -1233,7 +1243,8 @@ impl GlmMoeDsa {
         q_resid: &Tensor,
         off: usize,
         past: Option<&Tensor>,
-    ) -> Result<(Selection, Tensor, Option<Tensor>), ModelError> {
+        count_ties: bool,
+    ) -> Result<(Selection, Tensor, Option<Tensor>, usize), ModelError> {
         let c = &self.cfg;
         let t = h.dim(0)?;
         let total = off + t;
@@ -1302,21 +1313,28 @@ impl GlmMoeDsa {
         })?;
         if on_device {
             let rows = Tensor::cat(&device_rows, 0)?;
-            if let Some((sel, mask)) = phase(dev, "mla attention: dsa indexer: top-k", || {
-                Ok(dsa_kernels::topk_mask(
-                    &rows,
-                    off,
-                    c.index_topk,
-                    self.dsa_ties,
-                )?)
-            })? {
-                return Ok((Selection::Device(sel), ki_all, Some(mask)));
+            if let Some((sel, mask, ties)) =
+                phase(dev, "mla attention: dsa indexer: top-k", || {
+                    let Some((sel, mask)) =
+                        dsa_kernels::topk_mask(&rows, off, c.index_topk, self.dsa_ties)?
+                    else {
+                        return Ok(None);
+                    };
+                    let ties = if count_ties {
+                        dsa_kernels::rows_cutting_ties(&rows, &sel, off, c.index_topk)?
+                    } else {
+                        0
+                    };
+                    Ok(Some((sel, mask, ties)))
+                })?
+            {
+                return Ok((Selection::Device(sel), ki_all, Some(mask), ties));
             }
             index = rows.to_vec2::<f32>()?;
         }
         // Row by row in parallel: 4,096 rows of 4,096 keys take about a second on one core.
         use rayon::prelude::*;
-        let sel = index
+        let (sel, cut): (Vec<Vec<usize>>, Vec<bool>) = index
             .par_iter()
             .enumerate()
             .map(|(r, row)| {
@@ -1324,13 +1342,17 @@ impl GlmMoeDsa {
                 // index_topk causal keys keeps them all.
                 let causal = off + r + 1;
                 if causal <= c.index_topk {
-                    (0..causal).collect()
+                    ((0..causal).collect(), false)
                 } else {
-                    ops::topk_indices_ordered(&row[..causal], c.index_topk, self.dsa_ties)
+                    let row = &row[..causal];
+                    let kept = ops::topk_indices_ordered(row, c.index_topk, self.dsa_ties);
+                    let cut = count_ties && ops::topk_cuts_tie(row, &kept);
+                    (kept, cut)
                 }
             })
-            .collect();
-        Ok((Selection::Host(sel), ki_all, None))
+            .unzip();
+        let ties = cut.iter().filter(|&&c| c).count();
+        Ok((Selection::Host(sel), ki_all, None, ties))
     }
 
     /// The MoE block of layer `l` (tensor prefix `p`) on `h [t, hidden]` at positions `off..`:

@@ -474,6 +474,26 @@ pub fn topk_indices_ordered(row: &[f32], k: usize, ties: TieOrder) -> Vec<usize>
     idx
 }
 
+/// Whether the top-`k` selection `kept` of `row` ([`topk_indices_ordered`]) cuts through a
+/// tie: a value left out equals the smallest value kept, bit for bit (`f32::total_cmp`, the
+/// selection's own order), so the other [`TieOrder`] keeps another set. Never when nothing
+/// is left out (`kept.len() >= row.len()`). `kept` holds indices into `row`.
+pub fn topk_cuts_tie(row: &[f32], kept: &[usize]) -> bool {
+    if kept.len() >= row.len() {
+        return false;
+    }
+    let Some(least) = kept
+        .iter()
+        .filter_map(|&i| row.get(i))
+        .min_by(|a, b| a.total_cmp(b))
+    else {
+        return false;
+    };
+    // Every kept value is at least `least`; any further one is a left-out value equal to it
+    // (a left-out value above it would have been kept).
+    row.iter().filter(|v| v.total_cmp(least).is_ge()).count() > kept.len()
+}
+
 /// Indices of the `k` largest values of `row` in the order torch's CPU `topk` returns them
 /// (`aten/src/ATen/native/TopKImpl.h`: `(value, index)` pairs ordered by libstdc++'s
 /// `std::nth_element` then `std::sort` of the first `k - 1`, or `std::partial_sort` when
@@ -1033,6 +1053,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `topk_cuts_tie` says exactly when the two tie orders keep different sets: rows full of
+    /// ties, with `-0.0` beside `0.0` (distinct in `total_cmp`) and NaNs, every `k`.
+    #[test]
+    fn a_cut_tie_is_where_the_tie_orders_keep_different_sets() {
+        let (mut cut, mut clean) = (0, 0);
+        for n in [1usize, 2, 7, 64, 300] {
+            let mut row: Vec<f32> = (0..n)
+                .map(|i| ((i * i * 7 + 3) % 11) as f32 / 4.0 - 1.0)
+                .collect();
+            for (i, v) in row.iter_mut().enumerate() {
+                if i % 13 == 4 {
+                    *v = -0.0;
+                } else if i % 17 == 6 {
+                    *v = f32::NAN;
+                }
+            }
+            // One row of distinct values too (no tie anywhere).
+            let distinct: Vec<f32> = (0..n).map(|i| (i * 37 % n) as f32).collect();
+            for r in [&row, &distinct] {
+                for k in 0..=n + 2 {
+                    let lower = topk_indices_ordered(r, k, TieOrder::LowerFirst);
+                    let higher = topk_indices_ordered(r, k, TieOrder::HigherFirst);
+                    let set = |v: &[usize]| {
+                        v.iter()
+                            .copied()
+                            .collect::<std::collections::BTreeSet<usize>>()
+                    };
+                    let differ = set(&lower) != set(&higher);
+                    assert_eq!(topk_cuts_tie(r, &lower), differ, "n {n} k {k} {r:?}");
+                    assert_eq!(topk_cuts_tie(r, &higher), differ, "n {n} k {k}");
+                    if differ {
+                        cut += 1;
+                    } else {
+                        clean += 1;
+                    }
+                }
+            }
+        }
+        // Both outcomes occur, so the assertions above test something.
+        assert!(cut > 10 && clean > 10, "cut {cut}, clean {clean}");
     }
 
     /// The router's weights from only the own top-k's probabilities (what the device top-k

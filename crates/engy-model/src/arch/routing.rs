@@ -431,6 +431,12 @@ pub struct Probe<'a> {
     /// When given, the key positions each DSA layer kept for each row (sorted ascending), by
     /// (absolute position, layer) ([`crate::index_sets`]).
     pub attended: Option<&'a mut crate::index_sets::OwnIndexSets>,
+    /// When given, increased by the (row, layer) pairs whose DSA top-k selection cuts through
+    /// a tie (layers with their own indexer; the other [`super::TieOrder`] keeps another set
+    /// there): exact on the host ([`super::ops::topk_cuts_tie`]), never fewer on a GPU
+    /// ([`super::dsa_kernels::rows_cutting_ties`]). Left alone by architectures without DSA.
+    /// 0 after a pass means the pass with the other tie order computes the same, bit for bit.
+    pub dsa_boundary_ties: Option<&'a mut usize>,
 }
 
 /// One MoE block's input and output over the rows of one forward call (the material of a
