@@ -94,7 +94,7 @@ pub fn selection_rows(sel: &Tensor) -> candle_core::Result<Vec<Vec<usize>>> {
 /// score is NaN. So the count is never below the exact one of
 /// [`super::ops::topk_cuts_tie`] (`f32::total_cmp`, the selection's own order), and exceeds
 /// it only where a `-0.0` meets a `0.0` or a NaN is present: a count of 0 means the other
-/// [`TieOrder`] keeps the same sets. Holds `[T, total]` f32 twice at once.
+/// [`TieOrder`] keeps the same sets. Holds about three `[T, total]` f32 tensors at once.
 ///
 /// # Errors
 /// A candle error when the shapes do not fit (`total = off + T`, `sel` `[T, k]`), `sel` is not
