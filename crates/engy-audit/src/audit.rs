@@ -56,7 +56,9 @@ pub struct AuditArgs {
     pub resident: bool,
     /// The activation dtype(s) of the recompute: `auto` recomputes in bf16 (as GPU serves
     /// compute) and, when that does not pass, in f32, and passes when either does
-    /// (docs/AUDITOR.md "bf16 and f32 recomputes"); `bf16` or `f32` run only that one.
+    /// (docs/AUDITOR.md "bf16 and f32 recomputes"); `bf16` or `f32` run only that one. On a
+    /// DSA architecture (GLM) a recompute that does not pass runs again with exactly tied index
+    /// scores taken higher index first, when one of its top-k selections cut through a tie.
     #[arg(long, env = "ENGY_AUDIT_RECOMPUTE", value_enum, default_value_t = RecomputeArg::Auto)]
     pub recompute: RecomputeArg,
     /// Absolute near-tie margin of the routing check, in the architecture's router score
