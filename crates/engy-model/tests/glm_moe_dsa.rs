@@ -109,6 +109,11 @@ impl Reference {
 
 /// Loads a case folder as the auditor does (mmapped shards, streaming dequantisation).
 fn load(case: &Path) -> GlmMoeDsa {
+    load_with(case, &LoadOptions::default())
+}
+
+/// [`load`] with `opts`' numerics (activation dtype, DSA tie order).
+fn load_with(case: &Path, opts: &LoadOptions) -> GlmMoeDsa {
     let cfg = TextConfig::read(case).unwrap();
     let w = Weights::open(
         case,
@@ -117,7 +122,7 @@ fn load(case: &Path) -> GlmMoeDsa {
         Residency::Streaming,
     )
     .unwrap();
-    GlmMoeDsa::load(cfg, Arc::new(w), &LoadOptions::default()).unwrap()
+    GlmMoeDsa::load(cfg, Arc::new(w), opts).unwrap()
 }
 
 /// The case's tolerance for a row block whose largest |value| is `max_ref`: 20 × the reference's
@@ -341,20 +346,12 @@ fn a_pass_that_cut_no_tie_is_the_higher_first_pass() {
         }
         for compute in [Compute::Bf16, Compute::F32] {
             let open = |dsa_ties| {
-                let cfg = TextConfig::read(&case).unwrap();
-                let w = Weights::open(
-                    &case,
-                    cfg.quantization.as_ref(),
-                    Precision::Bf16,
-                    Residency::Streaming,
-                )
-                .unwrap();
                 let opts = LoadOptions {
                     compute,
                     dsa_ties,
                     ..LoadOptions::default()
                 };
-                GlmMoeDsa::load(cfg, Arc::new(w), &opts).unwrap()
+                load_with(&case, &opts)
             };
             let (lower, higher) = (open(TieOrder::LowerFirst), open(TieOrder::HigherFirst));
             for ids in &seqs {

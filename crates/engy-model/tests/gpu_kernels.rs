@@ -750,6 +750,15 @@ fn the_rule_inputs_kernel_is_the_candle_operations() {
     }
 }
 
+/// `n` index scores in [-0.5, 0.5) on `levels` steps: few levels make exact ties everywhere,
+/// many make them rare.
+fn leveled_scores(n: usize, seed: u64, levels: usize) -> Vec<f32> {
+    bf16_values(n, seed, 1.0)
+        .iter()
+        .map(|&v| ((v + 1.0) * 0.5 * levels as f32).floor() / levels as f32 - 0.5)
+        .collect()
+}
+
 /// The DSA indexer's top-k and mask on the device (`arch::dsa_kernels`) against the host's
 /// rule, index for index and bit for bit: each query row keeps every causal key when it has at
 /// most `k`, else its `k` largest scores by `total_cmp` with ties in the run's tie order
@@ -773,10 +782,7 @@ fn the_dsa_top_k_kernel_is_the_hosts_selection() {
     ];
     for (seed, &(t, off, k, levels)) in cases.iter().enumerate() {
         let total = off + t;
-        let mut vals: Vec<f32> = bf16_values(t * total, 300 + seed as u64, 1.0)
-            .iter()
-            .map(|&v| ((v + 1.0) * 0.5 * levels as f32).floor() / levels as f32 - 0.5)
-            .collect();
+        let mut vals = leveled_scores(t * total, 300 + seed as u64, levels);
         let specials = [
             -0.0f32,
             0.0,
@@ -893,10 +899,7 @@ fn the_device_tie_count_is_never_below_the_hosts() {
                 .map(|i| ((i * 7919) % (t * total)) as f32 - 1000.0)
                 .collect()
         } else {
-            bf16_values(t * total, 900 + seed as u64, 1.0)
-                .iter()
-                .map(|&v| ((v + 1.0) * 0.5 * levels as f32).floor() / levels as f32 - 0.5)
-                .collect()
+            leveled_scores(t * total, 900 + seed as u64, levels)
         };
         if specials {
             for (i, v) in vals.iter_mut().enumerate() {
