@@ -55,8 +55,9 @@ pub struct AuditArgs {
     #[arg(long)]
     pub resident: bool,
     /// The activation dtype(s) of the recompute: `auto` recomputes in bf16 (as GPU serves
-    /// compute) and, when that does not pass, in f32, and passes when either does
-    /// (docs/AUDITOR.md "bf16 and f32 recomputes"); `bf16` or `f32` run only that one. On a
+    /// compute) and, when that does not pass, in f32, then in bf16 with transformers' eager
+    /// attention, and passes when one does (docs/AUDITOR.md "bf16 and f32 recomputes");
+    /// `bf16` runs the two bf16 ones, `f32` only the f32 one. On a
     /// DSA architecture (GLM) a recompute that does not pass runs again with exactly tied index
     /// scores taken higher index first, when one of its top-k selections cut through a tie.
     #[arg(long, env = "ENGY_AUDIT_RECOMPUTE", value_enum, default_value_t = RecomputeArg::Auto)]
@@ -386,7 +387,7 @@ fn report_text(r: &AuditReport) -> String {
          toploc_v {}, pass ratio required {}",
         r.params.toploc_k,
         r.passing_batches,
-        r.batches.len(),
+        r.batches.iter().filter(|b| b.judged).count(),
         r.params.toploc_v,
         r.params.toploc_p
     );
@@ -395,6 +396,10 @@ fn report_text(r: &AuditReport) -> String {
             .recomputes
             .iter()
             .map(|o| {
+                let attention = match o.attention {
+                    engy_model::arch::AttentionKernel::Eager => " (eager attention)",
+                    engy_model::arch::AttentionKernel::Sdpa => "",
+                };
                 let ties = match o.dsa_ties {
                     engy_model::arch::TieOrder::HigherFirst => " (DSA ties higher-first)",
                     engy_model::arch::TieOrder::LowerFirst => "",
@@ -411,7 +416,7 @@ fn report_text(r: &AuditReport) -> String {
                     (None, ..) => String::new(),
                 };
                 format!(
-                    "{}{ties} {} (max {} mismatches in a batch{cut})",
+                    "{}{attention}{ties} {} (max {} mismatches in a batch{cut})",
                     o.compute.label(),
                     o.verdict,
                     o.max_exp_mismatches
@@ -420,8 +425,12 @@ fn report_text(r: &AuditReport) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "recompute: {} reported; tried: {}",
+            "recompute: {}{} reported; tried: {}",
             c.label(),
+            match r.attention {
+                Some(engy_model::arch::AttentionKernel::Eager) => " (eager attention)",
+                _ => "",
+            },
             tried.join(", ")
         );
     }
@@ -491,12 +500,15 @@ fn report_text(r: &AuditReport) -> String {
             }
             _ => "mantissa error n/a (no exponent matched)".to_string(),
         };
+        let outcome = match (b.judged, b.pass) {
+            (true, true) => "pass",
+            (true, false) => "FAIL",
+            (false, _) => "not judged (too few values for a sparse top-k)",
+        };
         let _ = writeln!(
             s,
-            "  batch {i}: {} rows, {} exponent mismatches, {mantissa} -> {}",
-            b.rows,
-            b.exp_mismatches,
-            if b.pass { "pass" } else { "FAIL" }
+            "  batch {i}: {} rows, {} exponent mismatches, {mantissa} -> {outcome}",
+            b.rows, b.exp_mismatches,
         );
     }
     s

@@ -18,11 +18,16 @@
 //! 4. Verdict (model spec fields, PROTOCOL.md §4; engy docs/MINER.md "toploc_v: mismatch
 //!    threshold, toploc_p: pass ratio required"): a batch **passes** when its
 //!    `exp_mismatches <= toploc_v`; the commitment **passes** when
-//!    `passing_batches / batches >= toploc_p`, otherwise it is a **cheat**. With the defaults
-//!    (128, 40, 0.99) and fewer than 100 batches, one failing batch is a cheat.
-//! 5. Score: the mean over batches of `exp_mismatches / topk`, in `[0, 1]` (the SN53 one-pager's
-//!    "mean top-k mismatch count normalised by topk"). Reported with every verdict that got as
-//!    far as verification.
+//!    `passing_batches / batches >= toploc_p` over its judged batches, otherwise it is a
+//!    **cheat**. With the defaults (128, 40, 0.99) and fewer than 100 batches, one failing
+//!    batch is a cheat. A batch is judged when it holds at least [`SPARSE_TOPK_FACTOR`] ×
+//!    `topk` values ([`judged_batch`]): on every served model (hidden size ≥ 2,048) that is
+//!    every batch, a one-row tail included; on smaller models a short tail batch, whose top-k
+//!    reaches into values where an honest serve's rounding flips exponents, is reported but
+//!    not judged, unless no batch of the commitment is large enough (then all are judged).
+//! 5. Score: the mean over judged batches of `exp_mismatches / topk`, in `[0, 1]` (the SN53
+//!    one-pager's "mean top-k mismatch count normalised by topk"). Reported with every verdict
+//!    that got as far as verification.
 //! 6. Precision ([`audit_with`], [`Recompute`]; docs/AUDITOR.md "bf16 and f32 recomputes"): the
 //!    commitment does not say whether the serve computed in bf16 (every GPU serve) or f32, and
 //!    the two differ by far more than two bf16 serves do (on small MoE models, MoE and DSA
@@ -44,39 +49,47 @@ use engy_core::toploc::{self, Dtype, Params, ProofPoly};
 use engy_core::wire::Commitment;
 
 use crate::arch::{
-    self, CommittedRouting, Divergence, LayerAgreement, Probe, RoutingCheck, TieOrder,
+    self, AttentionKernel, CommittedRouting, Divergence, LayerAgreement, Probe, RoutingCheck,
+    TieOrder,
 };
 use crate::index_sets::{self, IndexSetAudit, OwnIndexSets};
-use crate::{Compute, Model, ModelError};
+use crate::{Compute, Model, ModelError, Numerics};
 
 /// Which recomputes the auditor runs ([`audit_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
-    /// bf16, then f32 when the bf16 recompute does not pass: a commitment passes when either
-    /// passes (an honest serve computes in one of them).
+    /// bf16 with a fused kernel's attention, then f32, then bf16 with eager attention, each
+    /// only when the ones before it did not pass: a commitment passes when one passes (an
+    /// honest serve computes as one of them).
     #[default]
     Auto,
-    /// Only the bf16 recompute.
+    /// Only the bf16 recomputes (fused, then eager attention).
     Bf16,
     /// Only the f32 recompute.
     F32,
 }
 
 impl Recompute {
-    /// The activation dtypes tried, in order.
-    pub fn computes(self) -> &'static [Compute] {
+    /// The activation dtypes and attention kernels tried, in order. The f32 recompute has one
+    /// attention rule (both kernels compute the same in f32); a bf16 serve's attention rounds
+    /// as a fused kernel (every GPU serve, transformers' default `sdpa`) or as transformers'
+    /// `eager` attention ([`AttentionKernel`]).
+    pub fn computes(self) -> &'static [(Compute, AttentionKernel)] {
+        const BF16_SDPA: (Compute, AttentionKernel) = (Compute::Bf16, AttentionKernel::Sdpa);
+        const BF16_EAGER: (Compute, AttentionKernel) = (Compute::Bf16, AttentionKernel::Eager);
+        const F32: (Compute, AttentionKernel) = (Compute::F32, AttentionKernel::Sdpa);
         match self {
-            Recompute::Auto => &[Compute::Bf16, Compute::F32],
-            Recompute::Bf16 => &[Compute::Bf16],
-            Recompute::F32 => &[Compute::F32],
+            Recompute::Auto => &[BF16_SDPA, F32, BF16_EAGER],
+            Recompute::Bf16 => &[BF16_SDPA, BF16_EAGER],
+            Recompute::F32 => &[F32],
         }
     }
 
     /// The recomputes run, in order, for an architecture with (`dsa`) or without a DSA
-    /// indexer: each activation dtype of [`Recompute::computes`] with DSA ties lower index
-    /// first, then (DSA only) each again with ties higher index first.
-    pub fn plan(self, dsa: bool) -> Vec<(Compute, TieOrder)> {
+    /// indexer: each of [`Recompute::computes`] with DSA ties lower index first, then (DSA
+    /// only) each again with ties higher index first.
+    pub fn plan(self, dsa: bool) -> Vec<Numerics> {
         let orders: &[TieOrder] = if dsa {
             &[TieOrder::LowerFirst, TieOrder::HigherFirst]
         } else {
@@ -84,7 +97,15 @@ impl Recompute {
         };
         orders
             .iter()
-            .flat_map(|&t| self.computes().iter().map(move |&c| (c, t)))
+            .flat_map(|&dsa_ties| {
+                self.computes()
+                    .iter()
+                    .map(move |&(compute, attention)| Numerics {
+                        compute,
+                        attention,
+                        dsa_ties,
+                    })
+            })
             .collect()
     }
 }
@@ -94,15 +115,17 @@ impl Recompute {
 pub struct RecomputeOutcome {
     /// The activation dtype of the recompute.
     pub compute: Compute,
+    /// Whose attention rounding it followed (`sdpa` or `eager`).
+    pub attention: AttentionKernel,
     /// The order among tied DSA index scores it took.
     pub dsa_ties: TieOrder,
     /// `pass` or `cheat`.
     pub verdict: &'static str,
     /// Its score (mean `exp_mismatches / topk`).
     pub score: Option<f64>,
-    /// Its passing batches.
+    /// Its passing judged batches ([`BatchAudit::judged`]).
     pub passing_batches: usize,
-    /// The largest `exp_mismatches` of any batch.
+    /// The largest `exp_mismatches` of any judged batch.
     pub max_exp_mismatches: u64,
     /// Architectures with a DSA indexer: the (row, layer) pairs whose top-k selection cut
     /// through a tie in this recompute ([`AuditReport::dsa_boundary_ties`]). When 0 (and
@@ -110,6 +133,21 @@ pub struct RecomputeOutcome {
     /// compute the same, so it is not run. `None` elsewhere.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dsa_boundary_ties: Option<usize>,
+}
+
+impl RecomputeOutcome {
+    /// `bf16`, `f32`, `bf16/eager` (eager attention), each with `/ties-higher-first` where
+    /// DSA ties were taken higher index first.
+    pub fn label(&self) -> String {
+        let mut s = self.compute.label().to_string();
+        if self.attention == AttentionKernel::Eager {
+            s.push_str("/eager");
+        }
+        if self.dsa_ties == TieOrder::HigherFirst {
+            s.push_str("/ties-higher-first");
+        }
+        s
+    }
 }
 
 /// Thresholds of the model spec (PROTOCOL.md §4; defaults of `qwen3.6-35b-a3b`) and the
@@ -318,6 +356,25 @@ pub struct BatchAudit {
     pub mant_err_median: Option<f64>,
     /// `exp_mismatches <= toploc_v`.
     pub pass: bool,
+    /// Whether the batch counts towards the verdict and the score ([`judged_batch`]).
+    pub judged: bool,
+}
+
+/// A batch is judged when it holds at least this many times `topk` values (rows × hidden
+/// size): the proof's top-k then covers at most a quarter of the batch. A denser top-k reaches
+/// into the bulk of the values, where an honest serve's rounding moves exponents: a one-row
+/// batch of a model of hidden size 128 puts every value of the row in the top-128. Measured on
+/// transformers' honest bf16 serves of the audit oracle's checkpoints (hidden 128;
+/// docs/AUDITOR.md "Thin tail batches"): tails of one or two rows reached 55 and 61 exponent
+/// mismatches, tails of four rows or more stayed at or below 39 as full batches do, and
+/// judging only tails of 16 rows or more would have let 3 more of qwen3_moe's 12 small cheats
+/// (`fp8_tensor`) pass. Served models have a hidden size of at least 2,048 = 16 × 128, so
+/// there every batch is judged.
+pub const SPARSE_TOPK_FACTOR: usize = 4;
+
+/// Whether a batch of `rows` rows of `hidden` values is judged ([`SPARSE_TOPK_FACTOR`]).
+pub fn judged_batch(rows: usize, hidden: usize, topk: usize) -> bool {
+    rows.saturating_mul(hidden) >= SPARSE_TOPK_FACTOR.saturating_mul(topk)
 }
 
 /// What [`audit`] found.
@@ -335,7 +392,7 @@ pub struct AuditReport {
     pub n_tokens: usize,
     /// Proof bytes (decoded, summed over proofs).
     pub proof_bytes: usize,
-    /// Batches that passed.
+    /// Judged batches that passed ([`BatchAudit::judged`]).
     pub passing_batches: usize,
     /// Per-batch results (empty when verification did not run).
     pub batches: Vec<BatchAudit>,
@@ -344,6 +401,8 @@ pub struct AuditReport {
     /// The activation dtype of the recompute whose batches are reported (`None` when
     /// verification did not run): the passing one, else the one with the lowest score.
     pub compute: Option<Compute>,
+    /// The attention kernel of that recompute (`None` when verification did not run).
+    pub attention: Option<AttentionKernel>,
     /// The DSA tie order of that recompute (`None` when verification did not run).
     pub dsa_ties: Option<TieOrder>,
     /// Architectures with a DSA indexer: the (row, layer) pairs of that recompute whose
@@ -379,6 +438,7 @@ impl AuditReport {
             batches: Vec::new(),
             params,
             compute: None,
+            attention: None,
             dsa_ties: None,
             dsa_boundary_ties: None,
             recomputes: Vec::new(),
@@ -407,13 +467,12 @@ pub fn audit(
     commitment: &serde_json::Value,
     params: &AuditParams,
 ) -> Result<AuditReport, ModelError> {
-    let o = model.options();
     audit_computes(
         model,
         model_root,
         commitment,
         params,
-        &[(o.compute, o.dsa_ties)],
+        &[model.numerics()],
         None,
     )
 }
@@ -460,7 +519,7 @@ fn audit_computes(
     model_root: &str,
     commitment: &serde_json::Value,
     params: &AuditParams,
-    plan: &[(Compute, TieOrder)],
+    plan: &[Numerics],
     routing: Option<CommittedRouting>,
 ) -> Result<AuditReport, ModelError> {
     let p = *params;
@@ -490,12 +549,12 @@ fn audit_computes(
     };
     let mut best: Option<AuditReport> = None;
     let mut outcomes = Vec::with_capacity(plan.len());
-    for &(compute, dsa_ties) in plan {
+    for &n in plan {
         // Ties higher-first change a pass only where a selection cut through a tie: when the
-        // same dtype's lower-first pass counted none, this one would compute the same.
-        let redundant = dsa_ties == TieOrder::HigherFirst
+        // same numerics' lower-first pass counted none, this one would compute the same.
+        let redundant = n.dsa_ties == TieOrder::HigherFirst
             && outcomes.iter().any(|o: &RecomputeOutcome| {
-                o.compute == compute
+                (o.compute, o.attention) == (n.compute, n.attention)
                     && o.dsa_ties == TieOrder::LowerFirst
                     && o.dsa_boundary_ties == Some(0)
             });
@@ -503,11 +562,10 @@ fn audit_computes(
             continue;
         }
         let sibling;
-        let o = model.options();
-        let m = if (compute, dsa_ties) == (o.compute, o.dsa_ties) {
+        let m = if n == model.numerics() {
             model
         } else {
-            sibling = model.with_numerics(compute, dsa_ties)?;
+            sibling = model.with_numerics(n)?;
             &sibling
         };
         let report = verify(m, &checked, p)?;
@@ -515,14 +573,16 @@ fn audit_computes(
             return Ok(report);
         }
         outcomes.push(RecomputeOutcome {
-            compute,
-            dsa_ties,
+            compute: n.compute,
+            attention: n.attention,
+            dsa_ties: n.dsa_ties,
             verdict: report.verdict.label(),
             score: report.score,
             passing_batches: report.passing_batches,
             max_exp_mismatches: report
                 .batches
                 .iter()
+                .filter(|b| b.judged)
                 .map(|b| b.exp_mismatches)
                 .max()
                 .unwrap_or(0),
@@ -779,6 +839,7 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         batches: Vec::new(),
         params: p,
         compute: Some(model.compute()),
+        attention: Some(model.options().attention),
         dsa_ties: Some(model.options().dsa_ties),
         dsa_boundary_ties: dsa.then_some(boundary_ties),
         recomputes: Vec::new(),
@@ -795,23 +856,29 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         }
     };
     let dbs = c.params.decode_batching_size;
+    let hidden = model.config().hidden_size;
+    let rows_of = |i: usize| n.saturating_sub(i * dbs).min(dbs);
+    // When no batch is large enough to judge, all are judged: there is nothing better.
+    let any_judged = (0..results.len()).any(|i| judged_batch(rows_of(i), hidden, c.params.topk));
     for (i, r) in results.iter().enumerate() {
-        let rows = n.saturating_sub(i * dbs).min(dbs);
+        let rows = rows_of(i);
         let pass = r.exp_mismatches <= p.toploc_v;
-        report.passing_batches += usize::from(pass);
+        let judged = !any_judged || judged_batch(rows, hidden, c.params.topk);
+        report.passing_batches += usize::from(pass && judged);
         report.batches.push(BatchAudit {
             rows,
             exp_mismatches: r.exp_mismatches,
             mant_err_mean: mantissa_stat(r.mant_err_mean),
             mant_err_median: mantissa_stat(r.mant_err_median),
             pass,
+            judged,
         });
     }
-    let nb = report.batches.len().max(1) as f64;
+    let judged: Vec<&BatchAudit> = report.batches.iter().filter(|b| b.judged).collect();
+    let nb = judged.len().max(1) as f64;
     let topk = p.toploc_k.max(1) as f64;
     report.score = Some(
-        report
-            .batches
+        judged
             .iter()
             .map(|b| b.exp_mismatches as f64 / topk)
             .sum::<f64>()

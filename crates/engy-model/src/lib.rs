@@ -28,7 +28,9 @@ pub use device::DeviceSpec;
 pub use gen::{
     gen_model, GenArch, GenConfig, GenReport, MoeGen, CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START,
 };
-pub use model::{quantize_int4, round_to_bf16, Compute, Decoder, KvCache, Model, Precision, Step};
+pub use model::{
+    quantize_int4, round_to_bf16, Compute, Decoder, KvCache, Model, Numerics, Precision, Step,
+};
 
 /// Errors of checkpoint generation, loading and the forward pass.
 #[derive(Debug, thiserror::Error)]

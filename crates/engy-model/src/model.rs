@@ -113,6 +113,19 @@ impl Compute {
     }
 }
 
+/// The numerics of one forward pass over the same weights: what the auditor varies between
+/// recomputes of one commitment ([`crate::audit::Recompute::plan`]; docs/AUDITOR.md "bf16 and
+/// f32 recomputes").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Numerics {
+    /// The activation dtype ([`LoadOptions::compute`]).
+    pub compute: Compute,
+    /// Whose attention rounding a bf16 pass follows ([`LoadOptions::attention`]).
+    pub attention: arch::AttentionKernel,
+    /// The DSA tie order ([`LoadOptions::dsa_ties`]).
+    pub dsa_ties: arch::TieOrder,
+}
+
 /// The state of one sequence between decoding steps (see [`arch::Cache`]).
 pub type KvCache = Cache;
 
@@ -191,19 +204,18 @@ impl Model {
     /// [`ModelError::Config`] for a model made by [`Model::from_arch`] (it has no checkpoint to
     /// reload), and the errors of the architecture's loader.
     pub fn with_compute(&self, compute: Compute) -> Result<Self, ModelError> {
-        self.with_numerics(compute, self.opts.dsa_ties)
+        self.with_numerics(Numerics {
+            compute,
+            ..self.numerics()
+        })
     }
 
-    /// [`Model::with_compute`] that also sets the DSA tie order
-    /// ([`LoadOptions::dsa_ties`]).
+    /// [`Model::with_compute`] that also sets the attention kernel's rounding points and the
+    /// DSA tie order ([`Numerics`]).
     ///
     /// # Errors
     /// As [`Model::with_compute`].
-    pub fn with_numerics(
-        &self,
-        compute: Compute,
-        dsa_ties: arch::TieOrder,
-    ) -> Result<Self, ModelError> {
+    pub fn with_numerics(&self, n: Numerics) -> Result<Self, ModelError> {
         let Some((cfg, weights)) = &self.source else {
             return Err(ModelError::Config(
                 "a model wrapped with Model::from_arch cannot be reloaded in another compute dtype"
@@ -211,8 +223,9 @@ impl Model {
             ));
         };
         let opts = LoadOptions {
-            compute,
-            dsa_ties,
+            compute: n.compute,
+            attention: n.attention,
+            dsa_ties: n.dsa_ties,
             ..self.opts
         };
         Ok(Self {
@@ -220,6 +233,15 @@ impl Model {
             opts,
             source: self.source.clone(),
         })
+    }
+
+    /// How this model's passes compute ([`Numerics`], from its [`LoadOptions`]).
+    pub fn numerics(&self) -> Numerics {
+        Numerics {
+            compute: self.opts.compute,
+            attention: self.opts.attention,
+            dsa_ties: self.opts.dsa_ties,
+        }
     }
 
     /// Wraps an already loaded architecture.

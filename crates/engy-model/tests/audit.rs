@@ -247,3 +247,41 @@ fn qwen3_5_moe_devnet_model_honest_passes_and_int4_is_caught() {
         assert_eq!(r.verdict, want, "{r:?}");
     }
 }
+
+/// A batch too thin for a sparse top-k (rows × hidden below `SPARSE_TOPK_FACTOR` × topk: here
+/// one row of 256 values against top-128) is reported but not judged when a full batch is
+/// there to judge; when every batch is that thin, they are judged.
+#[test]
+fn a_thin_tail_batch_is_reported_but_not_judged() {
+    use engy_model::audit::{judged_batch, SPARSE_TOPK_FACTOR};
+    let dir = checkpoint_dir();
+    let auditor = Checkpoint::open(dir, Precision::Bf16).unwrap();
+    let hidden = auditor.model.config().hidden_size;
+    assert!(!judged_batch(1, hidden, 128) && judged_batch(32, hidden, 128));
+    assert!(judged_batch(SPARSE_TOPK_FACTOR, 128, 128) && !judged_batch(3, 128, 128));
+    let params = AuditParams::default();
+    let commit = |user: &str, n: usize| {
+        let ids = prompt(&auditor, user);
+        let m = &auditor.model;
+        commit_greedy(m, &auditor.model_root, &ids, n, &[], &Params::ENGY).unwrap()
+    };
+    // 33 rows: a full batch and a one-row tail, whose proof is swapped for another prompt's.
+    let (mut c, other) = (commit("first prompt", 33), commit("a second prompt", 33));
+    c["toploc"]["proofs"][1] = other["toploc"]["proofs"][1].clone();
+    let r = audit(&auditor.model, &auditor.model_root, &c, &params).unwrap();
+    assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
+    let (full, tail) = (&r.batches[0], &r.batches[1]);
+    assert!(
+        full.judged && full.pass && tail.rows == 1 && !tail.judged,
+        "{r:?}"
+    );
+    assert!(!tail.pass, "the swapped tail proof should fail: {r:?}");
+    assert_eq!(r.passing_batches, 1);
+    assert_eq!(r.score, Some(full.exp_mismatches as f64 / 128.0));
+    // One row only: nothing else to judge, so the thin batch is judged.
+    let (mut c, other) = (commit("first prompt", 1), commit("a second prompt", 1));
+    c["toploc"]["proofs"][0] = other["toploc"]["proofs"][0].clone();
+    let r = audit(&auditor.model, &auditor.model_root, &c, &params).unwrap();
+    assert_eq!(r.verdict, Verdict::Cheat, "{r:?}");
+    assert!(r.batches[0].judged && !r.batches[0].pass, "{r:?}");
+}

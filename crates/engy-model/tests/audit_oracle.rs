@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use engy_model::arch::TieOrder;
 use engy_model::audit::{audit_with, AuditParams, Recompute, Verdict};
-use engy_model::{LoadOptions, Model, Residency};
+use engy_model::{LoadOptions, Model, Numerics, Residency};
 
 fn oracle_dir() -> PathBuf {
     match std::env::var_os("ENGY_AUDIT_ORACLE_DIR") {
@@ -146,21 +146,23 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
             // The plan up to its passing entry (all of it, for a cheat): a DSA higher-first
             // recompute runs exactly when its lower-first pass cut through a tie.
             let dsa = engy_model::arch::has_dsa(model.config().kind);
-            let outcome = |c, t| {
-                report
-                    .recomputes
-                    .iter()
-                    .find(|o| (o.compute, o.dsa_ties) == (c, t))
+            let outcome = |n: Numerics| {
+                report.recomputes.iter().find(|o| {
+                    (o.compute, o.attention, o.dsa_ties) == (n.compute, n.attention, n.dsa_ties)
+                })
             };
-            for (compute, ties) in Recompute::Auto.plan(dsa) {
-                let ran = outcome(compute, ties);
-                if ties == TieOrder::HigherFirst {
-                    let cut = outcome(compute, TieOrder::LowerFirst)
-                        .and_then(|o| o.dsa_boundary_ties)
-                        .is_none_or(|n| n > 0);
+            for n in Recompute::Auto.plan(dsa) {
+                let ran = outcome(n);
+                if n.dsa_ties == TieOrder::HigherFirst {
+                    let cut = outcome(Numerics {
+                        dsa_ties: TieOrder::LowerFirst,
+                        ..n
+                    })
+                    .and_then(|o| o.dsa_boundary_ties)
+                    .is_none_or(|n| n > 0);
                     if ran.is_some() != cut {
                         failures.push(format!(
-                            "{case}/{stem}: {compute:?} higher-first {} though its lower-first \
+                            "{case}/{stem}: {n:?} {} though its lower-first \
                              pass {}",
                             if ran.is_some() { "ran" } else { "did not run" },
                             if cut {
@@ -178,13 +180,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 }
             }
             for o in &report.recomputes {
-                let key = match o.dsa_ties {
-                    TieOrder::LowerFirst => o.compute.label().to_string(),
-                    TieOrder::HigherFirst => {
-                        format!("{}/ties-higher-first", o.compute.label())
-                    }
-                };
-                let r = row.ranges.entry(key).or_insert((u64::MAX, 0));
+                let r = row.ranges.entry(o.label()).or_insert((u64::MAX, 0));
                 r.0 = r.0.min(o.max_exp_mismatches);
                 r.1 = r.1.max(o.max_exp_mismatches);
             }
@@ -193,7 +189,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                     let tried: Vec<String> = report
                         .recomputes
                         .iter()
-                        .map(|o| format!("{} max {}", o.compute.label(), o.max_exp_mismatches))
+                        .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
                         .collect();
                     failures.push(format!(
                         "{case}/{stem}: {} but a correct auditor says {} ({})",
@@ -244,6 +240,102 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
     assert!(
         failures.is_empty(),
         "{} of {audited} verdicts are wrong:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn honest_serves_dir() -> PathBuf {
+    match std::env::var_os("ENGY_HONEST_SERVES_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/honest-serves"),
+    }
+}
+
+/// Every commitment of `$ENGY_HONEST_SERVES_DIR` (default the shipped
+/// `tests/vectors/honest-serves`: transformers' eager bf16 serves of the arch oracle's
+/// checkpoints on other prompts; README there) is honest and must pass. Prints, per case and
+/// seed, the passes and the largest batch mismatch count of each recompute that ran.
+#[test]
+fn honest_serves_of_other_prompts_pass() {
+    let dir = honest_serves_dir();
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    let params = AuditParams::default();
+    let (mut audited, mut failures) = (0, Vec::new());
+    for case_dir in &cases {
+        let case = case_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let ckpt = checkpoint_for(&oracle_dir(), case)
+            .unwrap_or_else(|| panic!("{case}: no checkpoint folder with a config.json found"));
+        let opts = LoadOptions {
+            residency: Residency::Resident,
+            device: common::test_device(),
+            ..LoadOptions::default()
+        };
+        let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
+        let root = engy_core::identity::model_root(&ckpt).unwrap();
+        let mut files: Vec<PathBuf> = std::fs::read_dir(case_dir)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        files.sort();
+        let mut table: BTreeMap<String, Row> = BTreeMap::new();
+        for f in &files {
+            let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+            let set = stem.rsplit_once('_').map_or(stem, |(v, _)| v).to_string();
+            let value: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap();
+            let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
+                .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
+            audited += 1;
+            let row = table.entry(set).or_default();
+            row.n += 1;
+            row.pass += usize::from(report.verdict == Verdict::Pass);
+            for o in &report.recomputes {
+                let r = row.ranges.entry(o.label()).or_insert((u64::MAX, 0));
+                r.0 = r.0.min(o.max_exp_mismatches);
+                r.1 = r.1.max(o.max_exp_mismatches);
+            }
+            if report.verdict != Verdict::Pass {
+                let tried: Vec<String> = report
+                    .recomputes
+                    .iter()
+                    .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
+                    .collect();
+                failures.push(format!(
+                    "{case}/{stem}: {} ({})",
+                    report.verdict.label(),
+                    tried.join(", ")
+                ));
+            }
+        }
+        println!("{case} ({}):", ckpt.display());
+        for (set, row) in &table {
+            let ranges: Vec<String> = row
+                .ranges
+                .iter()
+                .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
+                .collect();
+            println!(
+                "  {set:<24} {:>2}/{:<2} pass  {}",
+                row.pass,
+                row.n,
+                ranges.join("  ")
+            );
+        }
+    }
+    assert!(audited > 0, "no commitments under {}", dir.display());
+    assert!(
+        failures.is_empty(),
+        "{} of {audited} honest serves flagged:\n{}",
         failures.len(),
         failures.join("\n")
     );

@@ -1123,8 +1123,8 @@ fn fp8_expert_stacks_are_the_stored_weights() {
         precision: engy_model::Precision::Bf16,
         compute: Compute::F32,
         residency: engy_model::Residency::Streaming,
-        dsa_ties: TieOrder::default(),
         device: spec,
+        ..engy_model::LoadOptions::default()
     };
     let (_, w) = engy_model::arch::open(dir.path(), &opts).unwrap();
     let names: Vec<String> = (0..experts)

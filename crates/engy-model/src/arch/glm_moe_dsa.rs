@@ -453,6 +453,7 @@ pub struct GlmMoeDsa {
     inv_freq: Vec<f32>,
     score_budget: usize,
     compute: Compute,
+    attention: super::AttentionKernel,
     dsa_ties: super::TieOrder,
 }
 
@@ -689,6 +690,7 @@ impl GlmMoeDsa {
                 DEFAULT_SCORE_BUDGET_GPU
             },
             compute: opts.compute,
+            attention: opts.attention,
             dsa_ties: opts.dsa_ties,
         };
         m.check_tensors()?;
@@ -1195,6 +1197,17 @@ impl GlmMoeDsa {
             // In a bf16 recompute q, k and v hold bf16 values: on a GPU the scores and the
             // products run on the tensor cores, the probabilities still f32
             // ([`fused_attention::attention_f32_probs`]).
+            if self.attention == super::AttentionKernel::Eager {
+                return Ok(ops::attention_eager_in(
+                    &q,
+                    &k_all,
+                    &v_all,
+                    scale,
+                    Some(&mask),
+                    blk,
+                    cm,
+                )?);
+            }
             if cm == Compute::Bf16 {
                 if let Some(y) = fused_attention::attention_f32_probs(
                     &q,

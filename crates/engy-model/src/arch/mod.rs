@@ -70,8 +70,42 @@ pub struct LoadOptions {
     /// Which of several keys with exactly equal DSA index scores at the `index_topk` boundary
     /// a query keeps (architectures with a DSA indexer; ignored elsewhere).
     pub dsa_ties: TieOrder,
+    /// Which attention kernel's rounding points a bf16 recompute follows ([`AttentionKernel`];
+    /// ignored in f32, where both compute the same rule).
+    pub attention: AttentionKernel,
     /// Where the weights are placed and the forward pass runs ([`crate::DeviceSpec`]).
     pub device: crate::DeviceSpec,
+}
+
+/// Whose attention a bf16 recompute follows: the rounding points differ, and on small models
+/// the difference flips MoE and DSA choices often enough to fail an honest serve's batches
+/// (docs/AUDITOR.md "bf16 and f32 recomputes").
+///
+/// Both take bf16 `q`, `k`, `v` and accumulate every product in f32; in an f32 recompute they
+/// are the same rule ([`ops::attention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionKernel {
+    /// A fused kernel (transformers' `attn_implementation="sdpa"`, torch's CPU
+    /// `scaled_dot_product_attention`; FlashAttention and sglang's kernels on a GPU): f32
+    /// scores, softmax statistics in f32, the output rounded once ([`ops::attention_in`]; MLA's
+    /// unequal head widths take SDPA's math path, its probabilities f32).
+    #[default]
+    Sdpa,
+    /// transformers' `eager_attention_forward` (`attn_implementation="eager"`): the scores
+    /// rounded to bf16, scaled and rounded again, the softmax in f32 rounded to bf16, then the
+    /// product with `v` rounded ([`ops::attention_eager_in`]).
+    Eager,
+}
+
+impl AttentionKernel {
+    /// `sdpa` or `eager` (transformers' `attn_implementation` names).
+    pub fn label(self) -> &'static str {
+        match self {
+            AttentionKernel::Sdpa => "sdpa",
+            AttentionKernel::Eager => "eager",
+        }
+    }
 }
 
 /// The order among exactly equal scores when a top-k selection must cut between them.

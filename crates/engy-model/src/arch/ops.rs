@@ -447,6 +447,48 @@ pub fn attention_in(
     c.round(y.transpose(0, 1)?.contiguous()?.reshape((t, h * dv))?)
 }
 
+/// [`attention`] as transformers' `eager_attention_forward` computes it on bf16 inputs
+/// (`attn_implementation="eager"`, [`super::AttentionKernel::Eager`]): `q·kᵀ` accumulated in
+/// f32 and rounded to bf16 (a bf16 `matmul`), times `scale` and rounded again, plus the
+/// additive `mask`, `softmax(…, dtype=float32)` rounded to bf16, the product with `v`
+/// accumulated in f32 and rounded. With [`Compute::F32`] every rounding is the identity and
+/// this is [`attention`]'s rule. Shapes as [`attention`]; the query rows run in blocks of
+/// `block` (at least 1) to bound the scores held at once, which changes no value.
+///
+/// # Errors
+/// Candle errors on inconsistent shapes.
+pub fn attention_eager_in(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+    block: usize,
+    c: Compute,
+) -> candle_core::Result<Tensor> {
+    let (h, t, _) = q.dims3()?;
+    let (kt, v) = keys_t(h, k, v)?;
+    let dv = v.dim(2)?;
+    let block = block.max(1);
+    let mut ys = Vec::with_capacity(t.div_ceil(block));
+    for r0 in (0..t).step_by(block) {
+        let n = block.min(t - r0);
+        let s = c.round(q.narrow(1, r0, n)?.contiguous()?.matmul(&kt)?)?;
+        let mut s = c.round((s * scale)?)?;
+        if let Some(m) = mask {
+            s = s.broadcast_add(&m.narrow(0, r0, n)?)?;
+        }
+        let p = c.round(candle_nn::ops::softmax_last_dim(&s)?)?;
+        ys.push(
+            p.matmul(&v)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((n, h * dv))?,
+        );
+    }
+    c.round(Tensor::cat(&ys, 0)?)
+}
+
 /// Indices of the `k` largest values of `row`, largest first (ties: lower index first).
 pub fn topk_indices(row: &[f32], k: usize) -> Vec<usize> {
     topk_indices_ordered(row, k, TieOrder::LowerFirst)
@@ -1195,6 +1237,81 @@ mod tests {
 
     fn row(x: &Tensor) -> Vec<f32> {
         x.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// [`attention_eager_in`] in bf16 is transformers' `eager_attention_forward` on bf16
+    /// tensors, value for value: a scalar re-statement of its rounding points (the scores
+    /// rounded, scaled and rounded, the f32 softmax rounded, the output rounded), on inputs
+    /// whose products and sums are exact in f32 in any order; and it is not the fused rule of
+    /// [`attention_in`], which keeps the scores and the normalisation in f32.
+    #[test]
+    fn eager_attention_rounds_where_transformers_eager_rounds() {
+        let r = |x: f32| half::bf16::from_f32(x).to_f32();
+        let (h, kv, t, s, d, dv) = (4usize, 2usize, 5usize, 6usize, 3usize, 2usize);
+        let val = |i: usize, m: usize| ((i * m + 5) % 13) as f32 / 4.0 - 1.5;
+        let (qv, kvv, vv): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+            (0..h * t * d).map(|i| val(i, 7)).collect(),
+            (0..kv * s * d).map(|i| val(i, 11)).collect(),
+            (0..kv * s * dv).map(|i| val(i, 3)).collect(),
+        );
+        let maskv: Vec<f32> = (0..t * s)
+            .map(|i| {
+                if i % s > i / s + 1 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let scale = 0.3f64;
+        let mut want = vec![0f32; t * h * dv];
+        for hh in 0..h {
+            let g = hh / (h / kv);
+            for i in 0..t {
+                let sc: Vec<f32> = (0..s)
+                    .map(|j| {
+                        let dot: f32 = (0..d)
+                            .map(|x| qv[(hh * t + i) * d + x] * kvv[(g * s + j) * d + x])
+                            .sum();
+                        r(r(dot) * scale as f32) + maskv[i * s + j]
+                    })
+                    .collect();
+                let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = sc.iter().map(|x| (x - m).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                for c in 0..dv {
+                    let y: f32 = (0..s)
+                        .map(|j| r(e[j] / sum) * vv[(g * s + j) * dv + c])
+                        .sum();
+                    want[i * h * dv + hh * dv + c] = r(y);
+                }
+            }
+        }
+        let dev = Device::Cpu;
+        let q = Tensor::from_vec(qv, (h, t, d), &dev).unwrap();
+        let k = Tensor::from_vec(kvv, (kv, s, d), &dev).unwrap();
+        let v = Tensor::from_vec(vv, (kv, s, dv), &dev).unwrap();
+        let mask = Tensor::from_vec(maskv, (t, s), &dev).unwrap();
+        let flat = |x: Tensor| -> Vec<u32> {
+            x.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+        for block in [1usize, 2, 5] {
+            let got = attention_eager_in(&q, &k, &v, scale, Some(&mask), block, Compute::Bf16);
+            assert_eq!(flat(got.unwrap()), want, "block {block}");
+        }
+        let fused = attention_in(&q, &k, &v, scale, Some(&mask), Compute::Bf16).unwrap();
+        assert_ne!(flat(fused), want, "the fused rule rounds elsewhere");
+        // In f32 every rounding is the identity: the eager rule is the plain one.
+        let f = attention_eager_in(&q, &k, &v, scale, Some(&mask), t, Compute::F32).unwrap();
+        let plain = attention(&q, &k, &v, scale, Some(&mask)).unwrap();
+        assert_eq!(flat(f), flat(plain));
     }
 
     /// `Qwen3_5MoeRMSNorm` rounds once (f32 `norm(x) * (1 + w)`, then bf16), where the

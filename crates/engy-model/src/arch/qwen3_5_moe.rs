@@ -55,8 +55,8 @@ use super::delta_rule;
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
-    Weights,
+    Architecture, AttentionKernel, Cache, LayerCache, LoadOptions, Probe, RouteScores,
+    RoutingShape, TextConfig, Weights,
 };
 use crate::device::phase;
 use crate::{Compute, ModelError};
@@ -72,6 +72,7 @@ pub struct Qwen3_5Moe {
     cfg: TextConfig,
     w: Arc<Weights>,
     compute: Compute,
+    attention: AttentionKernel,
     mixers: Vec<Mixer>,
     heads: usize,
     kv_heads: usize,
@@ -149,6 +150,7 @@ impl Qwen3_5Moe {
             moe_inter: cfg.usize_req("moe_intermediate_size")?,
             shared_inter: cfg.usize_or("shared_expert_intermediate_size", 0)?,
             compute: opts.compute,
+            attention: opts.attention,
             cfg,
             w,
         };
@@ -587,14 +589,13 @@ impl Qwen3_5Moe {
         };
         let mask = ops::causal_mask(t, off, h.device())?;
         let y = phase(h.device(), "attention: scores to output", || {
-            Ok(ops::attention_in(
-                &q,
-                &k,
-                &v,
-                1.0 / (hd as f64).sqrt(),
-                mask.as_ref(),
-                cm,
-            )?)
+            let scale = 1.0 / (hd as f64).sqrt();
+            Ok(match self.attention {
+                AttentionKernel::Sdpa => ops::attention_in(&q, &k, &v, scale, mask.as_ref(), cm)?,
+                AttentionKernel::Eager => {
+                    ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), t, cm)?
+                }
+            })
         })?;
         let y = cm.round((y * cm.round(ops::sigmoid(&gate)?)?)?)?;
         let y = cm.round(w.linear_in(&format!("{a}.o_proj"), &y, d, nh * hd, cm)?)?;

@@ -27,8 +27,8 @@ use candle_core::{DType, Tensor};
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
-    Weights,
+    Architecture, AttentionKernel, Cache, LayerCache, LoadOptions, Probe, RouteScores,
+    RoutingShape, TextConfig, Weights,
 };
 use crate::{Compute, ModelError};
 
@@ -37,6 +37,7 @@ pub struct Qwen3Moe {
     cfg: TextConfig,
     w: Arc<Weights>,
     compute: Compute,
+    attention: AttentionKernel,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -77,6 +78,7 @@ impl Qwen3Moe {
             sparse_step: cfg.usize_or("decoder_sparse_step", 1)?,
             mlp_only: cfg.usize_list("mlp_only_layers"),
             compute: opts.compute,
+            attention: opts.attention,
             cfg,
             w,
         };
@@ -305,7 +307,12 @@ impl Architecture for Qwen3Moe {
                 Some([pk, pv]) => (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?),
                 _ => (k, v),
             };
-            let y = ops::attention_in(&q, &k, &v, scale, mask.as_ref(), c)?;
+            let y = match self.attention {
+                AttentionKernel::Sdpa => ops::attention_in(&q, &k, &v, scale, mask.as_ref(), c)?,
+                AttentionKernel::Eager => {
+                    ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), t, c)?
+                }
+            };
             new_cache.push(LayerCache(vec![k, v]));
             let o = self
                 .w

@@ -1,0 +1,113 @@
+"""Honest transformers serves of the arch oracle's checkpoints, captured as decode rows.
+
+transformers 5.24 (CPU, torch 2.15) greedy-generates from random prompts on one checkpoint of
+tests/vectors/arch with the attention and experts implementation asked for, one prompt at a
+time or all in one left-padded batch, and a forward hook on the final norm
+(`model.model.norm`) keeps the last row of every generation step: row j is the hidden state
+that sampled output id j (docs/PROTOCOL.md §3.10). Block-FP8 checkpoints are served from an
+exact dequantisation (`q · weight_scale_inv` per 128×128 tile, rounded to bf16), not through
+transformers' FP8 loader. The rows become commitments with engy's TOPLOC code
+(crates/engy-model/examples/commit_rows.rs); tests/vectors/honest-serves holds such commitments
+and its README says how they were made and what the auditor says of them.
+
+  ENGY_TF5_PYTHON=/path/venv/bin/python   # torch + transformers>=5.24 + safetensors
+  $ENGY_TF5_PYTHON tests/reverse/honest_serves.py CASE_DIR OUT.safetensors \
+      [--n 24] [--seed 2001] [--attn sdpa|eager] [--experts grouped_mm|eager] [--batched]
+  target/release/examples/commit_rows OUT.safetensors MODEL_ROOT DIR PREFIX
+
+OUT holds prompt_k, output_k (I64) and rows_k (F32 [N, hidden]) for k = 0..n-1. Prompts have
+16 to 40 random ids, outputs 64 to 160 new tokens (EOS off), both drawn from --seed. Exit 0,
+or 2 on a usage error.
+"""
+import argparse, json, os, shutil, sys, tempfile
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+
+def served_copy(case, tmp):
+    """`case`, or for a block-FP8 case a bf16 copy of its exact dequantisation."""
+    cfg = json.load(open(os.path.join(case, "config.json")))
+    q = cfg.pop("quantization_config", None)
+    if q is None:
+        return case
+    bn, bk = q.get("weight_block_size", [128, 128])
+    st = load_file(os.path.join(case, "model.safetensors"))
+    out = {}
+    for name, t in st.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        s = st.get(name + "_scale_inv")
+        if s is not None:
+            w = t.to(torch.float32)
+            rows, cols = w.shape
+            tiles = s.to(torch.float32).repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+            t = (w * tiles).to(torch.bfloat16)
+        out[name] = t.contiguous()
+    save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"))
+    gen = os.path.join(case, "generation_config.json")
+    if os.path.exists(gen):
+        shutil.copy(gen, tmp)
+    return tmp
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("case")
+    ap.add_argument("out")
+    ap.add_argument("--n", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=2001)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--experts", default="grouped_mm", choices=["grouped_mm", "eager"])
+    ap.add_argument("--batched", action="store_true")
+    a = ap.parse_args()
+    if not os.path.exists(os.path.join(a.case, "config.json")):
+        print(f"{a.case}: no config.json", file=sys.stderr)
+        sys.exit(2)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(
+            served_copy(a.case, tmp), dtype=torch.bfloat16,
+            attn_implementation=a.attn, experts_implementation=a.experts)
+    model.eval()
+    g = torch.Generator().manual_seed(a.seed)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (int(torch.randint(16, 41, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(a.n)]
+    news = [int(torch.randint(64, 161, (1,), generator=g)) for _ in range(a.n)]
+    steps = []
+    model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach().to(torch.float32)))
+    out = {}
+
+    def serve(batch):
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(batch):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        steps.clear()
+        n = max(news[i] for i in batch)
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+        for r, i in enumerate(batch):
+            out[f"prompt_{i}"] = torch.tensor(prompts[i], dtype=torch.int64)
+            out[f"output_{i}"] = gen[r, width:width + news[i]].to(torch.int64).contiguous()
+            out[f"rows_{i}"] = torch.stack([s[r, -1] for s in steps[:news[i]]]).contiguous()
+
+    if a.batched:
+        serve(list(range(a.n)))
+    else:
+        for i in range(a.n):
+            serve([i])
+    save_file(out, a.out)
+    print(f"wrote {a.out}: {a.n} serves ({a.attn} attention, {a.experts} experts, "
+          f"{'batched' if a.batched else 'one at a time'})")
+
+
+if __name__ == "__main__":
+    main()
