@@ -447,6 +447,13 @@ pub fn attention_in(
     c.round(y.transpose(0, 1)?.contiguous()?.reshape((t, h * dv))?)
 }
 
+/// Query rows per block of [`attention_eager_in`] for `heads` heads over `keys` keys, so that
+/// one block's scores hold about 2^24 f32 values (64 MiB; at least one row): its roundings
+/// copy the scores, so a whole 4,096-token sequence at once would hold several GiB.
+pub fn eager_row_block(heads: usize, keys: usize) -> usize {
+    ((1usize << 24) / heads.saturating_mul(keys).max(1)).max(1)
+}
+
 /// [`attention`] as transformers' `eager_attention_forward` computes it on bf16 inputs
 /// (`attn_implementation="eager"`, [`super::AttentionKernel::Eager`]): `q·kᵀ` accumulated in
 /// f32 and rounded to bf16 (a bf16 `matmul`), times `scale` and rounded again, plus the

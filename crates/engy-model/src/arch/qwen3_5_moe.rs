@@ -593,7 +593,8 @@ impl Qwen3_5Moe {
             Ok(match self.attention {
                 AttentionKernel::Sdpa => ops::attention_in(&q, &k, &v, scale, mask.as_ref(), cm)?,
                 AttentionKernel::Eager => {
-                    ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), t, cm)?
+                    let blk = ops::eager_row_block(nh, k.dim(1)?);
+                    ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), blk, cm)?
                 }
             })
         })?;

@@ -310,7 +310,8 @@ impl Architecture for Qwen3Moe {
             let y = match self.attention {
                 AttentionKernel::Sdpa => ops::attention_in(&q, &k, &v, scale, mask.as_ref(), c)?,
                 AttentionKernel::Eager => {
-                    ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), t, c)?
+                    let blk = ops::eager_row_block(h, k.dim(1)?);
+                    ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), blk, c)?
                 }
             };
             new_cache.push(LayerCache(vec![k, v]));
