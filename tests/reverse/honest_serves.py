@@ -5,14 +5,15 @@ tests/vectors/arch with the attention and experts implementation asked for, one 
 time or all in one left-padded batch, and a forward hook on the final norm
 (`model.model.norm`) keeps the last row of every generation step: row j is the hidden state
 that sampled output id j (docs/PROTOCOL.md §3.10). Block-FP8 checkpoints are served from an
-exact dequantisation (`q · weight_scale_inv` per 128×128 tile, rounded to bf16), not through
+exact dequantisation (`q · weight_scale_inv` per 128×128 tile, in the serving dtype), not through
 transformers' FP8 loader. The rows become commitments with engy's TOPLOC code
 (crates/engy-model/examples/commit_rows.rs); tests/vectors/honest-serves holds such commitments
 and its README says how they were made and what the auditor says of them.
 
   ENGY_TF5_PYTHON=/path/venv/bin/python   # torch + transformers>=5.24 + safetensors
   $ENGY_TF5_PYTHON tests/reverse/honest_serves.py CASE_DIR OUT.safetensors \
-      [--n 24] [--seed 2001] [--attn sdpa|eager] [--experts grouped_mm|eager] [--batched]
+      [--n 24] [--seed 2001] [--attn sdpa|eager] [--experts grouped_mm|eager] [--batched] \
+      [--dtype bf16|f32] [--cheat int4_g32|fp8_tensor]
   target/release/examples/commit_rows OUT.safetensors MODEL_ROOT DIR PREFIX
 
 OUT holds prompt_k, output_k (I64) and rows_k (F32 [N, hidden]) for k = 0..n-1. Prompts have
@@ -26,8 +27,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 
-def served_copy(case, tmp):
-    """`case`, or for a block-FP8 case a bf16 copy of its exact dequantisation."""
+def served_copy(case, tmp, dtype):
+    """`case`, or for a block-FP8 case a copy of its exact dequantisation in `dtype`."""
     cfg = json.load(open(os.path.join(case, "config.json")))
     q = cfg.pop("quantization_config", None)
     if q is None:
@@ -43,7 +44,7 @@ def served_copy(case, tmp):
             w = t.to(torch.float32)
             rows, cols = w.shape
             tiles = s.to(torch.float32).repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-            t = (w * tiles).to(torch.bfloat16)
+            t = (w * tiles).to(dtype)
         out[name] = t.contiguous()
     save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"))
@@ -51,6 +52,29 @@ def served_copy(case, tmp):
     if os.path.exists(gen):
         shutil.copy(gen, tmp)
     return tmp
+
+
+def cheat(model, how):
+    """Swaps weights as the audit oracle's cheats do: every `*_proj` weight and fused expert
+    tensor through int4 (groups of 32 along the input, scale absmax/7) or FP8 E4M3 with one
+    scale per tensor (per expert for a fused stack, scale absmax/448)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not (name.endswith("_proj.weight") or name.endswith(("experts.gate_up_proj", "experts.down_proj"))):
+                continue
+            w = p.data.to(torch.float32)
+            if how == "int4_g32":
+                n = w.shape[-1]
+                padded = torch.nn.functional.pad(w, (0, -n % 32))  # a last group of zeros
+                g = padded.reshape(*w.shape[:-1], -1, 32)
+                s = g.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 7
+                w = ((g / s).round().clamp(-7, 7) * s).reshape(padded.shape)[..., :n]
+            else:
+                dims = tuple(range(1, w.dim())) if w.dim() == 3 else None
+                a = w.abs().amax(dim=dims, keepdim=True) if dims else w.abs().max()
+                s = a.clamp_min(1e-12) / 448
+                w = (w / s).to(torch.float8_e4m3fn).to(torch.float32) * s
+            p.data.copy_(w.to(p.dtype))
 
 
 def main():
@@ -62,17 +86,23 @@ def main():
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--experts", default="grouped_mm", choices=["grouped_mm", "eager"])
     ap.add_argument("--batched", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--cheat", choices=["int4_g32", "fp8_tensor"],
+                    help="serve swapped weights instead (a correct auditor catches these)")
     a = ap.parse_args()
     if not os.path.exists(os.path.join(a.case, "config.json")):
         print(f"{a.case}: no config.json", file=sys.stderr)
         sys.exit(2)
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_pretrained(
-            served_copy(a.case, tmp), dtype=torch.bfloat16,
+            served_copy(a.case, tmp, dtype), dtype=dtype,
             attn_implementation=a.attn, experts_implementation=a.experts)
     model.eval()
+    if a.cheat:
+        cheat(model, a.cheat)
     g = torch.Generator().manual_seed(a.seed)
     vocab = model.config.vocab_size
     prompts = [torch.randint(1, vocab, (int(torch.randint(16, 41, (1,), generator=g)),), generator=g).tolist()
@@ -105,7 +135,7 @@ def main():
         for i in range(a.n):
             serve([i])
     save_file(out, a.out)
-    print(f"wrote {a.out}: {a.n} serves ({a.attn} attention, {a.experts} experts, "
+    print(f"wrote {a.out}: {a.n} {a.dtype} {a.cheat or 'honest'} serves ({a.attn} attention, {a.experts} experts, "
           f"{'batched' if a.batched else 'one at a time'})")
 
 
