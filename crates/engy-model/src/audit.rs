@@ -33,8 +33,11 @@
 //!    the two differ by far more than two bf16 serves do (on small MoE models, MoE and DSA
 //!    top-k choices amplify bf16 rounding until a bf16 serve's batches fail an f32 recompute).
 //!    So the auditor recomputes as the serve computes: in bf16 first ([`Compute::Bf16`], the
-//!    architecture's own bf16 rounding points), then, when that does not pass, in f32. The
-//!    commitment passes when one honest recompute explains every batch; the thresholds are
+//!    architecture's own bf16 rounding points), then, when that does not pass, in f32, then
+//!    in bf16 with transformers' eager attention ([`AttentionKernel::Eager`]: a serve with
+//!    `attn_implementation="eager"` rounds the attention's scores and probabilities where a
+//!    fused kernel does not, which on small models moves MoE and DSA choices). The
+//!    commitment passes when one honest recompute explains every judged batch; the thresholds are
 //!    the model spec's, unchanged. On an architecture with a DSA indexer, exact ties at the
 //!    `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
 //!    known (`arch::TieOrder`), so when neither recompute passes with ties taken lower index
@@ -365,10 +368,10 @@ pub struct BatchAudit {
 /// into the bulk of the values, where an honest serve's rounding moves exponents: a one-row
 /// batch of a model of hidden size 128 puts every value of the row in the top-128. Measured on
 /// transformers' honest bf16 serves of the audit oracle's checkpoints (hidden 128;
-/// docs/AUDITOR.md "Thin tail batches"): tails of one or two rows reached 55 and 61 exponent
-/// mismatches, tails of four rows or more stayed at or below 39 as full batches do, and
-/// judging only tails of 16 rows or more would have let 3 more of qwen3_moe's 12 small cheats
-/// (`fp8_tensor`) pass. Served models have a hidden size of at least 2,048 = 16 × 128, so
+/// docs/AUDITOR.md "Eager attention and thin tail batches"): tails of one or two rows reached
+/// 55 and 61 exponent mismatches, tails of four rows or more stayed at or below 39 as full
+/// batches do, and judging only tails of 16 rows or more would have let 3 more of qwen3_moe's
+/// 12 small cheats (`fp8_tensor`) pass. Served models have a hidden size of at least 2,048 = 16 × 128, so
 /// there every batch is judged.
 pub const SPARSE_TOPK_FACTOR: usize = 4;
 
