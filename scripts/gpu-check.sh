@@ -11,7 +11,7 @@
 # failed):
 #   1. the architecture oracle on the GPU (same tolerances as on the CPU), and engy's own
 #      kernels (fused attention, the delta rule's chunk loop) against the unfused rules;
-#   2. the audit oracle on the GPU (honest serves pass, cheats are caught);
+#   2. the audit oracle and tests/vectors/honest-serves on the GPU (honest serves pass, cheats are caught);
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
 #   4. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_QWEN=0): the side-by-side benchmark, a
 #      teacher-forced audit of ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape
@@ -59,8 +59,9 @@ if [ "${ENGY_GPU_CHECKS:-1}" != 0 ]; then
 step "architecture oracle on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/arch_vectors" --nocapture --test-threads 1
 step "engy's kernels on cuda" "$bin/gpu_kernels" --nocapture --test-threads 1
-step "audit oracle on cuda" \
+step "audit oracle and honest serves on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
+  ENGY_HONEST_SERVES_DIR="$PWD/tests/vectors/honest-serves" \
   "$bin/audit_oracle" --nocapture --test-threads 1
 
 devnet_verdicts() { # DIR: a devnet model and its saved commitments
