@@ -4,9 +4,9 @@ transformers 5.24 (CPU, torch 2.15) greedy-generates from random prompts on one 
 tests/vectors/arch with the attention and experts implementation asked for, one prompt at a
 time or all in one left-padded batch, and a forward hook on the final norm
 (`model.model.norm`) keeps the last row of every generation step: row j is the hidden state
-that sampled output id j (docs/PROTOCOL.md §3.10). Block-FP8 checkpoints are served from an
-exact dequantisation (`q · weight_scale_inv` per 128×128 tile, in the serving dtype), not through
-transformers' FP8 loader. The rows become commitments with engy's TOPLOC code
+that sampled output id j (docs/PROTOCOL.md §3.10). Block-FP8 and NVFP4 checkpoints are served
+from their exact dequantisation (arch_bf16_floor.py's `dequantised_copy`), not through
+transformers' quantised loaders. The rows become commitments with engy's TOPLOC code
 (crates/engy-model/examples/commit_rows.rs); tests/vectors/honest-serves holds such commitments
 and its README says how they were made and what the auditor says of them.
 
@@ -20,38 +20,14 @@ OUT holds prompt_k, output_k (I64) and rows_k (F32 [N, hidden]) for k = 0..n-1. 
 16 to 40 random ids, outputs 64 to 160 new tokens (EOS off), both drawn from --seed. Exit 0,
 or 2 on a usage error.
 """
-import argparse, json, os, shutil, sys, tempfile
+import argparse, os, sys, tempfile
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-
-def served_copy(case, tmp, dtype):
-    """`case`, or for a block-FP8 case a copy of its exact dequantisation in `dtype`."""
-    cfg = json.load(open(os.path.join(case, "config.json")))
-    q = cfg.pop("quantization_config", None)
-    if q is None:
-        return case
-    bn, bk = q.get("weight_block_size", [128, 128])
-    st = load_file(os.path.join(case, "model.safetensors"))
-    out = {}
-    for name, t in st.items():
-        if name.endswith(".weight_scale_inv"):
-            continue
-        s = st.get(name + "_scale_inv")
-        if s is not None:
-            w = t.to(torch.float32)
-            rows, cols = w.shape
-            tiles = s.to(torch.float32).repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-            t = (w * tiles).to(dtype)
-        out[name] = t.contiguous()
-    save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"))
-    gen = os.path.join(case, "generation_config.json")
-    if os.path.exists(gen):
-        shutil.copy(gen, tmp)
-    return tmp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arch_bf16_floor import dequantised_copy  # noqa: E402  (block FP8 and NVFP4, exactly, in f32)
 
 
 def cheat(model, how):
@@ -97,8 +73,10 @@ def main():
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
+        # A quantised checkpoint is served from its exact f32 dequantisation, which loading
+        # in bf16 rounds to nearest even.
         model = AutoModelForCausalLM.from_pretrained(
-            served_copy(a.case, tmp, dtype), dtype=dtype,
+            dequantised_copy(a.case, os.path.join(tmp, "served")), dtype=dtype,
             attn_implementation=a.attn, experts_implementation=a.experts)
     model.eval()
     if a.cheat:
