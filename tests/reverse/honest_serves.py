@@ -13,7 +13,7 @@ and its README says how they were made and what the auditor says of them.
   ENGY_TF5_PYTHON=/path/venv/bin/python   # torch + transformers>=5.24 + safetensors
   $ENGY_TF5_PYTHON tests/reverse/honest_serves.py CASE_DIR OUT.safetensors \
       [--n 24] [--seed 2001] [--attn sdpa|eager] [--experts grouped_mm|eager] [--batched] \
-      [--dtype bf16|f32] [--cheat int4_g32|fp8_tensor]
+      [--dtype bf16|f32] [--cheat int4_g32|fp8_tensor] [--teacher-forced]
   target/release/examples/commit_rows OUT.safetensors MODEL_ROOT DIR PREFIX
 
 OUT holds prompt_k, output_k (I64) and rows_k (F32 [N, hidden]) for k = 0..n-1. Prompts have
@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--experts", default="grouped_mm", choices=["grouped_mm", "eager"])
     ap.add_argument("--batched", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--teacher-forced", action="store_true",
+                    help="rows from one forward pass over the generated sequence (the *_tf variants)")
     ap.add_argument("--cheat", choices=["int4_g32", "fp8_tensor"],
                     help="serve swapped weights instead (a correct auditor catches these)")
     a = ap.parse_args()
@@ -112,9 +114,19 @@ def main():
     else:
         for i in range(a.n):
             serve([i])
+    if a.teacher_forced:
+        # The oracle's `*_tf` variants: the same output ids, their rows from one forward
+        # pass over prompt + output[:-1] (no KV cache), one sequence at a time.
+        for i in range(a.n):
+            p = prompts[i]
+            ids = torch.cat([out[f"prompt_{i}"], out[f"output_{i}"][:-1]]).unsqueeze(0)
+            steps.clear()
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+            out[f"rows_{i}"] = steps[0][0, len(p) - 1:].contiguous()
     save_file(out, a.out)
     print(f"wrote {a.out}: {a.n} {a.dtype} {a.cheat or 'honest'} serves ({a.attn} attention, {a.experts} experts, "
-          f"{'batched' if a.batched else 'one at a time'})")
+          f"{'batched' if a.batched else 'one at a time'}{', teacher-forced rows' if a.teacher_forced else ''})")
 
 
 if __name__ == "__main__":
