@@ -57,7 +57,7 @@ pub struct AuditArgs {
     /// The activation dtype(s) of the recompute: `auto` recomputes in bf16 (as GPU serves
     /// compute) and, when that does not pass, in f32, then in bf16 with transformers' eager
     /// attention, and passes when one does (docs/AUDITOR.md "bf16 and f32 recomputes");
-    /// `bf16` runs the two bf16 ones, `f32` only the f32 one. On a
+    /// `bf16`, `bf16-eager` or `f32` run only that one. On a
     /// DSA architecture (GLM) a recompute that does not pass runs again with exactly tied index
     /// scores taken higher index first, when one of its top-k selections cut through a tie.
     #[arg(long, env = "ENGY_AUDIT_RECOMPUTE", value_enum, default_value_t = RecomputeArg::Auto)]
@@ -93,10 +93,12 @@ pub struct AuditArgs {
 /// `--recompute` values.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecomputeArg {
-    /// bf16, then f32 when bf16 does not pass.
+    /// bf16, then f32, then bf16 with eager attention, until one passes.
     Auto,
-    /// bf16 only.
+    /// bf16 only (a fused kernel's attention).
     Bf16,
+    /// bf16 with transformers' eager attention only.
+    Bf16Eager,
     /// f32 only.
     F32,
 }
@@ -106,6 +108,7 @@ impl From<RecomputeArg> for Recompute {
         match a {
             RecomputeArg::Auto => Recompute::Auto,
             RecomputeArg::Bf16 => Recompute::Bf16,
+            RecomputeArg::Bf16Eager => Recompute::Bf16Eager,
             RecomputeArg::F32 => Recompute::F32,
         }
     }
