@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use engy_model::arch::TieOrder;
-use engy_model::audit::{audit_with, AuditParams, Recompute, Verdict};
+use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict};
 use engy_model::{LoadOptions, Model, Numerics, Residency};
 
 fn oracle_dir() -> PathBuf {
@@ -75,15 +75,81 @@ struct Row {
     ranges: BTreeMap<String, (u64, u64)>,
 }
 
-#[test]
-fn honest_serves_pass_and_weight_swaps_are_caught() {
-    let oracle = oracle_dir();
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&oracle)
-        .unwrap_or_else(|e| panic!("{}: {e}", oracle.display()))
+impl Row {
+    /// Counts one commitment's recomputes into the ranges.
+    fn record(&mut self, report: &AuditReport) {
+        self.n += 1;
+        for o in &report.recomputes {
+            let r = self.ranges.entry(o.label()).or_insert((u64::MAX, 0));
+            r.0 = r.0.min(o.max_exp_mismatches);
+            r.1 = r.1.max(o.max_exp_mismatches);
+        }
+    }
+
+    /// `bf16 max-batch 3..23  f32 max-batch 0..9`.
+    fn ranges_text(&self) -> String {
+        let ranges: Vec<String> = self
+            .ranges
+            .iter()
+            .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
+            .collect();
+        ranges.join("  ")
+    }
+}
+
+/// Each recompute of `report` and its largest batch mismatch count, for a failure message.
+fn tried(report: &AuditReport) -> String {
+    let tried: Vec<String> = report
+        .recomputes
+        .iter()
+        .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
+        .collect();
+    tried.join(", ")
+}
+
+/// The sub-folders of `dir` (one per case), sorted.
+fn case_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_dir())
         .collect();
     cases.sort();
+    cases
+}
+
+/// The commitments of a case folder (`*.json` but `meta.json`), sorted.
+fn commitment_files(case_dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(case_dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "json") && p.file_stem().is_some_and(|s| s != "meta")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The case's checkpoint ([`checkpoint_for`]), opened resident on the test device, and its
+/// `model_root`.
+fn open_case(oracle: &Path, case: &str) -> (PathBuf, Model, String) {
+    let ckpt = checkpoint_for(oracle, case)
+        .unwrap_or_else(|| panic!("{case}: no checkpoint folder with a config.json found"));
+    let opts = LoadOptions {
+        residency: Residency::Resident,
+        device: common::test_device(),
+        ..LoadOptions::default()
+    };
+    let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let root = engy_core::identity::model_root(&ckpt).unwrap();
+    (ckpt, model, root)
+}
+
+#[test]
+fn honest_serves_pass_and_weight_swaps_are_caught() {
+    let oracle = oracle_dir();
+    let cases = case_dirs(&oracle);
     assert!(!cases.is_empty(), "no case folders in {}", oracle.display());
     let params = AuditParams::default();
     let mut failures = Vec::new();
@@ -96,8 +162,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
             .and_then(|n| n.to_str())
             .unwrap_or_default()
             .to_string();
-        let ckpt = checkpoint_for(&oracle, &case)
-            .unwrap_or_else(|| panic!("{case}: no checkpoint folder with a config.json found"));
+        let (ckpt, model, root) = open_case(&oracle, &case);
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
         let quantised = config.get("quantization_config").is_some()
@@ -105,22 +170,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 .get("text_config")
                 .and_then(|t| t.get("quantization_config"))
                 .is_some();
-        let opts = LoadOptions {
-            residency: Residency::Resident,
-            device: common::test_device(),
-            ..LoadOptions::default()
-        };
-        let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
-        let root = engy_core::identity::model_root(&ckpt).unwrap();
-        let mut files: Vec<PathBuf> = std::fs::read_dir(case_dir)
-            .unwrap()
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.extension().is_some_and(|x| x == "json")
-                    && p.file_stem().is_some_and(|s| s != "meta")
-            })
-            .collect();
-        files.sort();
+        let files = commitment_files(case_dir);
         let mut table: BTreeMap<String, Row> = BTreeMap::new();
         for f in &files {
             let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
@@ -132,7 +182,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
             audited += 1;
             let row = table.entry(variant.clone()).or_default();
-            row.n += 1;
+            row.record(&report);
             let passed = match &report.verdict {
                 Verdict::Pass => true,
                 Verdict::Cheat => false,
@@ -179,34 +229,19 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                     None => skipped += 1,
                 }
             }
-            for o in &report.recomputes {
-                let r = row.ranges.entry(o.label()).or_insert((u64::MAX, 0));
-                r.0 = r.0.min(o.max_exp_mismatches);
-                r.1 = r.1.max(o.max_exp_mismatches);
-            }
             if let Some(want) = expected(&variant) {
                 if want != passed {
-                    let tried: Vec<String> = report
-                        .recomputes
-                        .iter()
-                        .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
-                        .collect();
                     failures.push(format!(
                         "{case}/{stem}: {} but a correct auditor says {} ({})",
                         report.verdict.label(),
                         if want { "pass" } else { "cheat" },
-                        tried.join(", ")
+                        tried(&report)
                     ));
                 }
             }
         }
         println!("{case} ({}):", ckpt.display());
         for (variant, row) in &table {
-            let ranges: Vec<String> = row
-                .ranges
-                .iter()
-                .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
-                .collect();
             let want = match expected(variant) {
                 Some(true) => "pass",
                 Some(false) => "cheat",
@@ -217,7 +252,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 "  {variant:<28} {:>2}/{:<2} pass  (expected {want:<12})  {}",
                 row.pass,
                 row.n,
-                ranges.join("  ")
+                row.ranges_text()
             );
         }
         if let Some(row) = table.get("fp8_tensor").filter(|_| !quantised) {
@@ -259,36 +294,16 @@ fn honest_serves_dir() -> PathBuf {
 #[test]
 fn honest_serves_of_other_prompts_pass() {
     let dir = honest_serves_dir();
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
     let params = AuditParams::default();
     let (mut audited, mut failures) = (0, Vec::new());
-    for case_dir in &cases {
+    for case_dir in &case_dirs(&dir) {
         let case = case_dir
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or_default();
-        let ckpt = checkpoint_for(&oracle_dir(), case)
-            .unwrap_or_else(|| panic!("{case}: no checkpoint folder with a config.json found"));
-        let opts = LoadOptions {
-            residency: Residency::Resident,
-            device: common::test_device(),
-            ..LoadOptions::default()
-        };
-        let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
-        let root = engy_core::identity::model_root(&ckpt).unwrap();
-        let mut files: Vec<PathBuf> = std::fs::read_dir(case_dir)
-            .unwrap()
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "json"))
-            .collect();
-        files.sort();
+        let (ckpt, model, root) = open_case(&oracle_dir(), case);
         let mut table: BTreeMap<String, Row> = BTreeMap::new();
-        for f in &files {
+        for f in &commitment_files(case_dir) {
             let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
             let set = stem.rsplit_once('_').map_or(stem, |(v, _)| v).to_string();
             let value: serde_json::Value =
@@ -297,39 +312,17 @@ fn honest_serves_of_other_prompts_pass() {
                 .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
             audited += 1;
             let row = table.entry(set).or_default();
-            row.n += 1;
+            row.record(&report);
             row.pass += usize::from(report.verdict == Verdict::Pass);
-            for o in &report.recomputes {
-                let r = row.ranges.entry(o.label()).or_insert((u64::MAX, 0));
-                r.0 = r.0.min(o.max_exp_mismatches);
-                r.1 = r.1.max(o.max_exp_mismatches);
-            }
             if report.verdict != Verdict::Pass {
-                let tried: Vec<String> = report
-                    .recomputes
-                    .iter()
-                    .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
-                    .collect();
-                failures.push(format!(
-                    "{case}/{stem}: {} ({})",
-                    report.verdict.label(),
-                    tried.join(", ")
-                ));
+                let verdict = report.verdict.label();
+                failures.push(format!("{case}/{stem}: {verdict} ({})", tried(&report)));
             }
         }
         println!("{case} ({}):", ckpt.display());
         for (set, row) in &table {
-            let ranges: Vec<String> = row
-                .ranges
-                .iter()
-                .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
-                .collect();
-            println!(
-                "  {set:<24} {:>2}/{:<2} pass  {}",
-                row.pass,
-                row.n,
-                ranges.join("  ")
-            );
+            let (pass, n, ranges) = (row.pass, row.n, row.ranges_text());
+            println!("  {set:<24} {pass:>2}/{n:<2} pass  {ranges}");
         }
     }
     assert!(audited > 0, "no commitments under {}", dir.display());

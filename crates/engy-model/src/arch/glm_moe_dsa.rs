@@ -1197,18 +1197,8 @@ impl GlmMoeDsa {
             // In a bf16 recompute q, k and v hold bf16 values: on a GPU the scores and the
             // products run on the tensor cores, the probabilities still f32
             // ([`fused_attention::attention_f32_probs`]).
-            if self.attention == super::AttentionKernel::Eager {
-                return Ok(ops::attention_eager_in(
-                    &q,
-                    &k_all,
-                    &v_all,
-                    scale,
-                    Some(&mask),
-                    blk,
-                    cm,
-                )?);
-            }
-            if cm == Compute::Bf16 {
+            let eager = self.attention == super::AttentionKernel::Eager;
+            if cm == Compute::Bf16 && !eager {
                 if let Some(y) = fused_attention::attention_f32_probs(
                     &q,
                     &k_all,
@@ -1220,13 +1210,17 @@ impl GlmMoeDsa {
                     return Ok(y);
                 }
             }
-            Ok(ops::attention_blocked(
+            // MLA's sdpa rule is SDPA's math path, f32 inside (the output is rounded below);
+            // the eager rule rounds where transformers' eager attention does.
+            let rounding = if eager { cm } else { Compute::F32 };
+            Ok(ops::attention_eager_in(
                 &q,
                 &k_all,
                 &v_all,
                 scale,
                 Some(&mask),
                 blk,
+                rounding,
             )?)
         })?;
         let y = cm.round(y)?; // [t, nh * dv]

@@ -341,7 +341,8 @@ pub fn attention(
 /// scores held at once to `[h, block, s]`: the same operations on each block, so every row
 /// gets the values one call over all rows gives (rows are independent), but the keys are
 /// transposed and the KV heads expanded once for all blocks, not once a block (at GLM-5's
-/// 64 heads and 4,096 keys that copy is 256 MiB).
+/// 64 heads and 4,096 keys that copy is 256 MiB). It is [`attention_eager_in`] in f32, where
+/// every rounding of the eager rule is the identity.
 ///
 /// # Errors
 /// Candle errors on inconsistent shapes.
@@ -353,26 +354,7 @@ pub fn attention_blocked(
     mask: Option<&Tensor>,
     block: usize,
 ) -> candle_core::Result<Tensor> {
-    let (h, t, _) = q.dims3()?;
-    let (kt, v) = keys_t(h, k, v)?;
-    let dv = v.dim(2)?;
-    let block = block.max(1);
-    let mut ys = Vec::with_capacity(t.div_ceil(block));
-    for r0 in (0..t).step_by(block) {
-        let n = block.min(t - r0);
-        let mut att = (q.narrow(1, r0, n)?.contiguous()?.matmul(&kt)? * scale)?;
-        if let Some(m) = mask {
-            att = att.broadcast_add(&m.narrow(0, r0, n)?)?;
-        }
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        ys.push(
-            att.matmul(&v)?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((n, h * dv))?,
-        );
-    }
-    Tensor::cat(&ys, 0)
+    attention_eager_in(q, k, v, scale, mask, block, Compute::F32)
 }
 
 /// The keys expanded to the `h` query heads and transposed, `[h, d, s]`, and the values
