@@ -7,9 +7,11 @@
 //! commitments are audited one after the other, so with `--resident` the later audits reuse
 //! the decoded weights (docs/AUDITOR.md "Several commitments in one run").
 //!
-//! Exit codes: 0 `pass`, 1 `cheat`, 2 `unproven` (the commitment is malformed or mis-shaped:
-//! the reason is printed), 3 the audit itself could not run (unreadable checkpoint or
-//! commitment file, unsupported architecture). With several commitments: 1 when any is a
+//! Exit codes: 0 `pass`, 1 `cheat`, 2 `unproven` (the commitment is malformed or mis-shaped,
+//! not UTF-8 JSON, or of another `model_root`: the reason is printed), 3 the audit itself
+//! could not run (a usage error, `crate::usage`; an unreadable checkpoint or commitment file;
+//! an unsupported architecture; a recompute that is not finite,
+//! [`engy_model::ModelError::NonFinite`]). With several commitments: 1 when any is a
 //! cheat, else 3 when any could not be audited, else 2 when any is unproven, else 0. A reader
 //! that closes standard output early (`engy-audit audit … | head -1`) ends the printing
 //! quietly; the exit code is still the verdict's.
@@ -28,7 +30,9 @@ use engy_model::{DeviceSpec, LoadOptions, Model, Residency};
 #[derive(clap::Args, Debug)]
 pub struct AuditArgs {
     /// Checkpoint directory (config.json, *.safetensors) the commitment claims to be served
-    /// from.
+    /// from. Its model_root covers config.json and the shards' names and sizes, not the weight
+    /// bytes: verify them once per copy before acting on a cheat verdict (docs/AUDITOR.md
+    /// "Checkpoint integrity").
     #[arg(long, env = "ENGY_CHECKPOINT", value_name = "DIR")]
     pub checkpoint: PathBuf,
     /// JSON file holding the commitment (PROTOCOL.md §3.10), or a gateway `response` frame
@@ -44,7 +48,7 @@ pub struct AuditArgs {
     #[arg(long, default_value_t = 40)]
     pub toploc_v: u64,
     /// The commitment passes when at least this fraction of its batches pass (model spec
-    /// `toploc_p`, 0..=1).
+    /// `toploc_p`, above 0 and at most 1: at 0 every commitment would pass).
     #[arg(long, default_value_t = 0.99)]
     pub toploc_p: f64,
     /// Print the full report as one JSON object instead of text.
@@ -64,7 +68,12 @@ pub struct AuditArgs {
     pub recompute: RecomputeArg,
     /// Absolute near-tie margin of the routing check, in the architecture's router score
     /// units (default: the architecture's calibrated margin; docs/AUDITOR.md "Routing").
-    #[arg(long, env = "ENGY_AUDIT_ROUTING_MARGIN", value_name = "SCORE")]
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_ROUTING_MARGIN",
+        value_name = "SCORE",
+        allow_negative_numbers = true
+    )]
     pub routing_margin: Option<f32>,
     /// Largest fraction of (position, MoE layer) cells whose committed experts are outside the
     /// margin that still passes (0..=1).
@@ -120,7 +129,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 const EXIT_PASS: u8 = 0;
 const EXIT_CHEAT: u8 = 1;
 const EXIT_UNPROVEN: u8 = 2;
-const EXIT_ERROR: u8 = 3;
+pub(crate) const EXIT_ERROR: u8 = 3;
 
 /// Runs `engy-audit audit` (exit codes in the module docs).
 pub fn main(args: &AuditArgs) -> ExitCode {
@@ -131,47 +140,64 @@ pub fn main(args: &AuditArgs) -> ExitCode {
         } else {
             String::new()
         };
-        eprintln!("engy-audit audit: error: {what}{e:#}");
-        eprintln!("no verdict: fix the input above and run the audit again");
+        eprintln!("engy-audit audit: error: {what}{}", crate::error_text(e));
+        if several {
+            eprintln!(
+                "no verdict for {}; the other commitments are audited",
+                path.display()
+            );
+        } else {
+            eprintln!("no verdict: fix the input above and run the audit again");
+        }
     };
-    // Every commitment is read before the checkpoint is opened (which may decode all of it):
-    // a wrong path fails at once.
     let params = match check_args(args) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("engy-audit audit: error: {e:#}");
+            eprintln!("engy-audit audit: error: {}", crate::error_text(&e));
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    let texts: Vec<anyhow::Result<String>> =
+    // Every commitment is read before the checkpoint is opened (which may decode all of it),
+    // and a file that cannot be read is reported then: a wrong path fails at once.
+    let texts: Vec<anyhow::Result<Vec<u8>>> =
         args.commitment.iter().map(|p| read_commitment(p)).collect();
-    if texts.iter().all(|t| t.is_err()) {
-        for (path, text) in args.commitment.iter().zip(&texts) {
-            if let Err(e) = text {
-                failed(path, e);
-            }
+    for (path, text) in args.commitment.iter().zip(&texts) {
+        if let Err(e) = text {
+            failed(path, e);
         }
+    }
+    if texts.iter().all(|t| t.is_err()) {
         return ExitCode::from(EXIT_ERROR);
     }
     let (model, model_root) = match open_model(args) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("engy-audit audit: error: {e:#}");
+            eprintln!("engy-audit audit: error: {}", crate::error_text(&e));
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }
     };
     let mut codes = Vec::with_capacity(args.commitment.len());
     for (path, text) in args.commitment.iter().zip(&texts) {
-        let report = match text
-            .as_ref()
-            .map_err(|e| anyhow::anyhow!("{e:#}"))
-            .and_then(|text| audit_one(args, &model, &model_root, &params, path, text))
-        {
-            Ok(report) => report,
-            Err(e) => {
+        let outcome = match text {
+            // Reported above; with --json it still gets its line, in its turn.
+            Err(e) => Err(crate::error_text(e)),
+            Ok(text) => audit_one(args, &model, &model_root, &params, path, text).map_err(|e| {
                 failed(path, &e);
+                crate::error_text(&e)
+            }),
+        };
+        let report = match outcome {
+            Ok(report) => report,
+            Err(error) => {
+                if several && args.json {
+                    let line = Failed {
+                        commitment: path.display().to_string(),
+                        error,
+                    };
+                    crate::emit_code("audit", &line, true, |_| String::new(), 0, 0);
+                }
                 codes.push(EXIT_ERROR);
                 continue;
             }
@@ -206,6 +232,14 @@ struct Named<'a> {
     report: &'a AuditReport,
 }
 
+/// The `--json` line of a commitment that could not be audited, in a run of several (so
+/// that a reader gets one line per `--commitment`): the file and the error, no verdict.
+#[derive(serde::Serialize)]
+struct Failed {
+    commitment: String,
+    error: String,
+}
+
 /// The exit code of a run of several audits from theirs: a cheat first (it is what the run
 /// is for), then an audit that could not run, then an unproven commitment, else pass.
 fn combined_code(codes: &[u8]) -> u8 {
@@ -218,8 +252,8 @@ fn combined_code(codes: &[u8]) -> u8 {
 /// The audit parameters from the flags, checked.
 fn check_args(args: &AuditArgs) -> anyhow::Result<AuditParams> {
     anyhow::ensure!(
-        (0.0..=1.0).contains(&args.toploc_p),
-        "--toploc-p must be within 0..=1, got {}",
+        args.toploc_p > 0.0 && args.toploc_p <= 1.0,
+        "--toploc-p must be above 0 and at most 1 (at 0 every commitment passes), got {}",
         args.toploc_p
     );
     anyhow::ensure!(args.toploc_k > 0, "--toploc-k must be at least 1");
@@ -266,42 +300,54 @@ fn open_model(args: &AuditArgs) -> anyhow::Result<(Model, String)> {
         device: args.device,
         ..LoadOptions::default()
     };
-    let model = Model::open(&args.checkpoint, &opts).with_context(|| {
-        format!(
-            "opening checkpoint {} on {} (--device / ENGY_AUDIT_DEVICE)",
+    let model = Model::open(&args.checkpoint, &opts).map_err(|e| {
+        // Name the setting at fault: the device when it is the device, else the checkpoint.
+        let flag = match e {
+            engy_model::ModelError::Device(_) => "--device / ENGY_AUDIT_DEVICE",
+            _ => "--checkpoint / ENGY_CHECKPOINT",
+        };
+        anyhow::Error::new(e).context(format!(
+            "opening checkpoint {} on {} ({flag})",
             args.checkpoint.display(),
             args.device
-        )
+        ))
     })?;
     let model_root = engy_core::identity::model_root(&args.checkpoint)
         .with_context(|| format!("model_root of {}", args.checkpoint.display()))?;
     Ok((model, model_root))
 }
 
-/// The text of the commitment file `path` (`-`: standard input).
-fn read_commitment(path: &std::path::Path) -> anyhow::Result<String> {
+/// The bytes of the commitment file `path` (`-`: standard input). What they hold is the
+/// miner's and judged by [`audit_one`]: bytes that are not UTF-8 JSON make the commitment
+/// unproven, not the run an error.
+fn read_commitment(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
     if path.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading the commitment from stdin")
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes)
+            .context("reading the commitment from stdin")?;
+        Ok(bytes)
     } else {
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+        std::fs::read(path).with_context(|| format!("reading {}", path.display()))
     }
 }
 
-/// Audits the commitment `text` read from `path`.
+/// Audits the commitment file's bytes `text`, read from `path`.
 fn audit_one(
     args: &AuditArgs,
     model: &Model,
     model_root: &str,
     params: &AuditParams,
     path: &std::path::Path,
-    text: &str,
+    text: &[u8],
 ) -> anyhow::Result<AuditReport> {
-    let value: serde_json::Value = match serde_json::from_str(text) {
+    // A UTF-8 byte order mark is not JSON, but RFC 8259 §8.1 lets a parser ignore it.
+    let text = text.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(text);
+    let value: serde_json::Value = match serde_json::from_slice(text) {
         Ok(v) => v,
-        // Not JSON at all: the commitment is unproven, the audit itself worked.
+        // Not UTF-8 JSON at all: the commitment is unproven, the audit itself worked.
         Err(e) => {
             return Ok(AuditReport::unproven(
-                format!("the commitment file is not JSON: {e}"),
+                format!("the commitment file is not UTF-8 JSON: {e}"),
                 *params,
             ))
         }

@@ -59,7 +59,7 @@ pub struct CellsArgs {
 const EXIT_PASS: u8 = 0;
 const EXIT_CHEAT: u8 = 1;
 const EXIT_REFUSED: u8 = 2;
-const EXIT_ERROR: u8 = 3;
+pub(crate) const EXIT_ERROR: u8 = 3;
 const EXIT_WEIGHTS: u8 = 4;
 
 /// What ended the run without a verdict.
@@ -92,7 +92,7 @@ pub fn main(args: &CellsArgs) -> ExitCode {
             return ExitCode::from(EXIT_WEIGHTS);
         }
         Err(Stop::Error(e)) => {
-            eprintln!("engy-audit cells: error: {e:#}");
+            eprintln!("engy-audit cells: error: {}", crate::error_text(&e));
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }

@@ -8,9 +8,16 @@
 //!   3 the audit could not run, 4 the checkpoint is not the committed one.
 //! * `spec` ([`spec`]): build, verify, open and inspect Merkle weight commitments
 //!   (specs/SCHEME.md); the same code and exit codes as `engy-validator spec`.
+//!
+//! A usage error (an unknown flag, a value that does not parse, from a flag or from its
+//! variable, a missing argument) is the subcommand's "could not run" code: 3 for `audit` and
+//! `cells`, 1 for `spec` (and 3 with no subcommand), never a verdict's code; the message names
+//! the variable when the value came from one ([`engy_telemetry::cli::usage_error`]). Help and
+//! version exit 0.
+use std::ffi::OsString;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod audit;
 mod cells;
@@ -44,17 +51,65 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) => return usage(&e, &args),
+    };
+    match cli.command {
         Command::Audit(args) => audit::main(&args),
         Command::Cells(args) => cells::main(&args),
         Command::Spec(args) => match spec::main(args) {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("engy-audit spec: error: {e:#}");
+                eprintln!("engy-audit spec: error: {}", error_text(&e));
                 ExitCode::from(1)
             }
         },
     }
+}
+
+/// An error and its causes on one line, `: `-separated as anyhow's `{:#}` writes them, less
+/// any cause whose text the line already ends with (a library error that prints its source
+/// in its own message, e.g. engy-model's `{path}: {source}`, is not repeated).
+pub(crate) fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text;
+        } else if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+/// Prints a usage error (naming the variable the value came from, when it did) and returns
+/// the subcommand's "could not run" code (module docs); help and version print and exit 0.
+fn usage(e: &clap::Error, args: &[OsString]) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        e.exit()
+    }
+    let cmd = Cli::command();
+    let message = engy_telemetry::cli::usage_error(e, &cmd, args, &|k| std::env::var_os(k))
+        .unwrap_or_else(|| e.render().to_string());
+    eprint!("{message}");
+    let sub = args
+        .iter()
+        .skip(1)
+        .filter_map(|a| a.to_str())
+        .find_map(|a| cmd.find_subcommand(a))
+        .map(|s| s.get_name().to_owned());
+    let code = match sub.as_deref() {
+        Some("spec") => 1,
+        Some("cells") => cells::EXIT_ERROR,
+        _ => audit::EXIT_ERROR,
+    };
+    eprintln!("engy-audit: nothing was run: fix the command line above (exit {code})");
+    ExitCode::from(code)
 }
 
 /// Prints a verdict's report (`json`: the report as one JSON line, else `text()`) and returns

@@ -93,6 +93,27 @@ fn audit_exit_codes_follow_the_verdict() {
         &not_json.to_string_lossy(),
     ]);
     assert_eq!(code, 2);
+    // Bytes that are not UTF-8 are the miner's garbage too (unproven), not an unreadable
+    // file (3); a UTF-8 byte order mark in front of JSON is ignored (RFC 8259 §8.1).
+    for (name, bytes) in [
+        ("latin1.json", b"{\"model_root\": \"\xff\xfe\"}".to_vec()),
+        ("binary.json", vec![0x9f, 0x00, 0xc3, 0x28, 0xff]),
+    ] {
+        let p = t.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        let (code, out) = run(&["--checkpoint", &ck, "--commitment", &p.to_string_lossy()]);
+        assert_eq!(code, 2, "{name}: {out}");
+        assert!(
+            out.starts_with("verdict: unproven (the commitment file is not UTF-8 JSON"),
+            "{out}"
+        );
+    }
+    let bom = t.path().join("bom.json");
+    let mut bytes = b"\xEF\xBB\xBF".to_vec();
+    bytes.extend(serde_json::to_vec(&good).unwrap());
+    std::fs::write(&bom, bytes).unwrap();
+    let (code, out) = run(&["--checkpoint", &ck, "--commitment", &bom.to_string_lossy()]);
+    assert_eq!(code, 0, "{out}");
 
     let missing = t.path().join("nope").to_string_lossy().into_owned();
     let good_path = write("g2.json", &good);
@@ -191,6 +212,20 @@ fn several_commitments_are_audited_in_one_run() {
     assert_eq!(code, 3, "{out}");
     assert_eq!(out.matches("verdict: pass").count(), 1, "{out}");
     assert_eq!(out.matches("verdict: unproven").count(), 1, "{out}");
+    // With --json it still has its line, in its turn: a reader gets one per --commitment.
+    let (code, out) = audit(&[&good, &missing, &bad], true);
+    assert_eq!(code, 1, "{out}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(lines[1]["commitment"], missing.as_str(), "{out}");
+    assert!(lines[1]["verdict"].is_null(), "{out}");
+    assert!(
+        lines[1]["error"].as_str().unwrap().contains("reading"),
+        "{out}"
+    );
     // Standard input can be read once only.
     let (code, _) = audit(&["-", "-"], false);
     assert_eq!(code, 3);
@@ -216,6 +251,108 @@ fn an_unreadable_commitment_fails_before_the_checkpoint_is_opened() {
         "{err}"
     );
     assert!(!err.contains("opening checkpoint"), "{err}");
+}
+
+/// A usage error (unknown flag, a value that does not parse, from the flag or its variable)
+/// is the subcommand's "could not run" code, never a verdict's: 3 for `audit` and `cells`
+/// (2 is unproven / bundle refused), 1 for `spec` (2 is "roots differ"); a value from a
+/// variable is reported under the variable's name.
+#[test]
+fn usage_errors_never_exit_with_a_verdicts_code() {
+    let engy_audit = |args: &[&str], env: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let audit = ["audit", "--checkpoint", "ck", "--commitment", "c.json"];
+    let (code, err) = engy_audit(&[&audit[..], &["--bogus"]].concat(), &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("--bogus"), "{err}");
+    let (code, err) = engy_audit(&audit, &[("ENGY_AUDIT_RECOMPUTE", "fp16")]);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("invalid value 'fp16' for ENGY_AUDIT_RECOMPUTE"),
+        "{err}"
+    );
+    let (code, err) = engy_audit(
+        &["audit", "--commitment", "c.json"],
+        &[("ENGY_CHECKPOINT", "")],
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("ENGY_CHECKPOINT"), "{err}");
+    // A negative margin reaches the audit's own check (not "unexpected argument '-1'").
+    let (code, err) = engy_audit(&[&audit[..], &["--routing-margin", "-1"]].concat(), &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("--routing-margin (ENGY_AUDIT_ROUTING_MARGIN) must be"),
+        "{err}"
+    );
+    // A pass ratio of 0 would pass every commitment.
+    let (code, err) = engy_audit(&[&audit[..], &["--toploc-p", "0"]].concat(), &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("--toploc-p must be above 0"), "{err}");
+    let (code, err) = engy_audit(&["cells", "--bogus"], &[]);
+    assert_eq!(code, 3, "{err}");
+    let (code, err) = engy_audit(&["spec", "verify", "--bogus"], &[]);
+    assert_eq!(code, 1, "{err}");
+    let (code, _) = engy_audit(&["audit", "--help"], &[]);
+    assert_eq!(code, 0);
+}
+
+/// Weights that make the recompute NaN (here the final norm's gain, written over in place so
+/// that the file keeps its size and the checkpoint its model_root) give no verdict (exit 3,
+/// "non-finite"): the auditor's checkpoint is damaged, the miner's commitment is not judged
+/// on it.
+#[test]
+fn a_recompute_that_is_not_finite_gives_no_verdict() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    let (honest, _, good) = honest_commitment(&dir);
+    let root = honest.model_root.clone();
+    drop(honest);
+    let shard = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.extension().is_some_and(|e| e == "safetensors")
+                && safetensors::SafeTensors::deserialize(&std::fs::read(p).unwrap())
+                    .unwrap()
+                    .names()
+                    .contains(&"model.norm.weight")
+        })
+        .unwrap();
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let norm = st.tensor("model.norm.weight").unwrap();
+    let at = norm.data().as_ptr() as usize - bytes.as_ptr() as usize;
+    let len = norm.data().len();
+    let mut bytes = bytes.clone();
+    // bf16 NaN, 0x7fc0, little-endian
+    for pair in bytes[at..at + len].chunks_mut(2) {
+        pair.copy_from_slice(&[0xc0, 0x7f]);
+    }
+    std::fs::write(&shard, bytes).unwrap();
+    assert_eq!(engy_core::identity::model_root(&dir).unwrap(), root);
+    let c = t.path().join("good.json");
+    std::fs::write(&c, serde_json::to_vec(&good).unwrap()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .arg("audit")
+        .arg("--checkpoint")
+        .arg(&dir)
+        .arg("--commitment")
+        .arg(&c)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("non-finite hidden state"), "{err}");
+    assert!(out.stdout.is_empty());
 }
 
 /// A seed-3 devnet checkpoint, its honest greedy commitment for a short chat prompt, and the

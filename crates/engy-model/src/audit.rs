@@ -708,7 +708,9 @@ fn check_shape(
     let cfg = model.config();
     if c.model_root != model_root {
         return Err(format!(
-            "model_root {:?} is not the checkpoint's {model_root}",
+            "model_root {:?} is not the checkpoint's {model_root}: the commitment is of another \
+             model, or the checkpoint folder is not the one served (model_root covers \
+             config.json's bytes and every *.safetensors file's name and size, PROTOCOL.md §4)",
             c.model_root
         ));
     }
@@ -829,11 +831,17 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
             reason: "the routing check did not run".into(),
         },
     };
-    let rows: Vec<Vec<u16>> = hidden
-        .iter()
-        .skip(c.prompt.len() - 1)
-        .take(n)
-        .map(|r| toploc::f32_to_bf16_bits_slice(r))
+    // A damaged checkpoint (NaN or infinite weights, or bytes that overflow) is the
+    // auditor's fault, not the miner's: no verdict on it (ModelError::NonFinite).
+    let proven = hidden.iter().enumerate().skip(c.prompt.len() - 1).take(n);
+    if let Some((position, _)) = proven
+        .clone()
+        .find(|(_, r)| r.iter().any(|v| !v.is_finite()))
+    {
+        return Err(ModelError::NonFinite { position });
+    }
+    let rows: Vec<Vec<u16>> = proven
+        .map(|(_, r)| toploc::f32_to_bf16_bits_slice(r))
         .collect();
     let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
     let mut report = AuditReport {

@@ -101,6 +101,18 @@ pub enum ModelError {
     /// A tensor operation failed (a bug or resource exhaustion, not bad input).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// A recompute produced a hidden state that is NaN or infinite: no served model does, so
+    /// the checkpoint's weights are damaged or not the model's (docs/AUDITOR.md "Checkpoint
+    /// integrity"); an audit gives no verdict on it.
+    #[error(
+        "the recompute produced a non-finite hidden state (NaN or infinity) at position \
+         {position}: the checkpoint's weights are damaged or not this model's; verify them \
+         (docs/AUDITOR.md \"Checkpoint integrity\")"
+    )]
+    NonFinite {
+        /// The first position (0-based, prompt included) whose row holds one.
+        position: usize,
+    },
 }
 
 /// A checkpoint directory opened for serving or auditing: the model, its tokenizer and its

@@ -269,28 +269,38 @@ fn describe(e: &anyhow::Error) -> String {
 }
 
 /// Parses the command line; a usage error is printed naming the variable the operator set
-/// ([`config::usage_error`]) and is exit 2, help and version exit 0 as clap does.
+/// ([`config::usage_error`]) and is exit 2, except under `spec`, whose 2 is "roots differ":
+/// there it is 1, spec's "bad input" (engy_spec's exit codes). Help and version exit 0 as
+/// clap does.
 fn parse() -> Result<Cli, ExitCode> {
     use clap::CommandFactory;
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    match Cli::try_parse_from(&args) {
-        Ok(cli) => Ok(cli),
-        Err(e) => match config::usage_error(&e, &Cli::command(), &args, &|k| std::env::var_os(k)) {
-            Some(message) => {
-                fatal(&message, 2);
-                Err(ExitCode::from(2))
-            }
-            // a usage error clap words well (unknown flag, ...) is still one JSON line in
-            // JSON mode; help and version print as clap does
-            None if e.use_stderr()
-                && requested_format() == engy_telemetry::log::LogFormat::Json =>
-            {
-                fatal(&e.render().to_string(), 2);
-                Err(ExitCode::from(2))
-            }
-            None => e.exit(),
-        },
+    let e = match Cli::try_parse_from(&args) {
+        Ok(cli) => return Ok(cli),
+        Err(e) => e,
+    };
+    let cmd = Cli::command();
+    let spec = args
+        .iter()
+        .skip(1)
+        .filter_map(|a| a.to_str())
+        .find_map(|a| cmd.find_subcommand(a))
+        .is_some_and(|s| s.get_name() == "spec");
+    let code = if spec { 1 } else { 2 };
+    match config::usage_error(&e, &cmd, &args, &|k| std::env::var_os(k)) {
+        Some(message) => fatal(&message, code),
+        // help and version print as clap does
+        None if !e.use_stderr() => e.exit(),
+        // a usage error clap words well (unknown flag, ...) is still one JSON line in JSON
+        // mode
+        None if requested_format() == engy_telemetry::log::LogFormat::Json => {
+            fatal(&e.render().to_string(), code)
+        }
+        None => {
+            let _ = e.print();
+        }
     }
+    Err(ExitCode::from(code))
 }
 
 /// The exit code of a failed subcommand: a configuration error says which (2 for a usage

@@ -258,6 +258,10 @@ async fn configuration_errors_name_the_variable_and_exit_as_documented() {
     let out = run_with(&with("ENGY_SN53_NETWORK", "mainnet".into()), &["run"]).await;
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("ENGY_SN53_NETWORK must be"));
+    // under `spec` 2 is "roots differ": a usage error there is spec's "bad input", 1
+    let out = run_with(&base, &["spec", "verify", "--bogus"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--bogus"), "{}", stderr(&out));
 }
 
 /// Item 10: the payload reason word is the documented one.
