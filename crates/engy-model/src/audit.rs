@@ -823,7 +823,20 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
         },
     });
     let routing = match (&check, &c.routing) {
-        (Some(ch), _) => RoutingAudit::Checked(RoutingSummary::of(ch, p.routing.max_mismatch_rate)),
+        (Some(ch), _) => {
+            let summary = RoutingSummary::of(ch, p.routing.max_mismatch_rate);
+            if summary.totals.compared == 0 {
+                // A trace whose positions miss the proven ones checked nothing: say so, not
+                // "0/0 cells agree".
+                RoutingAudit::NotReplayed {
+                    reason: "the routing trace covers no (position, MoE layer) cell of this \
+                             commitment"
+                        .into(),
+                }
+            } else {
+                RoutingAudit::Checked(summary)
+            }
+        }
         (None, Err(reason)) => RoutingAudit::NotReplayed {
             reason: reason.clone(),
         },

@@ -3,7 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, ModelError, Precision};
+use engy_model::{
+    corpus, gen_model, Checkpoint, Compute, GenConfig, LoadOptions, Model, ModelError, Precision,
+    Residency,
+};
 
 const SEED: u64 = 53;
 
@@ -253,6 +256,30 @@ fn bad_inputs_are_typed_errors() {
         Model::load(t.path(), Precision::Bf16),
         Err(ModelError::Safetensors { .. })
     ));
+    // A config.json whose vocab_size is not the embedding's rows fails at open whether the
+    // weights stream or stay resident (streaming checks plain tensors from the shard header),
+    // not at first use as a token "outside the vocabulary" (the miner's fault) or never.
+    let t = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, t.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(t.path().join("config.json")).unwrap()).unwrap();
+    cfg["vocab_size"] = (vocab as u64 + 100).into();
+    std::fs::write(t.path().join("config.json"), cfg.to_string()).unwrap();
+    for residency in [Residency::Streaming, Residency::Resident] {
+        let opts = LoadOptions {
+            residency,
+            ..LoadOptions::default()
+        };
+        let r = Model::open(t.path(), &opts);
+        assert!(
+            matches!(&r, Err(ModelError::Shape { name, .. }) if name.contains("embed_tokens")),
+            "{residency:?}: {:?}",
+            r.err()
+        );
+    }
     // No config.json.
     let empty = tempfile::tempdir().unwrap();
     assert!(matches!(

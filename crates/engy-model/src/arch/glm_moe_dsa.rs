@@ -732,10 +732,11 @@ impl GlmMoeDsa {
         }
         let need = |name: String, shape: Vec<usize>, how: As| -> Result<(), ModelError> {
             if streaming {
-                return if w.has(&name) {
-                    Ok(())
-                } else {
-                    Err(ModelError::MissingTensor(w.resolve(&name)))
+                // Plain tensors from the header now; matrices (maybe quantised) on use.
+                return match (how, w.has(&name)) {
+                    (As::Plain, _) => w.check_stored(&name, &shape),
+                    (_, true) => Ok(()),
+                    (_, false) => Err(ModelError::MissingTensor(w.resolve(&name))),
                 };
             }
             let module = name.trim_end_matches(".weight");

@@ -124,10 +124,11 @@ impl Qwen3Moe {
         let streaming = !w.preloads();
         let need = |name: String, shape: Vec<usize>, proj: bool| -> Result<(), ModelError> {
             if streaming {
-                return if w.has(&name) {
-                    Ok(())
-                } else {
-                    Err(ModelError::MissingTensor(w.resolve(&name)))
+                // Plain tensors from the header now; projections (maybe quantised) on use.
+                return match (proj, w.has(&name)) {
+                    (false, _) => w.check_stored(&name, &shape),
+                    (true, true) => Ok(()),
+                    (true, false) => Err(ModelError::MissingTensor(w.resolve(&name))),
                 };
             }
             match (proj, shape.as_slice()) {

@@ -1014,6 +1014,30 @@ impl Weights {
         self.get(name, None, false)
     }
 
+    /// Checks `name` against `shape` from the shard header alone, reading no data: what a
+    /// streaming load checks up front, so that a `config.json` that contradicts the weights
+    /// (say a `vocab_size` other than the embedding's rows) fails at open as a resident load
+    /// does, not at first use (or never). A quantised tensor (one with a `_scale_inv` or
+    /// `_scale` beside it) is stored in another shape and is checked when it is decoded.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], [`ModelError::Shape`].
+    pub fn check_stored(&self, name: &str, shape: &[usize]) -> Result<(), ModelError> {
+        let Some(stored) = self.shape(name) else {
+            return Err(ModelError::MissingTensor(self.resolve(name)));
+        };
+        let quantised =
+            self.has(&format!("{name}_scale_inv")) || self.has(&format!("{name}_scale"));
+        if quantised || stored == shape {
+            return Ok(());
+        }
+        Err(ModelError::Shape {
+            name: self.resolve(name),
+            got: stored.to_vec(),
+            want: shape.to_vec(),
+        })
+    }
+
     /// [`Weights::tensor`] checked against `shape`.
     ///
     /// # Errors
