@@ -38,15 +38,17 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Audit a miner commitment against a checkpoint (teacher-forced recompute + TOPLOC
-    /// verify). Exit 0 pass, 1 cheat, 2 unproven, 3 the audit could not run.
+    /// verify). Exit 0 pass, 1 cheat, 2 unproven, 3 the audit could not run (a usage error
+    /// included).
     Audit(audit::AuditArgs),
     /// Check a miner's cell audit bundle (the challenged cells of one request, opened) against
     /// the checkpoint, whose touched weights are checked against the trusted model_root.
-    /// Exit 0 pass, 1 cheat, 2 bundle refused, 3 the audit could not run, 4 the checkpoint is
-    /// not the committed one.
+    /// Exit 0 pass, 1 cheat, 2 bundle refused, 3 the audit could not run (a usage error
+    /// included), 4 the checkpoint is not the committed one.
     Cells(cells::CellsArgs),
     /// Build, verify, open and inspect Merkle weight commitments (specs/SCHEME.md).
-    /// Exit 0 done / matches, 1 bad input, 2 roots differ or the proof is rejected.
+    /// Exit 0 done / matches, 1 bad input (a usage error included), 2 roots differ or the
+    /// proof is rejected.
     Spec(spec::SpecArgs),
 }
 
