@@ -140,7 +140,10 @@ pub fn main(args: &AuditArgs) -> ExitCode {
         } else {
             String::new()
         };
-        eprintln!("engy-audit audit: error: {what}{}", crate::error_text(e));
+        eprintln!(
+            "engy-audit audit: error: {what}{}",
+            engy_telemetry::cli::error_line(e.as_ref())
+        );
         if several {
             eprintln!(
                 "no verdict for {}; the other commitments are audited",
@@ -153,7 +156,10 @@ pub fn main(args: &AuditArgs) -> ExitCode {
     let params = match check_args(args) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("engy-audit audit: error: {}", crate::error_text(&e));
+            eprintln!(
+                "engy-audit audit: error: {}",
+                engy_telemetry::cli::error_line(e.as_ref())
+            );
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }
@@ -173,7 +179,10 @@ pub fn main(args: &AuditArgs) -> ExitCode {
     let (model, model_root) = match open_model(args) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("engy-audit audit: error: {}", crate::error_text(&e));
+            eprintln!(
+                "engy-audit audit: error: {}",
+                engy_telemetry::cli::error_line(e.as_ref())
+            );
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }
@@ -182,10 +191,10 @@ pub fn main(args: &AuditArgs) -> ExitCode {
     for (path, text) in args.commitment.iter().zip(&texts) {
         let outcome = match text {
             // Reported above; with --json it still gets its line, in its turn.
-            Err(e) => Err(crate::error_text(e)),
+            Err(e) => Err(engy_telemetry::cli::error_line(e.as_ref())),
             Ok(text) => audit_one(args, &model, &model_root, &params, path, text).map_err(|e| {
                 failed(path, &e);
-                crate::error_text(&e)
+                engy_telemetry::cli::error_line(e.as_ref())
             }),
         };
         let report = match outcome {

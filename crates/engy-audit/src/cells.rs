@@ -92,7 +92,10 @@ pub fn main(args: &CellsArgs) -> ExitCode {
             return ExitCode::from(EXIT_WEIGHTS);
         }
         Err(Stop::Error(e)) => {
-            eprintln!("engy-audit cells: error: {}", crate::error_text(&e));
+            eprintln!(
+                "engy-audit cells: error: {}",
+                engy_telemetry::cli::error_line(e.as_ref())
+            );
             eprintln!("no verdict: fix the input above and run the audit again");
             return ExitCode::from(EXIT_ERROR);
         }

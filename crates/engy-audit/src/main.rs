@@ -64,28 +64,14 @@ fn main() -> ExitCode {
         Command::Spec(args) => match spec::main(args) {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("engy-audit spec: error: {}", error_text(&e));
+                eprintln!(
+                    "engy-audit spec: error: {}",
+                    engy_telemetry::cli::error_line(e.as_ref())
+                );
                 ExitCode::from(1)
             }
         },
     }
-}
-
-/// An error and its causes on one line, `: `-separated as anyhow's `{:#}` writes them, less
-/// any cause whose text the line already ends with (a library error that prints its source
-/// in its own message, e.g. engy-model's `{path}: {source}`, is not repeated).
-pub(crate) fn error_text(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if out.is_empty() {
-            out = text;
-        } else if !out.ends_with(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-    }
-    out
 }
 
 /// Prints a usage error (naming the variable the value came from, when it did) and returns

@@ -316,25 +316,22 @@ fn a_recompute_that_is_not_finite_gives_no_verdict() {
     let (honest, _, good) = honest_commitment(&dir);
     let root = honest.model_root.clone();
     drop(honest);
-    let shard = std::fs::read_dir(&dir)
+    // The shard holding the final norm, and that tensor's byte range in it.
+    let (shard, mut bytes, range) = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.extension().is_some_and(|e| e == "safetensors")
-                && safetensors::SafeTensors::deserialize(&std::fs::read(p).unwrap())
-                    .unwrap()
-                    .names()
-                    .contains(&"model.norm.weight")
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .find_map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let data = st.tensor("model.norm.weight").ok()?.data();
+            let at = data.as_ptr() as usize - bytes.as_ptr() as usize;
+            let range = at..at + data.len();
+            Some((p, bytes, range))
         })
         .unwrap();
-    let bytes = std::fs::read(&shard).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let norm = st.tensor("model.norm.weight").unwrap();
-    let at = norm.data().as_ptr() as usize - bytes.as_ptr() as usize;
-    let len = norm.data().len();
-    let mut bytes = bytes.clone();
     // bf16 NaN, 0x7fc0, little-endian
-    for pair in bytes[at..at + len].chunks_mut(2) {
+    for pair in bytes[range].chunks_mut(2) {
         pair.copy_from_slice(&[0xc0, 0x7f]);
     }
     std::fs::write(&shard, bytes).unwrap();

@@ -113,33 +113,27 @@ fn an_honest_trace_agrees_everywhere_and_passes() {
     };
     // The same trace placed after the sequence covers no cell: reported as not replayed,
     // not as a check of "0/0 cells".
-    let beyond = CommittedRouting {
+    let audit = |trace: CommittedRouting| {
+        audit_with_routing(
+            &ck.model,
+            &ck.model_root,
+            &c,
+            &params,
+            Recompute::F32,
+            Some(trace),
+        )
+        .unwrap()
+    };
+    let r = audit(CommittedRouting {
         start: 1 << 40,
         ..committed.clone()
-    };
-    let r = audit_with_routing(
-        &ck.model,
-        &ck.model_root,
-        &c,
-        &params,
-        Recompute::F32,
-        Some(beyond),
-    )
-    .unwrap();
+    });
     assert!(
         matches!(&r.routing, Some(RoutingAudit::NotReplayed { reason }) if reason.contains("covers no")),
         "{:?}",
         r.routing
     );
-    let r = audit_with_routing(
-        &ck.model,
-        &ck.model_root,
-        &c,
-        &params,
-        Recompute::F32,
-        Some(committed),
-    )
-    .unwrap();
+    let r = audit(committed);
     assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
     let s = summary(&r.routing);
     let moe_layers = s.layers.len();

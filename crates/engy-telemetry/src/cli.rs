@@ -1,5 +1,6 @@
 //! Clap usage errors that name the variable the operator set ([`usage_error`]), shared by
-//! both daemons (printed through [`crate::log::fatal`], one JSON line in JSON mode).
+//! both daemons (printed through [`crate::log::fatal`], one JSON line in JSON mode) and
+//! engy-audit; and the one-line text of an error that ends a command ([`error_line`]).
 
 /// Rewrites a clap usage error so that it names the environment variable the operator set
 /// instead of (or beside) the flag, since most operators configure a daemon through its
@@ -98,5 +99,68 @@ pub fn usage_error(
             ))
         }
         _ => None,
+    }
+}
+
+/// An error and its causes on one line, `: `-separated as anyhow's `{:#}` writes them, less
+/// any cause whose text the line already holds (a library error that prints its source in
+/// its own message, e.g. engy-model's `{path}: {source}`, is not repeated). Takes what an
+/// `anyhow::Error` gives with `.as_ref()`.
+pub fn error_line(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_line;
+
+    /// An error that prints its source in its own message, as `{path}: {source}` does.
+    #[derive(Debug)]
+    struct Inline(std::io::Error);
+    impl std::fmt::Display for Inline {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "/x/config.json: {}", self.0)
+        }
+    }
+    impl std::error::Error for Inline {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_already_in_the_line_is_not_repeated() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = Wrapped("opening checkpoint /x", Inline(io));
+        assert_eq!(
+            error_line(&e),
+            "opening checkpoint /x: /x/config.json: no such file"
+        );
+    }
+
+    /// A context line over an error, as anyhow's `.context()` chains them.
+    #[derive(Debug)]
+    struct Wrapped(&'static str, Inline);
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.1)
+        }
     }
 }

@@ -251,23 +251,6 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The error and its causes, `: `-joined like `{:#}`, skipping a cause whose text the
-/// message already contains (several library errors print their source inline).
-fn describe(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if out.contains(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
-}
-
 /// Parses the command line; a usage error is printed naming the variable the operator set
 /// ([`config::usage_error`]) and is exit 2, except under `spec`, whose 2 is "roots differ":
 /// there it is 1, spec's "bad input" (engy_spec's exit codes). Help and version exit 0 as
@@ -379,7 +362,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             let code = exit_code(&e);
-            fatal(&describe(&e), code);
+            fatal(&engy_telemetry::cli::error_line(e.as_ref()), code);
             ExitCode::from(code)
         }
     }
