@@ -92,10 +92,20 @@ class Capture:
             log.error("engy_cells: %s (this request's cells are marked failed)", msg)
             if self.req is not None:
                 self.req["error"] = self.req["error"] or msg
-                self._write_manifest()
+                self._mark_failed()
             if self.strict:
                 raise
         return None
+
+    def _mark_failed(self):
+        """Rewrites the failed request's manifest; never raises (the error path must not
+        break the pass it guards). The request directory may be gone, deleted under the
+        serve (a miner's spool cleanup): then only the log says the request failed, and the
+        miner, finding no manifest, has no cells of it to serve."""
+        try:
+            self._write_manifest()
+        except Exception as e:
+            log.error("engy_cells: %s: manifest not rewritten (%s: %s)", self.req["dir"], type(e).__name__, e)
 
     def router_hook(self, module, inputs, output):
         return self._guard(self._router, module, output)
