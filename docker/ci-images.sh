@@ -93,6 +93,12 @@ EOF
 schemas() {
   check-jsonschema --builtin-schema vendor.compose-spec docker/compose*.yml
   check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+  # One workflow publishes both images (:staging and :sha-… from main; X.Y.Z, X.Y, latest from
+  # tags): a second one would race it for the same tags.
+  local publishers
+  publishers="$(grep -l 'docker/build-push-action\|imagetools create' .github/workflows/*.yml | tr '\n' ' ')"
+  [ "$publishers" = ".github/workflows/images.yml " ] ||
+    fail "image-publishing workflows: ${publishers:-none}(only .github/workflows/images.yml may publish)"
   # The publishing workflow's build arguments are ARGs of both Dockerfiles (a misspelt one is
   # ignored by the build: an image without its commit).
   local arg f
