@@ -14,7 +14,7 @@
 #   ENGY_NO_CHAIN=1      do not start a chain (chain tests then print a visible skip)
 #   ENGY_TF5_PYTHON      a python with torch + transformers 5.24: also run the real-shape
 #                        check of engy-model against transformers (tests/reverse/arch_real_shape.py,
-#                        docs/AUDITOR.md "Real layer shapes"); skipped with a visible line otherwise
+#                        docs/design/accuracy.md); skipped with a visible line otherwise
 #   ENGY_CELLS_PYTHON    a python with torch + transformers 5.24: the sglang hook package's
 #                        cross-language test (crates/engy-core/tests/cells_hooks.rs) runs with
 #                        it; .ci/run makes one from PyPI; a visible SKIP line otherwise

@@ -60,7 +60,7 @@ pub struct AuditArgs {
     pub resident: bool,
     /// The activation dtype(s) of the recompute: `auto` recomputes in bf16 (as GPU serves
     /// compute) and, when that does not pass, in f32, then in bf16 with transformers' eager
-    /// attention, and passes when one does (docs/AUDITOR.md "bf16 and f32 recomputes");
+    /// attention, and passes when one does (docs/AUDITOR.md "Recomputes");
     /// `bf16`, `bf16-eager` or `f32` run only that one. On a
     /// DSA architecture (GLM) a recompute that does not pass runs again with exactly tied index
     /// scores taken higher index first, when one of its top-k selections cut through a tie.

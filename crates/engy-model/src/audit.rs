@@ -28,7 +28,7 @@
 //! 5. Score: the mean over judged batches of `exp_mismatches / topk`, in `[0, 1]` (the SN53
 //!    one-pager's "mean top-k mismatch count normalised by topk"). Reported with every verdict
 //!    that got as far as verification.
-//! 6. Precision ([`audit_with`], [`Recompute`]; docs/AUDITOR.md "bf16 and f32 recomputes"): the
+//! 6. Precision ([`audit_with`], [`Recompute`]; docs/AUDITOR.md "Recomputes"): the
 //!    commitment does not say whether the serve computed in bf16 (every GPU serve) or f32, and
 //!    the two differ by far more than two bf16 serves do (on small MoE models, MoE and DSA
 //!    top-k choices amplify bf16 rounding until a bf16 serve's batches fail an f32 recompute).
@@ -372,7 +372,7 @@ pub struct BatchAudit {
 /// into the bulk of the values, where an honest serve's rounding moves exponents: a one-row
 /// batch of a model of hidden size 128 puts every value of the row in the top-128. Measured on
 /// transformers' honest bf16 serves of the audit oracle's checkpoints (hidden 128;
-/// docs/AUDITOR.md "Eager attention and thin tail batches"): tails of one or two rows reached
+/// docs/design/recomputes.md): tails of one or two rows reached
 /// 55 and 61 exponent mismatches, tails of four rows or more stayed at or below 39 as full
 /// batches do, and judging only tails of 16 rows or more would have let 3 more of qwen3_moe's
 /// 12 small cheats (`fp8_tensor`) pass. Served models have a hidden size of at least 2,048 = 16 × 128, so

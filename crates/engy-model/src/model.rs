@@ -114,8 +114,8 @@ impl Compute {
 }
 
 /// The numerics of one forward pass over the same weights: what the auditor varies between
-/// recomputes of one commitment ([`crate::audit::Recompute::plan`]; docs/AUDITOR.md "bf16 and
-/// f32 recomputes").
+/// recomputes of one commitment ([`crate::audit::Recompute::plan`]; docs/AUDITOR.md
+/// "Recomputes").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct Numerics {
     /// The activation dtype ([`LoadOptions::compute`]).

@@ -11,7 +11,7 @@
 //! * bf16-rounded final rows equal the reference's on at least 99.5% of values. The reference
 //!   rounds too: run in float64, transformers' own fp32 rows agree with the exact result on only
 //!   99.61–99.97% of bf16 values per sequence of the shipped set, and engy's on 99.66–99.95%
-//!   (`tests/reverse/arch_bf16_floor.py`; docs/AUDITOR.md "Accuracy against transformers").
+//!   (`tests/reverse/arch_bf16_floor.py`; docs/design/accuracy.md).
 //!   These checkpoints carry massive-activation channels, so the final norm spreads a few f32
 //!   ulps of noise over every value, and a few per thousand sit that close to a rounding
 //!   boundary. An independent f32 implementation cannot do better than the reference's own

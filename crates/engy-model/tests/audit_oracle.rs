@@ -8,14 +8,14 @@
 //! `fp8_tensor` (every projection through FP8 with one scale per tensor, a 2–4% weight change)
 //! on a checkpoint not itself quantised must be caught in at least [`FP8_MIN_DETECTION`] of its
 //! commitments: on the smallest models a few of its batches stay within `toploc_v`
-//! (docs/AUDITOR.md "Small cheats"), and the auditor's thresholds are the model spec's, not
+//! (docs/design/recomputes.md), and the auditor's thresholds are the model spec's, not
 //! tuned to catch them. Other variants (`fp8_tensor` re-quantising an FP8 checkpoint, a ~1%
 //! change; `tf_fp8_dequant_batched`; any variant this test does not know) are measured and
-//! printed, not asserted. The table it prints is the one in docs/AUDITOR.md
-//! "bf16 and f32 recomputes".
+//! printed, not asserted. The table it prints is recorded in bench/RESULTS.md
+//! "Audit verdicts".
 //!
-//! On a DSA architecture it also asserts the rule of the tie orders (docs/AUDITOR.md "bf16 and
-//! f32 recomputes", DSA ties): a higher-first recompute runs exactly when the lower-first pass
+//! On a DSA architecture it also asserts the rule of the tie orders
+//! (docs/design/dsa-ties.md): a higher-first recompute runs exactly when the lower-first pass
 //! of its dtype cut through a tie, and prints how many were not run.
 //!
 //! Checkpoints: the oracle names its case folders after the arch oracle's; each case's

@@ -1,7 +1,7 @@
 //! engy's own GPU kernels (`kernels/*.cu`) against the unfused candle operations on the CPU,
 //! which state each rule:
 //! * the fused attention of a bf16 recompute (`arch::fused_attention`, three kernels) against
-//!   `ops::attention_in` (docs/AUDITOR.md "bf16 recompute"), on the shapes the served
+//!   `ops::attention_in` (docs/design/recomputes.md), on the shapes the served
 //!   architectures use: grouped KV heads, a causal mask over cached and new positions, and no
 //!   mask. The two must agree to the order of the f32 sums: after the output's bf16 rounding,
 //!   at most one bf16 step apart and equal on at least 99% of values;

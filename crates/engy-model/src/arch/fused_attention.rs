@@ -5,7 +5,7 @@
 //! writes them rounded to bf16, and `e·v` as a second such GEMM. Query heads of one KV group
 //! are one batch entry (`[kv, rep·t, d]`), so K and V are never expanded to every query head.
 //!
-//! The arithmetic is the unfused path's (docs/AUDITOR.md "bf16 recompute"): in a bf16
+//! The arithmetic is the unfused path's (docs/design/recomputes.md): in a bf16
 //! recompute `q`, `k` and `v` hold bf16 values, so a bf16 operand is the same number and each
 //! product is exact in f32; scores, max, exponentials and sums stay f32; only the
 //! exponentials fed to `e·v` are rounded, as the unfused path rounds them. What differs is how

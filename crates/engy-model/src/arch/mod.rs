@@ -11,8 +11,8 @@
 //! Every implementation computes in f32 from dequantised weights with transformers' numerics
 //! (the reference is transformers' fp32 eager forward; `tests/arch_vectors.rs` holds each one to
 //! it), or, with [`Compute::Bf16`], rounds to bf16 where transformers' bf16 model rounds, so
-//! that a bf16 serve is recomputed in bf16 (`tests/audit_oracle.rs`; docs/AUDITOR.md "bf16 and
-//! f32 recomputes"). The two differ by more than rounding: on MoE models bf16 noise flips
+//! that a bf16 serve is recomputed in bf16 (`tests/audit_oracle.rs`; docs/AUDITOR.md
+//! "Recomputes"). The two differ by more than rounding: on MoE models bf16 noise flips
 //! near-tied expert (and DSA key) choices, so neither recompute explains the other's serves.
 use std::path::Path;
 use std::sync::Arc;
@@ -79,7 +79,7 @@ pub struct LoadOptions {
 
 /// Whose attention a bf16 recompute follows: the rounding points differ, and on small models
 /// the difference flips MoE and DSA choices often enough to fail an honest serve's batches
-/// (docs/AUDITOR.md "bf16 and f32 recomputes").
+/// (docs/AUDITOR.md "Recomputes").
 ///
 /// Both take bf16 `q`, `k`, `v` and accumulate every product in f32; in an f32 recompute they
 /// are the same rule ([`ops::attention`]).

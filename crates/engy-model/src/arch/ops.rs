@@ -4,7 +4,7 @@
 //!
 //! The `*_in` variants take the activation dtype ([`Compute`]) and round where transformers'
 //! module rounds when the model runs in bf16 (every op's output in the model dtype, f32
-//! accumulation inside each op; docs/AUDITOR.md "bf16 recompute"). With [`Compute::F32`] they
+//! accumulation inside each op; docs/design/recomputes.md). With [`Compute::F32`] they
 //! are exactly the plain f32 functions.
 use candle_core::{DType, Device, Tensor, D};
 
