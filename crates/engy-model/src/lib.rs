@@ -1,4 +1,5 @@
-//! engy-model: the tiny Qwen3-style devnet model on candle, and the TOPLOC auditor.
+//! engy-model: the model runtime on candle: the tiny Qwen3-style devnet model, the
+//! architectures the network serves, and the auditor's rules.
 //!
 //! * [`gen_model`] writes a real, small Qwen3(-MoE) checkpoint deterministically from a seed:
 //!   bf16 safetensors shards, `config.json`, a byte-level BPE `tokenizer.json` trained on a
@@ -8,6 +9,14 @@
 //!   single pass ([`Model::hidden_states`]), and the int4 cheat ([`Precision::Int4`]).
 //! * [`audit`] re-derives a commitment's hidden states in one teacher-forced pass and verifies
 //!   its TOPLOC proofs (PROTOCOL.md §3.10, §4, §5), giving `pass` / `cheat` / `unproven`.
+//! * [`arch`]: the served architectures (`qwen3_moe`, `qwen3_5_moe`, `glm_moe_dsa`) behind one
+//!   trait, their weights (bf16, block FP8, NVFP4), the routing record and replay, and engy's
+//!   own CUDA kernels (`kernels/*.cu`, each module names the candle operations it replaces).
+//! * [`cells`]: the sampled cell audit's numeric check and a bundle end to end, the touched
+//!   weights checked against the committed root; [`index_sets`]: the DSA index-set comparison.
+//! * [`device`]: where a pass runs (`cpu`, `cuda[:N]`), its profile and trace switches.
+//! * [`synth`]: random-valued checkpoints with a release's real shapes, for the benchmarks.
+//! * [`config`], [`corpus`]: the devnet checkpoint's `config.json` and training corpus.
 use std::path::{Path, PathBuf};
 
 pub mod arch;
