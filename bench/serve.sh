@@ -7,7 +7,7 @@
 #
 # Cases: idle (no request), 1 request × 4096 tokens at hidden 2048 (non-stream and
 # stream), 1 × 4096 at hidden 6144. Prints one JSON line per run; the medians go to
-# docs/PERFORMANCE.md.
+# bench/RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS="${1:-3}"

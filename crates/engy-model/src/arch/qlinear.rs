@@ -4,8 +4,8 @@
 //!
 //! A routed expert of a real-shape MoE sees 1–4 of a pass's 64 tokens, so decoding its whole
 //! `[out, in]` matrix to f32, transposing it and handing it to a matmul costs far more than the
-//! `2 · n · out · in` flops of the product (docs/PERFORMANCE.md, "The audit's teacher-forced
-//! pass"). [`QuantMatrix::linear`] instead decodes one weight row at a time into a buffer of
+//! `2 · n · out · in` flops of the product (bench/RESULTS.md, "Where a real-shape
+//! layer's time went"). [`QuantMatrix::linear`] instead decodes one weight row at a time into a buffer of
 //! `in` floats (L1-resident) and dots it against the `n` rows of `x`, in parallel over blocks
 //! of output rows (rayon).
 //!

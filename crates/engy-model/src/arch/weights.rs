@@ -31,7 +31,7 @@ use crate::{quantize_int4, ModelError, Precision};
 
 /// The most rows of `x` [`Weights::linear`] multiplies with the fused kernel
 /// ([`QuantMatrix::linear`]); above it, dequantising `W` once and using candle's matmul is
-/// faster (measured in docs/PERFORMANCE.md).
+/// faster (measured: bench/RESULTS.md "Auditor on the CPU").
 pub const FUSED_MAX_ROWS: usize = 4;
 
 /// Whether decoded weights are kept between calls.
