@@ -213,7 +213,7 @@ impl Default for RoutingPolicy {
 pub const DEFAULT_MAX_ROUTING_MISMATCH_RATE: f64 = 0.01;
 
 /// The calibrated absolute near-tie margin of an architecture, in its score units
-/// (docs/AUDITOR.md "Routing": about twice the largest gap of an honest bf16 transformers serve
+/// (docs/design/routing.md: about twice the largest gap of an honest bf16 transformers serve
 /// under a replayed bf16 recompute, `tests/vectors/routing-oracle`).
 pub fn default_routing_margin(kind: arch::ArchKind) -> f32 {
     match kind {
