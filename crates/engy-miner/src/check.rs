@@ -34,7 +34,7 @@ impl Report {
     }
     fn ok(&mut self, what: &str, detail: impl std::fmt::Display) {
         match self.format {
-            LogFormat::Text => println!("ok   {what}: {detail}"),
+            LogFormat::Text => crate::stdout_line(&format!("ok   {what}: {detail}")),
             LogFormat::Json => self
                 .checks
                 .push(json!({"check": what, "ok": true, "detail": detail.to_string()})),
@@ -43,7 +43,9 @@ impl Report {
     /// Something optional is missing: printed with its fix, not counted as a failure.
     fn warn(&mut self, what: &str, detail: impl std::fmt::Display, fix: &str) {
         match self.format {
-            LogFormat::Text => println!("warn {what}: {detail}\n     fix: {fix}"),
+            LogFormat::Text => {
+                crate::stdout_line(&format!("warn {what}: {detail}\n     fix: {fix}"))
+            }
             LogFormat::Json => self.checks.push(
                 json!({"check": what, "ok": true, "warn": true, "detail": detail.to_string(), "fix": fix}),
             ),
@@ -52,7 +54,9 @@ impl Report {
     fn fail(&mut self, what: &str, detail: impl std::fmt::Display, fix: &str) {
         self.failed += 1;
         match self.format {
-            LogFormat::Text => println!("FAIL {what}: {detail}\n     fix: {fix}"),
+            LogFormat::Text => {
+                crate::stdout_line(&format!("FAIL {what}: {detail}\n     fix: {fix}"))
+            }
             LogFormat::Json => self.checks.push(
                 json!({"check": what, "ok": false, "detail": detail.to_string(), "fix": fix}),
             ),
@@ -61,18 +65,18 @@ impl Report {
     /// The summary (text) or the whole report (JSON), and the exit code.
     fn finish(self) -> ExitCode {
         match self.format {
-            LogFormat::Text if self.failed == 0 => println!("all checks passed"),
-            LogFormat::Text => println!("{} check(s) failed", self.failed),
+            LogFormat::Text if self.failed == 0 => crate::stdout_line("all checks passed"),
+            LogFormat::Text => crate::stdout_line(&format!("{} check(s) failed", self.failed)),
             LogFormat::Json => {
                 let b = engy_telemetry::build_info::BUILD;
-                println!(
-                    "{}",
-                    json!({
+                crate::stdout_line(
+                    &json!({
                         "passed": self.failed == 0,
                         "failed": self.failed,
                         "checks": self.checks,
                         "build": {"version": b.version, "commit": b.commit, "dirty": b.dirty_flag()},
                     })
+                    .to_string(),
                 );
             }
         }

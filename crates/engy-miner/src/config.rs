@@ -165,6 +165,14 @@ pub struct Opts {
         global = true
     )]
     pub lock_file: PathBuf,
+    /// HELLO `hw.parallelism`: how the serve splits the model over its GPUs (`tp`, `dp`,
+    /// `tp4-dp2`, …; informational, docs/PROTOCOL.md §2.1).
+    #[arg(long = "hw-par", env = "HW_PAR", default_value = "tp", global = true)]
+    pub hw_par: String,
+    /// HELLO `hw.gpus`, e.g. `4x NVIDIA GeForce RTX 4090`. Default: read from `nvidia-smi`;
+    /// set it where there is none (the miner image has none: HELLO then says `?x GPU`).
+    #[arg(long = "hw-gpus", env = "HW_GPUS", global = true)]
+    pub hw_gpus: Option<String>,
     /// Serve Prometheus metrics at `http://<ADDR>/metrics`, e.g. `127.0.0.1:9464` (off when
     /// unset). No authentication: bind it to 127.0.0.1 or a private interface.
     #[arg(long = "metrics-addr", env = "ENGY_METRICS_ADDR", global = true)]

@@ -226,7 +226,12 @@ async fn serve(
         let engine = Arc::clone(&engine);
         async move { engine.probe_offers().await }
     });
-    let hw = hw::detect().await;
+    let (hw, gpus_unknown) = hw::detect(&opts.hw_par, opts.hw_gpus.as_deref()).await;
+    if gpus_unknown {
+        tracing::warn!(
+            "nvidia-smi did not answer here (the miner image has none), so HELLO reports the GPUs as \"?x GPU\"; set HW_GPUS (--hw-gpus) to what the serve runs on, e.g. HW_GPUS=\"4x NVIDIA GeForce RTX 4090\""
+        );
+    }
     let worker_name = worker_name(&opts);
     let identity = gateway::Identity {
         gw: gw.clone(),

@@ -6,8 +6,10 @@
 //!
 //! Output: one line on stdout, `healthy: …` / `unhealthy: …` ending in the running build; or
 //! under `--log-format json` one object `{"status", "detail", "legs_connected", "running"}`.
-//! Exit codes: 0 healthy, 1 unhealthy (the reason is printed), 2 ENGY_METRICS_ADDR unset or
-//! not an address.
+//! Exit codes: 0 healthy, 1 anything else: unhealthy (the reason is printed), and also
+//! ENGY_METRICS_ADDR unset or not an address (said once on stderr, as the start-up refusals
+//! are). Never 2: Docker reserves it for a HEALTHCHECK command
+//! (<https://docs.docker.com/reference/dockerfile/#healthcheck>).
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -16,14 +18,14 @@ use engy_telemetry::log::LogFormat;
 use serde_json::json;
 
 use crate::config::Opts;
-use crate::daemon::config_error;
+use crate::daemon::fatal;
 
 /// Run the check.
 pub async fn run(opts: &Opts) -> ExitCode {
     let addr = match opts.metrics_socket() {
         Ok(Some(a)) => a,
-        Ok(None) => return config_error(opts.log_format, "ENGY_METRICS_ADDR is not set: `health` reads the running miner's /metrics, so set the same --metrics-addr / ENGY_METRICS_ADDR for both"),
-        Err(e) => return config_error(opts.log_format, e),
+        Ok(None) => return unusable(opts.log_format, "ENGY_METRICS_ADDR is not set: `health` reads the running miner's /metrics, so set the same --metrics-addr / ENGY_METRICS_ADDR for both"),
+        Err(e) => return unusable(opts.log_format, e),
     };
     let url = format!("http://{addr}/metrics");
     let out = |healthy: bool,
@@ -98,6 +100,13 @@ pub async fn run(opts: &Opts) -> ExitCode {
     }
 }
 
+/// A setting `health` cannot work with: one fatal line on stderr, exit 1 (not 2, which
+/// Docker reserves for a HEALTHCHECK).
+fn unusable(format: LogFormat, msg: impl std::fmt::Display) -> ExitCode {
+    fatal(format, msg, 1);
+    ExitCode::FAILURE
+}
+
 /// Prints the verdict (text or one JSON object) and gives its exit code.
 fn print(
     format: LogFormat,
@@ -116,13 +125,13 @@ fn print(
                     BUILD.describe("engy-miner")
                 ),
             };
-            println!("{status}: {detail}; {build}");
+            crate::stdout_line(&format!("{status}: {detail}; {build}"));
         }
         LogFormat::Json => {
             let running = running.map(|(v, c, d)| json!({"version": v, "commit": c, "dirty": d}));
-            println!(
-                "{}",
-                json!({"status": status, "detail": detail, "legs_connected": legs, "running": running})
+            crate::stdout_line(
+                &json!({"status": status, "detail": detail, "legs_connected": legs, "running": running})
+                    .to_string(),
             );
         }
     }

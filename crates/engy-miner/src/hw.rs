@@ -52,14 +52,13 @@ async fn nvidia_smi() -> Option<(String, usize, f64)> {
     Some((name, lines.len(), (mem_mib / 1024.0 * 10.0).round() / 10.0))
 }
 
-/// The `hw` object: host, cpus, ram_gb, gpu, gpu_count, gpu_mem_gb, parallelism (`HW_PAR`,
-/// default `tp`), gpus summary (`HW_GPUS` overrides).
-pub async fn detect() -> Value {
+/// The `hw` object: host, cpus, ram_gb, gpu, gpu_count, gpu_mem_gb, parallelism (`par`,
+/// HW_PAR, default `tp`), gpus summary (`gpus`, HW_GPUS, else `<count>x <name>` from
+/// nvidia-smi, else `?x GPU`). The second value is true when the summary is that last
+/// fallback (no HW_GPUS and no nvidia-smi answer), which the daemon warns about once.
+pub async fn detect(par: &str, gpus: Option<&str>) -> (Value, bool) {
     let mut hw = Map::new();
-    hw.insert(
-        "parallelism".into(),
-        json!(std::env::var("HW_PAR").unwrap_or_else(|_| "tp".into())),
-    );
+    hw.insert("parallelism".into(), json!(par));
     let host = hostname();
     if !host.is_empty() {
         hw.insert("host".into(), json!(host));
@@ -76,13 +75,11 @@ pub async fn detect() -> Value {
         hw.insert("gpu_count".into(), json!(count));
         hw.insert("gpu_mem_gb".into(), json!(mem));
     }
-    let summary = std::env::var("HW_GPUS")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| match &gpu {
-            Some((name, count, _)) => format!("{count}x {name}"),
-            None => "?x GPU".into(),
-        });
+    let (summary, unknown) = match (gpus.map(str::trim).filter(|s| !s.is_empty()), &gpu) {
+        (Some(s), _) => (s.to_owned(), false),
+        (None, Some((name, count, _))) => (format!("{count}x {name}"), false),
+        (None, None) => ("?x GPU".to_owned(), true),
+    };
     hw.insert("gpus".into(), json!(summary));
-    Value::Object(hw)
+    (Value::Object(hw), unknown)
 }

@@ -56,6 +56,17 @@ pub fn worker_name(opts: &Opts) -> String {
     format!("ins-{}", digest.get(..12).unwrap_or(&digest))
 }
 
+/// Writes `line` and a newline to standard output (the output of `check` and `health`). A
+/// write that fails, above all a reader that closed the pipe (`engy-miner check | head -1`),
+/// is ignored instead of panicking as `println!` does: the command runs on and its exit code
+/// stays its verdict's (docs/MINER.md "Preflight, then start").
+pub fn stdout_line(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
 /// An error with its whole cause chain, `: `-joined, skipping a cause whose text is already
 /// in the message (reqwest alone says only "error sending request for url (…)"; the cause
 /// says connection refused, DNS failure, TLS, timeout).

@@ -296,11 +296,6 @@ async fn every_line_in_json_mode_parses_with_jq_fatal_errors_included() {
             with(&base, &[]),
             vec!["--log-format", "json", "--frobnicate"],
         ),
-        (
-            "health without an address",
-            with(&base, &[json]),
-            vec!["health"],
-        ),
     ] {
         let out = bounded(miner_cmd(&vars, &args), case);
         let err = refused(&out, case);

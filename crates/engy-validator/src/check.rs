@@ -5,6 +5,17 @@ use crate::chain::{self, Chain};
 use crate::config::Settings;
 use crate::schedule;
 
+/// Writes `line` and a newline to standard output (`check`'s and `health`'s report). A write
+/// that fails, above all a reader that closed the pipe (`engy-validator check | head -1`), is
+/// ignored instead of panicking as `println!` does: the command runs on and its exit code
+/// stays its verdict's (docs/VALIDATOR.md "Exit codes").
+pub fn stdout_line(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
 /// Collected check lines.
 #[derive(Debug, Default)]
 pub struct Report {
@@ -15,12 +26,12 @@ pub struct Report {
 impl Report {
     fn ok(&mut self, line: impl Into<String>) {
         let line = line.into();
-        println!("ok    {line}");
+        stdout_line(&format!("ok    {line}"));
         self.lines.push((true, line));
     }
     fn fail(&mut self, line: impl Into<String>) {
         let line = line.into();
-        println!("FAIL  {line}");
+        stdout_line(&format!("FAIL  {line}"));
         self.lines.push((false, line));
     }
     fn check(&mut self, pass: bool, line: impl Into<String>) {
@@ -92,8 +103,9 @@ pub async fn run(s: &Settings) -> Report {
             Some(l.hotkey)
         }
         Err(e) => {
+            let fix = crate::wallet::access_fix(&e).unwrap_or_else(|| "set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to a bittensor hotkey file (encrypted: ENGY_SN53_WALLET_PASSWORD or ENGY_SN53_WALLET_PASSWORD_FILE)".into());
             r.fail(format!(
-                "wallet {}/{} under {}: {e}; fix: set ENGY_SN53_WALLET / ENGY_SN53_WALLET_HOTKEY / ENGY_SN53_WALLET_PATH to a bittensor hotkey file (encrypted: ENGY_SN53_WALLET_PASSWORD or ENGY_SN53_WALLET_PASSWORD_FILE)",
+                "wallet {}/{} under {}: {e}; fix: {fix}",
                 s.wallet,
                 s.wallet_hotkey,
                 s.wallet_path.display()

@@ -156,15 +156,17 @@ fn expand(p: &std::path::Path) -> Result<PathBuf, ConfigError> {
 
 impl ConfigError {
     /// The process exit code for this error (docs/VALIDATOR.md "Exit codes"): 2 for a
-    /// required setting that is missing or a value that does not parse (a usage error, like
-    /// clap's own), 1 for the rest.
+    /// required setting that is missing, a value that does not parse or settings that cannot
+    /// work together (a lone override of the API / master hotkey pair): usage errors, like
+    /// clap's own; 1 for the rest (no HOME).
     pub fn exit_code(&self) -> u8 {
         match self {
             ConfigError::EmptyWallet(_)
             | ConfigError::BadNetwork(_)
             | ConfigError::BadApi(_)
-            | ConfigError::BadMaster(_) => 2,
-            ConfigError::LoneOverride(_) | ConfigError::NoHome => 1,
+            | ConfigError::BadMaster(_)
+            | ConfigError::LoneOverride(_) => 2,
+            ConfigError::NoHome => 1,
         }
     }
 }

@@ -101,8 +101,17 @@ fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         return Ok(code);
     }
     let s = args.node.settings()?;
-    let loaded = engy_validator::wallet::load_hotkey(&s)
-        .with_context(|| format!("wallet {}/{}", s.wallet, s.wallet_hotkey))?;
+    // a file this uid may not read says who may (ENGY_SN53_UID/GID with compose)
+    let loaded = engy_validator::wallet::load_hotkey(&s).map_err(|e| {
+        let wallet = format!("wallet {}/{}", s.wallet, s.wallet_hotkey);
+        match engy_validator::wallet::access_fix(&e) {
+            Some(fix) => anyhow::anyhow!(
+                "{wallet}: {}; fix: {fix}",
+                engy_telemetry::cli::error_line(&e)
+            ),
+            None => anyhow::Error::new(e).context(wallet),
+        }
+    })?;
     let notes = engy_validator::wallet::notes(&loaded);
     for line in notes.problems.iter().chain(&notes.notes) {
         tracing::warn!("{line}");
@@ -325,18 +334,23 @@ fn main() -> ExitCode {
                 let verdict = liveness::judge_landing(liveness::read_landing(&hb).as_ref());
                 match liveness::judge(liveness::read_ts(&hb), liveness::unix_now(), args.poll_s) {
                     liveness::Health::Fresh { age } => {
-                        println!("ok: last tick {age} s ago; {}", verdict.describe());
+                        check::stdout_line(&format!(
+                            "ok: last tick {age} s ago; {}",
+                            verdict.describe()
+                        ));
                         if landing && verdict.failing() {
                             return Ok(ExitCode::FAILURE);
                         }
                         Ok(ExitCode::SUCCESS)
                     }
                     liveness::Health::Missing => {
-                        println!("unhealthy: no heartbeat at {}", hb.display());
+                        check::stdout_line(&format!("unhealthy: no heartbeat at {}", hb.display()));
                         Ok(ExitCode::FAILURE)
                     }
                     liveness::Health::Stale { age, limit } => {
-                        println!("unhealthy: last tick {age} s ago (limit {limit} s)");
+                        check::stdout_line(&format!(
+                            "unhealthy: last tick {age} s ago (limit {limit} s)"
+                        ));
                         Ok(ExitCode::FAILURE)
                     }
                     liveness::Health::Future { ahead } => {
@@ -344,7 +358,7 @@ fn main() -> ExitCode {
                         "WARN heartbeat file {} has a timestamp {ahead} s in the future (invalid: the clock went backwards, or the file was written on another host); treated as stale",
                         hb.display()
                     );
-                        println!("unhealthy: heartbeat timestamp {ahead} s in the future (treated as stale)");
+                        check::stdout_line(&format!("unhealthy: heartbeat timestamp {ahead} s in the future (treated as stale)"));
                         Ok(ExitCode::FAILURE)
                     }
                 }
@@ -353,10 +367,7 @@ fn main() -> ExitCode {
         Command::Spec(args) => spec::main(args),
     };
     if health {
-        println!(
-            "{}",
-            engy_telemetry::build_info::BUILD.describe("engy-validator")
-        );
+        check::stdout_line(&engy_telemetry::build_info::BUILD.describe("engy-validator"));
     }
     match result {
         Ok(code) => code,

@@ -156,6 +156,43 @@ pub fn load_hotkey(s: &Settings) -> Result<LoadedHotkey, HotkeyError> {
     }
 }
 
+/// The fix for a file of the wallet this process may not read (`Permission denied`, above
+/// all a mode-600 hotkey read by the image's uid 65532): who owns the file, who this process
+/// runs as, and the settings that make them the same (`ENGY_SN53_UID` / `ENGY_SN53_GID` with
+/// compose, docs/VALIDATOR.md "Start (Docker)"). `None` for any other error, whose own
+/// message says what to fix.
+pub fn access_fix(e: &HotkeyError) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let path = match e {
+        HotkeyError::Wallet(WalletError::Io { path, source })
+        | HotkeyError::PasswordFileUnreadable { path, source }
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            path
+        }
+        _ => return None,
+    };
+    // /proc/self belongs to the process's effective uid and gid
+    let me = std::fs::metadata("/proc/self")
+        .map(|m| format!("uid {} gid {}", m.uid(), m.gid()))
+        .unwrap_or_else(|_| "another uid".into());
+    Some(match std::fs::metadata(path) {
+        Ok(m) => format!(
+            "{} is owned by uid {} gid {} (mode {:o}) and this process runs as {me}: run it as the owner (compose: ENGY_SN53_UID={} ENGY_SN53_GID={} in .env.validator, passed with --env-file); do not open the file's mode",
+            path.display(),
+            m.uid(),
+            m.gid(),
+            m.mode() & 0o7777,
+            m.uid(),
+            m.gid()
+        ),
+        Err(_) => format!(
+            "a folder above {} is not searchable by this process ({me}): run it as the wallet's owner (compose: ENGY_SN53_UID / ENGY_SN53_GID in .env.validator, passed with --env-file, `id -u` / `id -g` of the owner)",
+            path.display()
+        ),
+    })
+}
+
 /// What an operator must be told about a loaded hotkey besides its address
 /// (docs/SECURITY.md "Hotkey files"): `problems` fail `check` and are WARN lines of `run`
 /// (which still starts: a restart would fix nothing); `notes` are said by both.
