@@ -8,14 +8,34 @@
 #   DIR/gpu_kernels       engy's own kernels against the unfused rules (ENGY_TEST_DEVICE=cuda)
 #   DIR/synth_checkpoint  writes the real-shape Qwen3.6 FP8 checkpoint for the benchmark
 # docs/AUDITOR.md "On a GPU" says how to run them. DIR is relative to the directory the script
-# is called from. Binaries are stripped (they carry the kernels' PTX); at run time they need
-# the NVIDIA driver (libcuda.so.1: without it they do not start, not even for --help) and the
-# CUDA 13 libraries libcublas.so.13, libcublasLt.so.13 and libcurand.so.10.
+# is called from.
+#
+# Prerequisites, checked first:
+#   here (the build machine): cc and nm (binutils), python3 with pip and access to PyPI (the
+#   CUDA 13.0 compiler wheels, scripts/cuda-toolkit.sh); no GPU or driver needed. For a GPU
+#   other than Hopper (H100/H200) set CUDA_COMPUTE_CAP (e.g. 89 for an L40S/RTX 4090, 80 for
+#   an A100) before running this.
+#   there (the GPU machine): the NVIDIA driver 580 or newer (CUDA 13.0) and the CUDA 13
+#   libraries libcublas.so.13, libcublasLt.so.13 and libcurand.so.10 (e.g. PyTorch's).
+# The staged binaries need the driver (libcuda.so.1): without it they do not start, not even
+# for --help. So the CUDA build goes to its own cargo target folder,
+# ${CARGO_TARGET_DIR:-target}/cuda (ENGY_CUDA_TARGET_DIR overrides it), and never replaces the
+# CPU target/release/engy-audit. Binaries are stripped (they carry the kernels' PTX).
 set -euo pipefail
+missing=()
+for tool in cc nm strip python3; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "build-cuda.sh: missing ${missing[*]}: install a C compiler and binutils (Debian: apt-get install build-essential) and python3 with pip" >&2
+  exit 1
+fi
+python3 -m pip --version >/dev/null 2>&1 || { echo "build-cuda.sh: python3 has no pip (Debian: apt-get install python3-pip python3-venv)" >&2; exit 1; }
 out="$(realpath -m -- "${1:-$(dirname "$0")/../target/gpu}")"
 cd "$(dirname "$0")/.."
 eval "$(scripts/cuda-toolkit.sh)"
+echo "build-cuda.sh: CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP (90 = Hopper; set it for another GPU)" >&2
 mkdir -p "$out"
+target="$(realpath -m -- "${ENGY_CUDA_TARGET_DIR:-${CARGO_TARGET_DIR:-target}/cuda}")"
+export CARGO_TARGET_DIR="$target"
 cargo build --release --locked -p engy-audit --features cuda
 cargo build --release --locked -p engy-model --example synth_checkpoint
 # The test build's output goes to stderr as it comes (`tee` into a file, never /dev/stderr:
@@ -25,7 +45,6 @@ trap 'rm -f "$built"' EXIT
 cargo test --release --locked -p engy-model --features cuda \
   --test arch_vectors --test audit_oracle --test gpu_kernels --no-run 2>&1 | tee "$built" >&2
 tests="$(sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p' "$built")"
-target="$(realpath -m -- "${CARGO_TARGET_DIR:-target}")"
 install -m 755 "$target/release/engy-audit" "$out/engy-audit"
 install -m 755 "$target/release/examples/synth_checkpoint" "$out/synth_checkpoint"
 while read -r name path; do

@@ -13,23 +13,30 @@
 #      kernels (fused attention, the delta rule's chunk loop) against the unfused rules;
 #   2. the audit oracle and tests/vectors/honest-serves on the GPU (honest serves pass, cheats are caught);
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
-#   4. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_QWEN=0): the side-by-side benchmark, a
+#   4. with ENGY_GPU_BENCH=1 (off by default: it writes a 36 GB checkpoint; ENGY_GPU_BENCH_QWEN=0
+#      skips this one): the side-by-side benchmark, a
 #      teacher-forced audit of ENGY_GPU_BENCH_TOKENS (4096) tokens on a real-shape
 #      Qwen3.6-35B-A3B FP8 checkpoint of ENGY_GPU_BENCH_LAYERS (40) layers written here, by
 #      engy-audit (streamed, then --resident) and by transformers
 #      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory, and
 #      whether two processes auditing the same commitment wrote identical reports (the
 #      benchmark fails when they did not: a GPU audit is bit-reproducible, docs/AUDITOR.md);
-#   5. unless ENGY_GPU_BENCH=0 (or ENGY_GPU_BENCH_GLM=0): the same on a real-shape GLM-5 FP8
+#   5. with ENGY_GPU_BENCH=1 (ENGY_GPU_BENCH_GLM=0 skips this one): the same on a real-shape GLM-5 FP8
 #      checkpoint of ENGY_GPU_BENCH_GLM_LAYERS (5: the release's 3 dense layers, then 2 MoE
 #      layers) at ENGY_GPU_BENCH_TOKENS tokens.
 # Each benchmark writes its checkpoint under ENGY_GPU_WORK and first deletes the other one
 # (Qwen3.6 at 40 layers is 35.7 GB, GLM-5 at 5 layers 24.8 GB; the GPU machine has 64 GB of
 # disk); a checkpoint already there with its commitment.json is reused.
-# ENGY_GPU_CHECKS=0 runs the benchmarks alone.
+# ENGY_GPU_CHECKS=0 (with ENGY_GPU_BENCH=1) runs the benchmarks alone.
+# Needs: nvidia-smi and the NVIDIA driver 580 or newer (CUDA 13.0), the CUDA 13 libraries,
+# python3 (and transformers + torch for the benchmark's side); checked before anything runs.
 # Env: ENGY_CUDA_LIB_DIR (where libcublas.so.13 and friends are; default: found under the
 # Python install, e.g. PyTorch's nvidia/cu13/lib), ENGY_GPU_WORK (scratch, default /tmp/engy-gpu).
 set -uo pipefail
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi >/dev/null 2>&1; then
+  echo "gpu-check.sh: nvidia-smi does not answer: this needs a machine with an NVIDIA GPU and its driver (580 or newer)" >&2
+  exit 1
+fi
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="$(cd "${1:?usage: scripts/gpu-check.sh BIN_DIR [OUT_DIR]}" && pwd)"
 out="${2:-.}"
@@ -198,7 +205,9 @@ PY
   local table=$?
   [ "$table" -eq 0 ] && [ "$reproducible" -eq 1 ]
 }
-if [ "${ENGY_GPU_BENCH:-1}" != 0 ]; then
+if [ "${ENGY_GPU_BENCH:-0}" = 0 ]; then
+  echo "== benchmarks skipped (ENGY_GPU_BENCH=1 runs them: 25-36 GB of checkpoints under $work)"
+else
   if [ "${ENGY_GPU_BENCH_QWEN:-1}" != 0 ]; then
     step "benchmark: engy-audit vs transformers" \
       bench "real-shape Qwen3.6-35B-A3B FP8" qwen3_5_moe "${ENGY_GPU_BENCH_LAYERS:-40}"
