@@ -7,12 +7,14 @@
 //! * [`chain_proxy`]: a websocket proxy in front of a real subtensor node that can refuse the
 //!   next extrinsic as the node's transaction pool does (ancient birth block, outdated).
 //!
-//! Beside them, [`container`]: the machine's container engine for the image tests.
+//! Beside them, [`container`]: the machine's container engine for the image tests, and
+//! [`ports`]: ports a test holds instead of guessing (issue 43).
 pub mod chain_proxy;
 pub mod container;
 pub mod devnet;
 pub mod devnet_backend;
 pub mod gateway;
+pub mod ports;
 pub mod provider;
 pub mod sglang;
 

@@ -514,3 +514,47 @@ async fn routed_experts_as_sglang_returns_them() {
     assert!(r["meta_info"].get("routed_experts").is_none(), "{r}");
     assert_eq!(r["output_ids"].as_array().unwrap().len(), 3);
 }
+
+/// A killed double keeps its port for the restart (issue 43: a port let go can be handed
+/// to another process, and the restart then fails): while killed, connections are refused
+/// and another socket cannot bind the address; the restart serves there again, also after
+/// a kill that tore live connections.
+#[tokio::test]
+async fn a_killed_double_keeps_its_port_for_the_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = double(dir.path(), SglangConfig::default()).await;
+    let addr = d.addr();
+    d.kill().await;
+    let refused = tokio::net::TcpStream::connect(addr).await.unwrap_err();
+    assert_eq!(
+        refused.kind(),
+        std::io::ErrorKind::ConnectionRefused,
+        "{refused}"
+    );
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.set_reuseaddr(false).unwrap();
+    let taken = other.bind(addr).map(|()| other.local_addr().unwrap());
+    assert_eq!(
+        taken.as_ref().map_err(std::io::Error::kind).err(),
+        Some(std::io::ErrorKind::AddrInUse),
+        "another socket bound the killed double's address: {taken:?}"
+    );
+    d.restart().await.unwrap();
+    assert_eq!(d.addr(), addr);
+    let first = post(
+        &reqwest::Client::new(),
+        &d.url(),
+        &body(&[1, 2, 3], 2, "a", false),
+    )
+    .await;
+    assert!(first["text"].is_string(), "{first}");
+    d.kill().await;
+    d.restart().await.unwrap();
+    let again = post(
+        &reqwest::Client::new(),
+        &d.url(),
+        &body(&[1, 2, 3], 2, "b", false),
+    )
+    .await;
+    assert_eq!(again["text"], first["text"]);
+}

@@ -309,6 +309,10 @@ pub struct SglangDouble {
     inner: Arc<Inner>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
+    /// While killed: `addr` held (bound, not listening: connections are refused and no
+    /// other process is given the port, [`crate::ports`]); [`SglangDouble::restart`]
+    /// listens on it.
+    held: Option<crate::ports::ReservedPort>,
 }
 
 impl Drop for SglangDouble {
@@ -364,6 +368,7 @@ impl SglangDouble {
             inner,
             shutdown: Some(tx),
             server: Some(server),
+            held: None,
         })
     }
 
@@ -372,6 +377,10 @@ impl SglangDouble {
     /// refuses new connections. Returns once the listener and every connection are gone
     /// (at most 10 s). Running generations end as on a client disconnect; records and
     /// abort bodies are kept. A no-op when already killed.
+    ///
+    /// The port stays reserved for [`SglangDouble::restart`]: a socket bound to it, not
+    /// listening (connections are refused, as by a dead process), which no port-0 bind or
+    /// outgoing connection of another process can be given meanwhile.
     pub async fn kill(&mut self) {
         self.inner.kills.send_modify(|v| *v = v.wrapping_add(1));
         if let Some(s) = self.shutdown.take() {
@@ -379,20 +388,31 @@ impl SglangDouble {
         }
         if let Some(task) = self.server.take() {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+            if self.held.is_none() {
+                self.held = crate::ports::ReservedPort::at(self.addr)
+                    .map_err(|e| {
+                        tracing::debug!("sglang double: {} not held while killed: {e}", self.addr)
+                    })
+                    .ok();
+            }
         }
         self.inner.bump();
     }
 
     /// Serve again on the same address after [`SglangDouble::kill`] (same backend,
-    /// faults, records and radix cache). A no-op while running.
+    /// faults, records and radix cache), listening on the socket `kill` kept bound. A
+    /// no-op while running.
     ///
     /// # Errors
-    /// The bind error (the port was taken meanwhile).
+    /// The listen or bind error (bind only when `kill` could not keep the port).
     pub async fn restart(&mut self) -> std::io::Result<()> {
         if self.server.is_some() {
             return Ok(());
         }
-        let listener = TcpListener::bind(self.addr).await?;
+        let listener = match self.held.take() {
+            Some(port) => port.listen()?,
+            None => TcpListener::bind(self.addr).await?,
+        };
         let (tx, server) = crate::spawn_server_joinable(listener, router(&self.inner));
         self.shutdown = Some(tx);
         self.server = Some(server);
