@@ -54,14 +54,17 @@ pub struct AuditArgs {
     /// Print the full report as one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Keep every dequantised weight in memory (f32) instead of decoding each layer as it is
-    /// used; faster for repeated passes, 4 bytes per parameter.
+    /// Keep every dequantised weight in memory instead of decoding each layer as it is used:
+    /// f32 on the CPU (4 bytes per parameter), bf16 on a GPU (`--device cuda`, 2 bytes per
+    /// parameter); faster for repeated passes.
     #[arg(long)]
     pub resident: bool,
     /// The activation dtype(s) of the recompute: `auto` recomputes in bf16 (as GPU serves
-    /// compute) and, when that does not pass, in f32, then in bf16 with transformers' eager
-    /// attention, and passes when one does (docs/AUDITOR.md "Recomputes");
-    /// `bf16`, `bf16-eager` or `f32` run only that one. On a
+    /// compute) and, when that does not pass, on a block-FP8 checkpoint in W8A8 (bf16 with
+    /// every FP8 product's input rows quantised per token and per 128-group to e4m3, as sglang
+    /// serves FP8 checkpoints), then in f32, then in bf16 with transformers' eager attention,
+    /// and passes when one does (docs/AUDITOR.md "Recomputes", "W8A8");
+    /// `bf16`, `bf16-eager`, `f32` or `w8a8` run only that one. On a
     /// DSA architecture (GLM) a recompute that does not pass runs again with exactly tied index
     /// scores taken higher index first, when one of its top-k selections cut through a tie.
     #[arg(long, env = "ENGY_AUDIT_RECOMPUTE", value_enum, default_value_t = RecomputeArg::Auto)]
@@ -102,7 +105,8 @@ pub struct AuditArgs {
 /// `--recompute` values.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecomputeArg {
-    /// bf16, then f32, then bf16 with eager attention, until one passes.
+    /// bf16, then (block-FP8 checkpoints) W8A8, then f32, then bf16 with eager attention,
+    /// until one passes.
     Auto,
     /// bf16 only (a fused kernel's attention).
     Bf16,
@@ -110,6 +114,8 @@ pub enum RecomputeArg {
     Bf16Eager,
     /// f32 only.
     F32,
+    /// W8A8 only: bf16 with block-FP8 products' input rows quantised as sglang does.
+    W8a8,
 }
 
 impl From<RecomputeArg> for Recompute {
@@ -119,6 +125,7 @@ impl From<RecomputeArg> for Recompute {
             RecomputeArg::Bf16 => Recompute::Bf16,
             RecomputeArg::Bf16Eager => Recompute::Bf16Eager,
             RecomputeArg::F32 => Recompute::F32,
+            RecomputeArg::W8a8 => Recompute::W8a8,
         }
     }
 }

@@ -29,7 +29,7 @@ use engy_spec as spec;
 /// Recomputes a miner commitment's hidden states from the pinned checkpoint and checks its
 /// TOPLOC proofs; builds and verifies the checkpoint's Merkle weight commitment.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about)]
+#[command(version = engy_telemetry::build_info::LONG_VERSION, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -38,8 +38,12 @@
 //!    `attn_implementation="eager"` rounds the attention's scores and probabilities where a
 //!    fused kernel does not, which on small models moves MoE and DSA choices). The
 //!    commitment passes when one honest recompute explains every judged batch; the thresholds are
-//!    the model spec's, unchanged. On an architecture with a DSA indexer, exact ties at the
-//!    `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
+//!    the model spec's, unchanged. On a block-FP8 checkpoint (`quant_method: fp8`) the W8A8
+//!    recompute runs second, after bf16 ([`Recompute::computes_for`]): sglang multiplies such
+//!    checkpoints with every FP8 product's input rows quantised per token and per 128-group
+//!    to e4m3 (`arch::quant` "W8A8"), which moves an honest serve's rows further from a bf16
+//!    recompute than some weight swaps do (docs/AUDITOR.md "W8A8"). On an architecture with a
+//!    DSA indexer, exact ties at the `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
 //!    known (`arch::TieOrder`), so when neither recompute passes with ties taken lower index
 //!    first, both are run again with ties taken higher index first; each only when its
 //!    lower-first pass had a selection that cut through a tie (`arch::Probe::
@@ -52,8 +56,8 @@ use engy_core::toploc::{self, Dtype, Params, ProofPoly};
 use engy_core::wire::Commitment;
 
 use crate::arch::{
-    self, AttentionKernel, CommittedRouting, Divergence, LayerAgreement, Probe, RoutingCheck,
-    TieOrder,
+    self, AttentionKernel, CommittedRouting, Divergence, Fp8Activations, LayerAgreement, Probe,
+    RoutingCheck, TieOrder,
 };
 use crate::index_sets::{self, IndexSetAudit, OwnIndexSets};
 use crate::{Compute, Model, ModelError, Numerics};
@@ -74,6 +78,12 @@ pub enum Recompute {
     Bf16Eager,
     /// Only the f32 recompute.
     F32,
+    /// Only the W8A8 recompute: bf16 activations with a fused kernel's attention, every
+    /// product with a block-FP8 weight taking its input rows quantised per token and per
+    /// 128-group to `float8_e4m3fn` as sglang's block-FP8 linear method and fused MoE do
+    /// ([`arch::Fp8Activations::PerTokenGroup`]). On a checkpoint with no block-FP8 weight it
+    /// computes as [`Recompute::Bf16`].
+    W8a8,
 }
 
 impl Recompute {
@@ -81,15 +91,41 @@ impl Recompute {
     /// attention rule (both kernels compute the same in f32); a bf16 serve's attention rounds
     /// as a fused kernel (every GPU serve, transformers' default `sdpa`) or as transformers'
     /// `eager` attention ([`AttentionKernel`]).
+    /// [`Recompute::W8a8`] lists its bf16 pass (its FP8 activation rule:
+    /// [`Recompute::computes_for`]).
     pub fn computes(self) -> &'static [(Compute, AttentionKernel)] {
         const BF16_SDPA: (Compute, AttentionKernel) = (Compute::Bf16, AttentionKernel::Sdpa);
         const BF16_EAGER: (Compute, AttentionKernel) = (Compute::Bf16, AttentionKernel::Eager);
         const F32: (Compute, AttentionKernel) = (Compute::F32, AttentionKernel::Sdpa);
         match self {
             Recompute::Auto => &[BF16_SDPA, F32, BF16_EAGER],
-            Recompute::Bf16 => &[BF16_SDPA],
+            Recompute::Bf16 | Recompute::W8a8 => &[BF16_SDPA],
             Recompute::Bf16Eager => &[BF16_EAGER],
             Recompute::F32 => &[F32],
+        }
+    }
+
+    /// [`Recompute::computes`] with the activation rule of block-FP8 products, for a
+    /// checkpoint whose weights are (`fp8`) or are not block FP8. `auto` on a block-FP8
+    /// checkpoint: bf16, then W8A8 (how sglang serves it), then f32, then bf16 with eager
+    /// attention; elsewhere bf16, f32, bf16 with eager attention. Each after the first only
+    /// when the ones before did not pass, so an honest serve costs one or two passes and a
+    /// cheat at most four (eight with DSA ties both ways).
+    pub fn computes_for(self, fp8: bool) -> &'static [(Compute, AttentionKernel, Fp8Activations)] {
+        const A16: Fp8Activations = Fp8Activations::Unquantised;
+        const A8: Fp8Activations = Fp8Activations::PerTokenGroup;
+        type C = (Compute, AttentionKernel, Fp8Activations);
+        const BF16_SDPA: C = (Compute::Bf16, AttentionKernel::Sdpa, A16);
+        const BF16_EAGER: C = (Compute::Bf16, AttentionKernel::Eager, A16);
+        const F32: C = (Compute::F32, AttentionKernel::Sdpa, A16);
+        const W8A8: C = (Compute::Bf16, AttentionKernel::Sdpa, A8);
+        match (self, fp8) {
+            (Recompute::Auto, false) => &[BF16_SDPA, F32, BF16_EAGER],
+            (Recompute::Auto, true) => &[BF16_SDPA, W8A8, F32, BF16_EAGER],
+            (Recompute::Bf16, _) => &[BF16_SDPA],
+            (Recompute::Bf16Eager, _) => &[BF16_EAGER],
+            (Recompute::F32, _) => &[F32],
+            (Recompute::W8a8, _) => &[W8A8],
         }
     }
 
@@ -97,6 +133,12 @@ impl Recompute {
     /// indexer: each of [`Recompute::computes`] with DSA ties lower index first, then (DSA
     /// only) each again with ties higher index first.
     pub fn plan(self, dsa: bool) -> Vec<Numerics> {
+        self.plan_for(dsa, false)
+    }
+
+    /// [`Recompute::plan`] for a checkpoint whose weights are (`fp8`) or are not block FP8
+    /// ([`Recompute::computes_for`]).
+    pub fn plan_for(self, dsa: bool, fp8: bool) -> Vec<Numerics> {
         let orders: &[TieOrder] = if dsa {
             &[TieOrder::LowerFirst, TieOrder::HigherFirst]
         } else {
@@ -105,12 +147,13 @@ impl Recompute {
         orders
             .iter()
             .flat_map(|&dsa_ties| {
-                self.computes()
+                self.computes_for(fp8)
                     .iter()
-                    .map(move |&(compute, attention)| Numerics {
+                    .map(move |&(compute, attention, fp8_activations)| Numerics {
                         compute,
                         attention,
                         dsa_ties,
+                        fp8_activations,
                     })
             })
             .collect()
@@ -126,6 +169,9 @@ pub struct RecomputeOutcome {
     pub attention: AttentionKernel,
     /// The order among tied DSA index scores it took.
     pub dsa_ties: TieOrder,
+    /// How its products with block-FP8 weights treated their input rows (`w8a16`, or `w8a8`
+    /// as sglang serves block-FP8 checkpoints).
+    pub fp8_activations: Fp8Activations,
     /// `pass` or `cheat`.
     pub verdict: &'static str,
     /// Its score (mean `exp_mismatches / topk`).
@@ -143,10 +189,13 @@ pub struct RecomputeOutcome {
 }
 
 impl RecomputeOutcome {
-    /// `bf16`, `f32`, `bf16/eager` (eager attention), each with `/ties-higher-first` where
-    /// DSA ties were taken higher index first.
+    /// `bf16`, `f32`, `bf16/eager` (eager attention), `bf16/w8a8` (the W8A8 recompute), each
+    /// with `/ties-higher-first` where DSA ties were taken higher index first.
     pub fn label(&self) -> String {
         let mut s = self.compute.label().to_string();
+        if self.fp8_activations == Fp8Activations::PerTokenGroup {
+            s.push_str("/w8a8");
+        }
         if self.attention == AttentionKernel::Eager {
             s.push_str("/eager");
         }
@@ -517,7 +566,9 @@ pub fn audit_with_routing(
     recompute: Recompute,
     routing: Option<CommittedRouting>,
 ) -> Result<AuditReport, ModelError> {
-    let plan = recompute.plan(arch::has_dsa(model.config().kind));
+    let cfg = model.config();
+    let fp8 = cfg.quantization.as_ref().is_some_and(|q| q.method == "fp8");
+    let plan = recompute.plan_for(arch::has_dsa(cfg.kind), fp8);
     audit_computes(model, model_root, commitment, params, &plan, routing)
 }
 
@@ -561,7 +612,8 @@ fn audit_computes(
         // same numerics' lower-first pass counted none, this one would compute the same.
         let redundant = n.dsa_ties == TieOrder::HigherFirst
             && outcomes.iter().any(|o: &RecomputeOutcome| {
-                (o.compute, o.attention) == (n.compute, n.attention)
+                (o.compute, o.attention, o.fp8_activations)
+                    == (n.compute, n.attention, n.fp8_activations)
                     && o.dsa_ties == TieOrder::LowerFirst
                     && o.dsa_boundary_ties == Some(0)
             });
@@ -583,6 +635,7 @@ fn audit_computes(
             compute: n.compute,
             attention: n.attention,
             dsa_ties: n.dsa_ties,
+            fp8_activations: n.fp8_activations,
             verdict: report.verdict.label(),
             score: report.score,
             passing_batches: report.passing_batches,

@@ -124,6 +124,9 @@ pub struct Numerics {
     pub attention: arch::AttentionKernel,
     /// The DSA tie order ([`LoadOptions::dsa_ties`]).
     pub dsa_ties: arch::TieOrder,
+    /// How products with block-FP8 weights treat their input rows
+    /// ([`LoadOptions::fp8_activations`]: W8A16 or sglang's W8A8).
+    pub fp8_activations: arch::Fp8Activations,
 }
 
 /// The state of one sequence between decoding steps (see [`arch::Cache`]).
@@ -226,6 +229,7 @@ impl Model {
             compute: n.compute,
             attention: n.attention,
             dsa_ties: n.dsa_ties,
+            fp8_activations: n.fp8_activations,
             ..self.opts
         };
         Ok(Self {
@@ -241,6 +245,7 @@ impl Model {
             compute: self.opts.compute,
             attention: self.opts.attention,
             dsa_ties: self.opts.dsa_ties,
+            fp8_activations: self.opts.fp8_activations,
         }
     }
 

@@ -198,7 +198,8 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
             let dsa = engy_model::arch::has_dsa(model.config().kind);
             let outcome = |n: Numerics| {
                 report.recomputes.iter().find(|o| {
-                    (o.compute, o.attention, o.dsa_ties) == (n.compute, n.attention, n.dsa_ties)
+                    (o.compute, o.attention, o.dsa_ties, o.fp8_activations)
+                        == (n.compute, n.attention, n.dsa_ties, n.fp8_activations)
                 })
             };
             for n in Recompute::Auto.plan(dsa) {

@@ -453,6 +453,8 @@ pub struct GlmMoeDsa {
     inv_freq: Vec<f32>,
     score_budget: usize,
     compute: Compute,
+    /// How products with block-FP8 weights treat their input rows (W8A16 or W8A8).
+    acts: super::Fp8Activations,
     attention: super::AttentionKernel,
     dsa_ties: super::TieOrder,
 }
@@ -690,6 +692,7 @@ impl GlmMoeDsa {
                 DEFAULT_SCORE_BUDGET_GPU
             },
             compute: opts.compute,
+            acts: opts.fp8_activations,
             attention: opts.attention,
             dsa_ties: opts.dsa_ties,
         };
@@ -915,7 +918,12 @@ impl GlmMoeDsa {
         } else {
             None
         };
-        let y = linear_t(x, &self.w.projection_t_in(module, out, inp, cm)?)?;
+        let y = if self.acts == super::Fp8Activations::PerTokenGroup && self.w.is_block_fp8(module)
+        {
+            self.w.linear_as(module, x, out, inp, cm, self.acts)?
+        } else {
+            linear_t(x, &self.w.projection_t_in(module, out, inp, cm)?)?
+        };
         Ok(match b {
             Some(b) => y.broadcast_add(&b)?,
             None => y,
@@ -999,13 +1007,13 @@ impl GlmMoeDsa {
                 (y, Some(e))
             } else {
                 let y = phase(&dev, "dense mlp", || {
-                    ops::swiglu_in(
+                    ops::swiglu_as(
                         &self.w,
                         &format!("{p}.mlp"),
                         &h2,
-                        hd,
-                        c.intermediate_size,
+                        (hd, c.intermediate_size),
                         cm,
+                        self.acts,
                     )
                 })?;
                 (y, None)
@@ -1400,21 +1408,23 @@ impl GlmMoeDsa {
         let cm = self.compute;
         // The weighted sum of the routed experts stays f32 and is rounded once (transformers'
         // grouped_mm experts: bf16 expert outputs times f32 weights, summed over top-k in f32).
-        let routed = cm.round(if experts::grouped(&self.w) {
+        let grouped = experts::grouped(&self.w) && self.acts == super::Fp8Activations::Unquantised;
+        let routed = cm.round(if grouped {
             let module = |e: usize| format!("{m}.experts.{e}");
             experts::dispatch(&self.w, module, None, h, &routes, (hd, mi), cm, false)?
         } else {
             ops::moe_dispatch(h, &routes, |e, rows| {
-                ops::swiglu_in(&self.w, &format!("{m}.experts.{e}"), rows, hd, mi, cm)
+                let module = format!("{m}.experts.{e}");
+                ops::swiglu_as(&self.w, &module, rows, (hd, mi), cm, self.acts)
             })?
         })?;
-        let shared = ops::swiglu_in(
+        let shared = ops::swiglu_as(
             &self.w,
             &format!("{m}.shared_experts"),
             h,
-            hd,
-            mi * c.n_shared_experts,
+            (hd, mi * c.n_shared_experts),
             cm,
+            self.acts,
         )?;
         let experts = routes
             .into_iter()

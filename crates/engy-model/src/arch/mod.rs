@@ -75,6 +75,39 @@ pub struct LoadOptions {
     pub attention: AttentionKernel,
     /// Where the weights are placed and the forward pass runs ([`crate::DeviceSpec`]).
     pub device: crate::DeviceSpec,
+    /// How products with block-FP8 weights treat their input rows ([`Fp8Activations`]).
+    pub fp8_activations: Fp8Activations,
+}
+
+/// How a product with a block-FP8 weight treats its input rows (docs/AUDITOR.md "W8A8").
+///
+/// A bf16 serve of dequantised weights (transformers with `dequantize=True`, engy's bf16 and
+/// f32 recomputes) multiplies the activations as they are; sglang's block-FP8 linear method
+/// and fused MoE, and transformers' native FP8 path on a GPU, quantise each input row to
+/// `float8_e4m3fn` per token and per group of 128 input columns first (W8A8,
+/// [`quant::act_quant_rows`]). Weights stored in any other format are multiplied as they are
+/// either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fp8Activations {
+    /// The activations as computed (W8A16: the weight dequantised, the product in the
+    /// activation dtype).
+    #[default]
+    Unquantised,
+    /// Each input row quantised per token and per 128-group as sglang's
+    /// `per_token_group_quant_fp8` does, the weight dequantised exactly, the product
+    /// accumulated in f32 (W8A8).
+    PerTokenGroup,
+}
+
+impl Fp8Activations {
+    /// `w8a16` or `w8a8`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Fp8Activations::Unquantised => "w8a16",
+            Fp8Activations::PerTokenGroup => "w8a8",
+        }
+    }
 }
 
 /// Whose attention a bf16 recompute follows: the rounding points differ, and on small models

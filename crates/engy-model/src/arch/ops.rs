@@ -166,6 +166,34 @@ pub fn swiglu_in(
     Ok(c.round(w.linear_in(&format!("{module}.down_proj"), &h, hidden, inter, c)?)?)
 }
 
+/// [`swiglu_in`] as a serve whose products with block-FP8 weights treat their input rows as
+/// `acts` says ([`Weights::linear_as`]): with [`super::Fp8Activations::PerTokenGroup`], `x`
+/// is quantised once per row for `gate_proj` and `up_proj` and the activated product once for
+/// `down_proj` (sglang's fused MoE quantises the expert's input and its `silu(g)·u` the same
+/// way). With [`super::Fp8Activations::Unquantised`], exactly [`swiglu_in`].
+///
+/// # Errors
+/// Weight errors and candle errors.
+pub fn swiglu_as(
+    w: &Weights,
+    module: &str,
+    x: &Tensor,
+    (hidden, inter): (usize, usize),
+    c: Compute,
+    acts: super::Fp8Activations,
+) -> Result<Tensor, ModelError> {
+    if acts == super::Fp8Activations::Unquantised {
+        return swiglu_in(w, module, x, hidden, inter, c);
+    }
+    let lin = |name: &str, x: &Tensor, out: usize, inp: usize| {
+        w.linear_as(&format!("{module}.{name}"), x, out, inp, c, acts)
+    };
+    let g = c.round(lin("gate_proj", x, inter, hidden)?)?;
+    let u = c.round(lin("up_proj", x, inter, hidden)?)?;
+    let h = c.round((c.round(silu(&g)?)? * u)?)?;
+    Ok(c.round(lin("down_proj", &h, hidden, inter)?)?)
+}
+
 /// `x * sigmoid(x)`.
 ///
 /// # Errors

@@ -12,6 +12,43 @@
 //!   codes per byte, element `2j` in the low nibble; `<m>.weight_scale` F8_E4M3 `[N, K/16]`;
 //!   `<m>.weight_scale_2` F32 scalar; `W = (e2m1(code) * f32(weight_scale)) * weight_scale_2`.
 //!   `<m>.input_scale` quantises activations on real hardware; the audit does not use it.
+//!
+//! # W8A8: how a serve multiplies block-FP8 weights
+//!
+//! No GPU serve multiplies a block-FP8 checkpoint in bf16. sglang's `Fp8LinearMethod` with
+//! `weight_block_size` (`python/sglang/srt/layers/quantization/fp8.py`, `fp8_utils.py`
+//! `apply_w8a8_block_fp8_linear`) and its fused MoE (`fused_moe` with `use_fp8_w8a8=True`,
+//! `block_shape=[128, 128]`) quantise every activation row before the product, and
+//! transformers' FineGrainedFP8 without `dequantize` (`integrations/finegrained_fp8.py`,
+//! `act_quant` + `w8a8_block_fp8_matmul_triton`) does the same. [`act_quant_group`] is that
+//! quantiser, [`act_quant_rows`] applies it per token and per group; the recompute that uses it
+//! is `Weights::linear_as` with `Fp8Activations::PerTokenGroup`. The rule, from sglang's
+//! kernels (`sgl-kernel/csrc/gemm/per_token_group_quant_8bit.cu`, used on CUDA, and the triton
+//! `_per_token_group_quant_8bit` in `layers/quantization/fp8_kernel.py`):
+//!
+//! * groups of 128 consecutive input columns of one token's row (the weight's `bk`; sglang
+//!   asserts `K % 128 == 0`, so no group is ragged there; here a ragged last group is
+//!   quantised over its own elements, as transformers' `act_quant` would if it allowed it);
+//! * `scale = max(max |x|, eps) / 448` in f32, `eps = 1e-10` (`per_token_group_quant_fp8`'s
+//!   default), so an all-zero group gets scale `1e-10 / 448` and quantises to zeros; the scale
+//!   is stored f32 (row-major on the triton/CUTLASS paths, column-major TMA-aligned for
+//!   DeepGEMM on Hopper: the layout changes nothing in the values);
+//! * `q = float8_e4m3fn(clamp(x / scale, -448, 448))`: the cast rounds to nearest, ties to
+//!   even (`__nv_fp8_e4m3(float)` = `cvt.rn.satfinite.e4m3x2.f32`; triton's `.to(fp8e4nv)`
+//!   the same), the clamp makes saturation moot. The triton row-major kernel multiplies by
+//!   `1 / scale` instead of dividing, which can move `x / scale` by one f32 ulp: only a value
+//!   within an ulp of an e4m3 rounding boundary can land on the other side (not modelled).
+//!   transformers' `act_quant` divides by `max |x| / 448` with no eps (its zero rows give
+//!   NaN; a final hidden row of a real model is never all zero);
+//! * the product: `Σ_kb (a_s[m, kb] · b_s[n/128, kb]) · Σ_{k∈kb} a_q[m, k] · b_q[n, k]`,
+//!   accumulated in f32 (`w8a8_block_fp8_matmul`'s `accumulator += tl.dot(a, b) * a_s * b_s`;
+//!   DeepGEMM promotes the tensor-core partial sums to f32 every 128 of K), the output cast
+//!   once to bf16. Here: the dequantised activation (`q · scale`) times the exactly
+//!   dequantised weight in f32, the caller rounding the output to bf16: the same up to the
+//!   order of f32 summation.
+//! * Not modelled: `scale_ue8m0` (Blackwell's DeepGEMM: scales rounded up to a power of two,
+//!   the weights requantised to them at load), and sglang's absorbed MLA (`w_kc`/`w_vc`
+//!   requantised per tensor, `per_tensor_quant_mla_fp8`); docs/AUDITOR.md "W8A8".
 use half::{bf16, f16};
 use safetensors::Dtype;
 
@@ -27,6 +64,71 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
         sign * man / 8.0 * 2f32.powi(-6)
     } else {
         sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// The largest finite `float8_e4m3fn` value (`torch.finfo(torch.float8_e4m3fn).max`).
+pub const E4M3_MAX: f32 = 448.0;
+
+/// The floor of a group's `max |x|` before it becomes a scale: `per_token_group_quant_fp8`'s
+/// default `eps` (sglang `fp8_kernel.py`).
+pub const ACT_QUANT_EPS: f32 = 1e-10;
+
+/// The input columns per activation scale: sglang's `block_shape[1]` / the checkpoint's
+/// `weight_block_size[1]` on every served FP8 checkpoint.
+pub const ACT_QUANT_GROUP: usize = 128;
+
+/// `x` rounded to the nearest `float8_e4m3fn` value, ties to even, saturating to ±448
+/// (`cvt.rn.satfinite`): the value the cast `float8_e4m3fn(x)` of a GPU kernel stores, as an
+/// f32. NaN stays NaN. Subnormals (below 2⁻⁶) are multiples of 2⁻⁹.
+pub fn round_e4m3(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return E4M3_MAX.copysign(x);
+    }
+    // The spacing of e4m3 values around `a`: 2^(e - 3) for a normal exponent e ≥ −6, 2^-9
+    // below (subnormals). Dividing and multiplying by a power of two is exact, so the one
+    // rounding is `round_ties_even`'s.
+    let e = if a < 2f32.powi(-6) {
+        -6
+    } else {
+        ((a.to_bits() >> 23) as i32) - 127
+    };
+    let step = 2f32.powi(e - 3);
+    let r = ((a / step).round_ties_even() * step).min(E4M3_MAX);
+    r.copysign(x)
+}
+
+/// One activation group as a block-FP8 serve quantises it ([module docs](self) "W8A8"):
+/// `scale = max(max |x|, eps) / 448`, `out[j] = round_e4m3(clamp(x[j] / scale, ±448)) ·
+/// scale`, the dequantised value the FP8 product multiplies. Returns the scale (f32).
+/// `out.len()` must equal `x.len()` (extra elements of either are left alone).
+pub fn act_quant_group(x: &[f32], out: &mut [f32]) -> f32 {
+    let amax = x.iter().fold(ACT_QUANT_EPS, |m, v| m.max(v.abs()));
+    let scale = amax / E4M3_MAX;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = round_e4m3((v / scale).clamp(-E4M3_MAX, E4M3_MAX)) * scale;
+    }
+    scale
+}
+
+/// [`act_quant_group`] over every row of `x` (row-major, `k` columns), per `group` consecutive
+/// columns (a ragged last group over its own columns), in place: the activation a block-FP8
+/// W8A8 product sees. `k == 0` or `group == 0` leaves `x` unchanged.
+pub fn act_quant_rows(x: &mut [f32], k: usize, group: usize) {
+    if k == 0 || group == 0 {
+        return;
+    }
+    let mut tmp = vec![0f32; group.min(k)];
+    for row in x.chunks_mut(k) {
+        for g in row.chunks_mut(group) {
+            let t = &mut tmp[..g.len()];
+            act_quant_group(g, t);
+            g.copy_from_slice(t);
+        }
     }
 }
 
@@ -213,6 +315,103 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
         assert!(e4m3_to_f32(0x7f).is_nan());
         assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6)); // smallest normal
+    }
+
+    #[test]
+    fn e4m3_rounding_is_to_nearest_even_and_saturates() {
+        // Every finite code round-trips.
+        for b in 0u8..=255 {
+            let v = e4m3_to_f32(b);
+            if v.is_finite() {
+                assert_eq!(round_e4m3(v).to_bits(), v.to_bits(), "code {b:#04x}");
+            }
+        }
+        // Between 1.0 and 1.125 (spacing 1/8): the midpoint 1.0625 ties to the even 1.0,
+        // the next midpoint 1.1875 to the even 1.25; just above a midpoint rounds up.
+        assert_eq!(round_e4m3(1.0625), 1.0);
+        assert_eq!(round_e4m3(1.1875), 1.25);
+        assert_eq!(round_e4m3(1.0625f32.next_up()), 1.125);
+        assert_eq!(round_e4m3(-1.0625), -1.0);
+        // Spacing 32 at the top: 432 ties between 416 (odd mantissa 5) and 448 (6): 448.
+        assert_eq!(round_e4m3(432.0), 448.0);
+        assert_eq!(round_e4m3(424.0), 416.0);
+        // Saturation: nothing rounds to infinity or NaN (`satfinite`).
+        assert_eq!(round_e4m3(449.0), 448.0);
+        assert_eq!(round_e4m3(1e30), 448.0);
+        assert_eq!(round_e4m3(-500.0), -448.0);
+        // Subnormals: multiples of 2^-9; half of the smallest ties to 0, 1.5 of it to 2.
+        let s = 2f32.powi(-9);
+        assert_eq!(round_e4m3(0.5 * s), 0.0);
+        assert_eq!(round_e4m3(1.5 * s), 2.0 * s);
+        assert_eq!(round_e4m3(2.5 * s), 2.0 * s);
+        assert_eq!(round_e4m3(7.5 * s), 8.0 * s); // ties up into the smallest normal 2^-6
+        assert!(round_e4m3(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn e4m3_rounding_agrees_with_the_float8_crate() {
+        // An independent conversion (the `float8` crate's `F8E4M3::from_f32`, round to
+        // nearest even) on a sweep of values inside the finite range, midpoints included.
+        let mut checked = 0;
+        for b in 0u8..=0x7e {
+            let lo = e4m3_to_f32(b);
+            let hi = e4m3_to_f32(b + 1);
+            if !hi.is_finite() {
+                continue;
+            }
+            for f in [0.0f32, 0.25, 0.5, 0.75, 0.4999, 0.5001] {
+                let v = lo + (hi - lo) * f;
+                for v in [v, -v] {
+                    let want = float8::F8E4M3::from_f32(v).to_f32();
+                    assert_eq!(round_e4m3(v), want, "{v}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 1000);
+    }
+
+    #[test]
+    fn act_quant_group_by_hand() {
+        // max |x| = 896: scale exactly 2; x / scale = [448, -100, 1.0625, 0, 50.5].
+        // -100 lies halfway between -96 (mantissa 1.5, even) and -104 (1.625, odd): -96;
+        // 1.0625 halfway between 1 and 1.125: 1; 50.5 → 52 (spacing 4 in [32, 64): 48 and 52).
+        let x = [896f32, -200.0, 2.125, 0.0, 101.0];
+        let mut out = [9f32; 5];
+        let s = act_quant_group(&x, &mut out);
+        assert_eq!(s, 2.0);
+        assert_eq!(out, [896.0, -192.0, 2.0, 0.0, 104.0]);
+        // A scale from a non-power-of-two max: the output is the e4m3 value times the scale.
+        let x = [4.48f32, 1.0];
+        let s = act_quant_group(&x, &mut out[..2]);
+        assert_eq!(s, 4.48f32 / 448.0);
+        assert_eq!(out[1], round_e4m3(1.0 / s) * s);
+        // A zero group: the eps floor, every value 0 (no NaN).
+        let mut z = [1f32; 3];
+        assert_eq!(act_quant_group(&[0.0; 3], &mut z), ACT_QUANT_EPS / 448.0);
+        assert_eq!(z, [0.0; 3]);
+    }
+
+    #[test]
+    fn act_quant_rows_groups_per_token_and_ragged_edge() {
+        // Two rows of 5 columns, groups of 2: [2, 2, 1] per row; each group its own scale.
+        let mut x = vec![1.0f32, 3.0, 100.0, 0.3, 7.0, 0.0, 0.0, 5.0, 1e-3, 2.0];
+        let want: Vec<f32> = x
+            .chunks(5)
+            .flat_map(|r| r.chunks(2).map(|g| g.to_vec()).collect::<Vec<_>>())
+            .flat_map(|g| {
+                let mut o = vec![0f32; g.len()];
+                act_quant_group(&g, &mut o);
+                o
+            })
+            .collect();
+        act_quant_rows(&mut x, 5, 2);
+        assert_eq!(x, want);
+        // The ragged group of one element is its own max: exact.
+        assert_eq!(x[4], 7.0);
+        // Zero group of row 2 stays zero; 0.3 next to 100 is quantised on 100's scale.
+        assert_eq!(&x[5..7], &[0.0, 0.0]);
+        assert_ne!(x[3], 0.3);
     }
 
     #[test]

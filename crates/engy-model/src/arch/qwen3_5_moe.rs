@@ -55,8 +55,8 @@ use super::delta_rule;
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, AttentionKernel, Cache, LayerCache, LoadOptions, Probe, RouteScores,
-    RoutingShape, TextConfig, Weights,
+    Architecture, AttentionKernel, Cache, Fp8Activations, LayerCache, LoadOptions, Probe,
+    RouteScores, RoutingShape, TextConfig, Weights,
 };
 use crate::device::phase;
 use crate::{Compute, ModelError};
@@ -72,6 +72,8 @@ pub struct Qwen3_5Moe {
     cfg: TextConfig,
     w: Arc<Weights>,
     compute: Compute,
+    /// How products with block-FP8 weights treat their input rows (W8A16 or W8A8).
+    acts: Fp8Activations,
     attention: AttentionKernel,
     mixers: Vec<Mixer>,
     heads: usize,
@@ -150,6 +152,7 @@ impl Qwen3_5Moe {
             moe_inter: cfg.usize_req("moe_intermediate_size")?,
             shared_inter: cfg.usize_or("shared_expert_intermediate_size", 0)?,
             compute: opts.compute,
+            acts: opts.fp8_activations,
             attention: opts.attention,
             cfg,
             w,
@@ -316,8 +319,8 @@ impl Qwen3_5Moe {
             Ok(cm.round(linear_t(h, &wt)?)?)
         };
         Ok([
-            cm.round(w.linear_in(&format!("{a}.in_proj_qkv"), h, cd, d, cm)?)?,
-            cm.round(w.linear_in(&format!("{a}.in_proj_z"), h, nv * dv, d, cm)?)?,
+            cm.round(w.linear_as(&format!("{a}.in_proj_qkv"), h, cd, d, cm, self.acts)?)?,
+            cm.round(w.linear_as(&format!("{a}.in_proj_z"), h, nv * dv, d, cm, self.acts)?)?,
             small("in_proj_b")?,
             small("in_proj_a")?,
         ])
@@ -426,7 +429,14 @@ impl Qwen3_5Moe {
                 .reshape((t, nv * dv))?)
         })?;
         let y = phase(dev, "gated deltanet: projections", || {
-            Ok(cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?)
+            Ok(cm.round(w.linear_as(
+                &format!("{a}.out_proj"),
+                &core,
+                d,
+                nv * dv,
+                cm,
+                self.acts,
+            )?)?)
         })?;
         Ok((y, LayerCache(vec![conv_state, state])))
     }
@@ -548,7 +558,8 @@ impl Qwen3_5Moe {
             }
         }
         let core = Tensor::from_vec(out, (t, nv * dv), &Device::Cpu)?;
-        let y = cm.round(w.linear_in(&format!("{a}.out_proj"), &core, d, nv * dv, cm)?)?;
+        let y =
+            cm.round(w.linear_as(&format!("{a}.out_proj"), &core, d, nv * dv, cm, self.acts)?)?;
         let cache = LayerCache(vec![
             Tensor::from_vec(conv_state, (hist, cd), &Device::Cpu)?,
             Tensor::from_vec(state, (nv, dk, dv), &Device::Cpu)?,
@@ -571,7 +582,7 @@ impl Qwen3_5Moe {
         let cm = self.compute;
         let eps = self.cfg.rms_norm_eps;
         let proj = |name: &str, out: usize| -> Result<Tensor, ModelError> {
-            Ok(cm.round(w.linear_in(&format!("{a}.{name}"), h, out, d, cm)?)?)
+            Ok(cm.round(w.linear_as(&format!("{a}.{name}"), h, out, d, cm, self.acts)?)?)
         };
         let qg = proj("q_proj", nh * hd * 2)?.reshape((t, nh, 2 * hd))?;
         let q = qg.narrow(2, 0, hd)?;
@@ -600,7 +611,7 @@ impl Qwen3_5Moe {
             })
         })?;
         let y = cm.round((y * cm.round(ops::sigmoid(&gate)?)?)?)?;
-        let y = cm.round(w.linear_in(&format!("{a}.o_proj"), &y, d, nh * hd, cm)?)?;
+        let y = cm.round(w.linear_as(&format!("{a}.o_proj"), &y, d, nh * hd, cm, self.acts)?)?;
         Ok((y, LayerCache(vec![k, v])))
     }
 
@@ -634,13 +645,13 @@ impl Qwen3_5Moe {
         // the router's top-k, the device computes it while the host routes.
         let shared = if self.shared_inter > 0 {
             Some(phase(h.device(), "moe: shared expert", || {
-                let shared = ops::swiglu_in(
+                let shared = ops::swiglu_as(
                     w,
                     &format!("{m}.shared_expert"),
                     h,
-                    d,
-                    self.shared_inter,
+                    (d, self.shared_inter),
                     cm,
+                    self.acts,
                 )?;
                 let g = cm.round(ops::sigmoid(&cm.round(linear_t(
                     h,
@@ -669,7 +680,7 @@ impl Qwen3_5Moe {
             }
         }
         let mut out = phase(h.device(), "moe: routed experts", || {
-            if experts::grouped(w) {
+            if experts::grouped(w) && self.acts == Fp8Activations::Unquantised {
                 let module = |e: usize| format!("{m}.experts.{e}");
                 let shape = (d, self.moe_inter);
                 Ok(cm.round(experts::dispatch(
@@ -684,7 +695,8 @@ impl Qwen3_5Moe {
                 )?)?)
             } else {
                 ops::moe_dispatch_in(h, &choice, cm, |e, rows| {
-                    ops::swiglu_in(w, &format!("{m}.experts.{e}"), rows, d, self.moe_inter, cm)
+                    let module = format!("{m}.experts.{e}");
+                    ops::swiglu_as(w, &module, rows, (d, self.moe_inter), cm, self.acts)
                 })
             }
         })?;

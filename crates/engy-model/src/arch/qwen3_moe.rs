@@ -27,8 +27,8 @@ use candle_core::{DType, Tensor};
 use super::experts;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, AttentionKernel, Cache, LayerCache, LoadOptions, Probe, RouteScores,
-    RoutingShape, TextConfig, Weights,
+    Architecture, AttentionKernel, Cache, Fp8Activations, LayerCache, LoadOptions, Probe,
+    RouteScores, RoutingShape, TextConfig, Weights,
 };
 use crate::{Compute, ModelError};
 
@@ -37,6 +37,8 @@ pub struct Qwen3Moe {
     cfg: TextConfig,
     w: Arc<Weights>,
     compute: Compute,
+    /// How products with block-FP8 weights treat their input rows (W8A16 or W8A8).
+    acts: Fp8Activations,
     attention: AttentionKernel,
     heads: usize,
     kv_heads: usize,
@@ -78,6 +80,7 @@ impl Qwen3Moe {
             sparse_step: cfg.usize_or("decoder_sparse_step", 1)?,
             mlp_only: cfg.usize_list("mlp_only_layers"),
             compute: opts.compute,
+            acts: opts.fp8_activations,
             attention: opts.attention,
             cfg,
             w,
@@ -190,21 +193,25 @@ impl Qwen3Moe {
         Ok(())
     }
 
+    /// `x · Wᵀ` for the projection `module` `[out, inp]` as this model multiplies it: the
+    /// weight as the recompute holds it ([`Weights::projection_t_in`]), or, for a block-FP8
+    /// weight under W8A8, [`Weights::linear_as`]. Unrounded.
+    fn lin(&self, module: &str, x: &Tensor, out: usize, inp: usize) -> Result<Tensor, ModelError> {
+        let c = self.compute;
+        if self.acts == Fp8Activations::PerTokenGroup && self.w.is_block_fp8(module) {
+            return self.w.linear_as(module, x, out, inp, c, self.acts);
+        }
+        Ok(linear_t(x, &self.w.projection_t_in(module, out, inp, c)?)?)
+    }
+
     fn mlp(&self, module: &str, x: &Tensor, inter: usize) -> Result<Tensor, ModelError> {
         let c = self.compute;
         let d = self.cfg.hidden_size;
-        let g = self
-            .w
-            .projection_t_in(&format!("{module}.gate_proj"), inter, d, c)?;
-        let u = self
-            .w
-            .projection_t_in(&format!("{module}.up_proj"), inter, d, c)?;
-        let dn = self
-            .w
-            .projection_t_in(&format!("{module}.down_proj"), d, inter, c)?;
-        let g = c.round(ops::silu(&c.round(linear_t(x, &g)?)?)?)?;
-        let u = c.round(linear_t(x, &u)?)?;
-        Ok(c.round(linear_t(&c.round((g * u)?)?, &dn)?)?)
+        let g = self.lin(&format!("{module}.gate_proj"), x, inter, d)?;
+        let g = c.round(ops::silu(&c.round(g)?)?)?;
+        let u = c.round(self.lin(&format!("{module}.up_proj"), x, inter, d)?)?;
+        let h = c.round((g * u)?)?;
+        Ok(c.round(self.lin(&format!("{module}.down_proj"), &h, d, inter)?)?)
     }
 
     /// The MLP of layer `i` on `x` `[t, hidden]` (rows at positions `off..`); an MoE layer's
@@ -234,7 +241,7 @@ impl Qwen3Moe {
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
         }
-        let y = if experts::grouped(&self.w) {
+        let y = if experts::grouped(&self.w) && self.acts == Fp8Activations::Unquantised {
             let module = |e: usize| format!("{p}.experts.{e}");
             let shape = (d, self.moe_inter);
             c.round(experts::dispatch(
@@ -288,10 +295,8 @@ impl Architecture for Qwen3Moe {
             let ln1 = self.w.tensor(&format!("{p}.input_layernorm.weight"))?;
             let xn = ops::rms_norm_in(&x, &ln1, eps, c)?;
             let heads = |name: &str, n: usize, norm: Option<&str>| -> Result<Tensor, ModelError> {
-                let wt = self
-                    .w
-                    .projection_t_in(&format!("{p}.self_attn.{name}"), n * hd, d, c)?;
-                let y = c.round(linear_t(&xn, &wt)?)?.reshape((t, n, hd))?;
+                let y = self.lin(&format!("{p}.self_attn.{name}"), &xn, n * hd, d)?;
+                let y = c.round(y)?.reshape((t, n, hd))?;
                 let y = match norm {
                     Some(nn) => {
                         let nw = self.w.tensor(&format!("{p}.self_attn.{nn}.weight"))?;
@@ -316,10 +321,8 @@ impl Architecture for Qwen3Moe {
                 }
             };
             new_cache.push(LayerCache(vec![k, v]));
-            let o = self
-                .w
-                .projection_t_in(&format!("{p}.self_attn.o_proj"), d, h * hd, c)?;
-            x = c.round((x + c.round(linear_t(&y, &o)?)?)?)?;
+            let o = self.lin(&format!("{p}.self_attn.o_proj"), &y, d, h * hd)?;
+            x = c.round((x + c.round(o)?)?)?;
             let ln2 = self
                 .w
                 .tensor(&format!("{p}.post_attention_layernorm.weight"))?;

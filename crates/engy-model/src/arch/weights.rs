@@ -1202,6 +1202,60 @@ impl Weights {
         Ok(y)
     }
 
+    /// Whether `<module>.weight` is stored block-FP8 (`F8_E4M3` with a `weight_scale_inv`
+    /// beside it): a weight a W8A8 serve multiplies with quantised activations.
+    pub fn is_block_fp8(&self, module: &str) -> bool {
+        let name = format!("{module}.weight");
+        self.dtype(&name) == Some(Dtype::F8_E4M3) && self.has(&format!("{name}_scale_inv"))
+    }
+
+    /// [`Weights::linear_in`] as a serve whose products with block-FP8 weights treat their
+    /// input rows as `acts` says ([`super::Fp8Activations`]). With
+    /// [`super::Fp8Activations::PerTokenGroup`] and a block-FP8 weight (and no int4 cheat):
+    /// `x` `[.., inp]` is quantised per row and per `weight_block_size[1]` columns
+    /// ([`quant::act_quant_rows`], sglang's `per_token_group_quant_fp8`), then multiplied in
+    /// f32 by the exactly dequantised weight (`W8A8`: f32 accumulation; the caller rounds the
+    /// output to its activation dtype, as the kernel casts its f32 accumulator to bf16). On a
+    /// GPU the quantisation runs on the host (`[rows, inp]` f32 each way). Otherwise exactly
+    /// [`Weights::linear_in`].
+    ///
+    /// # Errors
+    /// As [`Weights::linear`].
+    pub fn linear_as(
+        &self,
+        module: &str,
+        x: &Tensor,
+        out: usize,
+        inp: usize,
+        compute: Compute,
+        acts: super::Fp8Activations,
+    ) -> Result<Tensor, ModelError> {
+        let cheat = matches!(self.precision, Precision::Int4 { .. });
+        if acts == super::Fp8Activations::Unquantised || cheat || !self.is_block_fp8(module) {
+            return self.linear_in(module, x, out, inp, compute);
+        }
+        let mut dims = x.dims().to_vec();
+        if dims.last() != Some(&inp) {
+            return Err(ModelError::Shape {
+                name: format!("input of {module}.weight"),
+                got: dims,
+                want: vec![0, inp],
+            });
+        }
+        let n = dims[..dims.len() - 1].iter().product::<usize>();
+        let mut xs = x
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        quant::act_quant_rows(&mut xs, inp, self.fp8_block[1]);
+        let xq = Tensor::from_vec(xs, (n, inp), x.device())?;
+        let wt = self.projection_t_in(module, out, inp, Compute::F32)?;
+        if let Some(d) = dims.last_mut() {
+            *d = out;
+        }
+        Ok(xq.matmul(&wt)?.reshape(dims)?)
+    }
+
     /// [`Weights::matrix`] transposed (`[in, out]`, contiguous).
     ///
     /// # Errors
