@@ -372,6 +372,7 @@ fn config_and_metadata_are_bound() {
         &CommitOptions {
             arch: Some("qwen3_moe_other".into()),
             quant: None,
+            bind_config: false,
         },
         &Progress::default(),
     )

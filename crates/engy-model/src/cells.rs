@@ -26,29 +26,46 @@ use engy_core::cells::Cell;
 use serde::Serialize;
 
 use crate::arch::{CommittedRouting, Margin, Probe, RoutingCheck, RoutingShape};
-use crate::audit::{default_routing_margin, ROUTING_MARGIN_REL};
+use crate::audit::ROUTING_MARGIN_REL;
 use crate::{Model, ModelError};
 
 pub mod audit;
 pub mod cheat;
+pub mod recompute;
+pub mod stats;
 pub mod weights;
 
-pub use audit::{audit_bundle, BundleAuditError, BundleCell, BundleReport, BundleVerdict};
+pub use audit::{
+    audit_bundle, audit_bundle_with_recompute, BundleAuditError, BundleCell, BundleReport,
+    BundleVerdict, RecomputeBinding,
+};
 pub use cheat::{write_expert_cheat, ExpertQuant};
+pub use stats::{judge_cells, CellStats};
 pub use weights::{CommittedWeights, Openings, WeightCheckError};
 
-/// Tolerances of the cell check (calibration: docs/AUDITOR.md "Cells").
+/// Tolerances of the cell check (calibration: [`stats`] module docs and docs/AUDITOR.md
+/// "Cells").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CellPolicy {
     /// Absolute part of the router-logit tolerance.
     pub logits_abs: f32,
     /// Relative part of the router-logit tolerance (fraction of the recomputed logit).
     pub logits_rel: f32,
-    /// Largest relative L2 distance `‖y − ŷ‖ / ‖ŷ‖` of a passing output.
+    /// Largest relative L2 distance `‖y − ŷ‖ / ‖ŷ‖` of a passing output (one cell alone; the
+    /// challenged cells together are judged by [`stats`]).
     pub y_rel: f32,
-    /// Absolute routing near-tie margin; `None`: the architecture's default
-    /// ([`default_routing_margin`]).
+    /// Absolute routing near-tie margin of a cell (scores recomputed from the cell's own `x`);
+    /// `None`: the architecture's default ([`default_cell_margin`]), tighter than the routing
+    /// trace's ([`crate::audit::default_routing_margin`]), which also absorbs the recompute's drift.
     pub margin: Option<f32>,
+    /// Largest relative L2 distance `‖x − x̂‖ / ‖x̂‖` between a cell's `x` and the
+    /// recompute's MoE input at its (position, layer) ([`audit_bundle_with_recompute`]).
+    pub x_rel: f32,
+    /// The recomputes tried for that binding ([`crate::audit::Recompute::plan`]); the one
+    /// closest to the cells is kept.
+    pub recompute: crate::audit::Recompute,
+    /// The statistics over the challenged cells ([`stats::StatsPolicy`]).
+    pub stats: stats::StatsPolicy,
 }
 
 impl Default for CellPolicy {
@@ -58,7 +75,25 @@ impl Default for CellPolicy {
             logits_rel: 1.0 / 64.0,
             y_rel: 0.05,
             margin: None,
+            x_rel: stats::X_REL,
+            recompute: crate::audit::Recompute::Auto,
+            stats: stats::StatsPolicy::default(),
         }
+    }
+}
+
+/// The absolute near-tie margin of a cell's routing, in the architecture's score units: the
+/// scores are recomputed from the cell's own `x`, so only the router's rounding separates
+/// them from the serve's (module docs of [`stats`]): router logits for the Qwen MoEs (1/32,
+/// twice the logit tolerance's absolute part; the relative part [`ROUTING_MARGIN_REL`] covers
+/// a bf16 router's ulps), `sigmoid + bias` for GLM (1/128: the sigmoid's slope is at most 1/4,
+/// so twice the logit tolerance moves a score by at most 1/128; GLM's router runs in f32). The
+/// routing trace's margin ([`crate::audit::default_routing_margin`], 0.33 on GLM) is wider because its
+/// scores come from the recompute's own hidden states, which DSA ties move.
+pub fn default_cell_margin(kind: crate::arch::ArchKind) -> f32 {
+    match kind {
+        crate::arch::ArchKind::Qwen3Moe | crate::arch::ArchKind::Qwen3_5Moe => 1.0 / 32.0,
+        crate::arch::ArchKind::GlmMoeDsa => 1.0 / 128.0,
     }
 }
 
@@ -87,6 +122,13 @@ pub struct CellCheck {
     pub routing: CellRouting,
     /// `‖y − ŷ‖ / ‖ŷ‖`.
     pub y_err: f32,
+    /// `⟨y − ŷ, ŷ⟩ / ‖ŷ‖²`: the error's part along the recompute's output (a serve that scales
+    /// every output by `1 + s` has `s` here on every cell; rounding averages to 0).
+    pub y_bias: f32,
+    /// `‖x − x̂‖ / ‖x̂‖` against the recompute's MoE input at (position, layer), when the cell
+    /// was bound to a recompute ([`audit_bundle_with_recompute`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub x_err: Option<f32>,
     /// Every failed rule, in words (empty when the cell passes).
     pub failures: Vec<String>,
 }
@@ -115,6 +157,8 @@ pub fn verify_cell(
         logits_err: f32::INFINITY,
         routing: CellRouting::Mismatch,
         y_err: f32::INFINITY,
+        y_bias: f32::INFINITY,
+        x_err: None,
         failures: Vec::new(),
     };
     let shape = match fit(model, cell) {
@@ -126,12 +170,22 @@ pub fn verify_cell(
     };
     let hidden = model.config().hidden_size;
     let x: Vec<f32> = cell.x().iter().map(|v| v.to_f32()).collect();
+    if x.iter().any(|v| !v.is_finite()) {
+        check.failures.push("x is not finite".into());
+        return Ok(check);
+    }
+    let theirs = cell.router_logits().to_f32();
+    if theirs.iter().any(|v| !v.is_finite()) {
+        // NaN would vanish in the max below (f32::max ignores NaN): refuse it here.
+        check.failures.push("router logits are not finite".into());
+        return Ok(check);
+    }
     let x = Tensor::from_vec(x, (1, hidden), &Device::Cpu)?;
     let committed = committed_cell(shape, position as usize, layer as usize, cell.expert_ids());
     let margin = Margin {
         abs: policy
             .margin
-            .unwrap_or_else(|| default_routing_margin(model.config().kind)),
+            .unwrap_or_else(|| default_cell_margin(model.config().kind)),
         rel: ROUTING_MARGIN_REL,
     };
     // One pass: the block dispatches the committed experts whatever the recompute's own
@@ -174,7 +228,6 @@ pub fn verify_cell(
         .get(&(position as usize, layer as usize))
         .cloned()
         .unwrap_or_default();
-    let theirs = cell.router_logits().to_f32();
     check.logits_err = own
         .iter()
         .zip(&theirs)
@@ -188,13 +241,15 @@ pub fn verify_cell(
     }
     // Output.
     let y_hat = y_hat.flatten_all()?.to_vec1::<f32>()?;
-    let (mut num, mut den) = (0f64, 0f64);
+    let (mut num, mut den, mut dot) = (0f64, 0f64, 0f64);
     for (a, b) in cell.y().iter().zip(&y_hat) {
         let d = f64::from(a.to_f32()) - f64::from(*b);
         num += d * d;
         den += f64::from(*b) * f64::from(*b);
+        dot += d * f64::from(*b);
     }
     check.y_err = (num.sqrt() / den.sqrt().max(f64::MIN_POSITIVE)) as f32;
+    check.y_bias = (dot / den.max(f64::MIN_POSITIVE)) as f32;
     if !check.y_err.is_finite() || check.y_err > policy.y_rel {
         check.failures.push(format!(
             "the block output is {:.4} (relative L2) from the recompute, more than {}",

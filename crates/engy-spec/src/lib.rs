@@ -56,6 +56,10 @@ struct CheckpointArgs {
     /// Override `arch` (default: config.json model_type).
     #[arg(long)]
     arch: Option<String>,
+    /// Commit the whole config.json (its SHA-256 as `config_sha256`, specs/SCHEME.md "Config
+    /// leaf"); changes model_root. Give it to verify/open of a spec built with it.
+    #[arg(long)]
+    bind_config: bool,
     /// No progress lines on stderr.
     #[arg(long, short)]
     quiet: bool,
@@ -66,6 +70,7 @@ impl CheckpointArgs {
         CommitOptions {
             quant: self.quant.clone(),
             arch: self.arch.clone(),
+            bind_config: self.bind_config,
         }
     }
 }

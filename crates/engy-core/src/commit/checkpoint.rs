@@ -34,6 +34,10 @@ pub struct CommitOptions {
     pub quant: Option<String>,
     /// Replaces `model_type` as `arch`.
     pub arch: Option<String>,
+    /// Binds the whole `config.json` (its SHA-256 as the config's `config_sha256`,
+    /// specs/SCHEME.md "Config leaf"), so that every field the forward pass reads is
+    /// committed, not only the ten canonical keys. Changes `model_root`.
+    pub bind_config: bool,
 }
 
 /// The `*.safetensors` files directly in `dir`, sorted by file name (bytewise).
@@ -328,7 +332,8 @@ fn check_index(dir: &Path, tensors: &[(String, PathBuf)]) -> Result<(), CommitEr
     Ok(())
 }
 
-/// Reads `<dir>/config.json` into the canonical [`ModelConfig`].
+/// Reads `<dir>/config.json` into the canonical [`ModelConfig`] (with the file's SHA-256 when
+/// [`CommitOptions::bind_config`]).
 ///
 /// Errors: [`CommitError::Io`] (missing file), [`CommitError::Config`].
 pub fn read_config(dir: &Path, opts: &CommitOptions) -> Result<ModelConfig, CommitError> {
@@ -342,6 +347,10 @@ pub fn read_config(dir: &Path, opts: &CommitOptions) -> Result<ModelConfig, Comm
     let mut cfg = ModelConfig::from_hf(&v, opts.quant.as_deref())?;
     if let Some(a) = &opts.arch {
         cfg.arch = a.clone();
+    }
+    if opts.bind_config {
+        use sha2::Digest as _;
+        cfg.config_sha256 = Some(hex::encode(sha2::Sha256::digest(text.as_bytes())));
     }
     cfg.canonical_json()?;
     Ok(cfg)

@@ -168,6 +168,14 @@ pub fn fused_expert_tensor(name: &str, n_layers: u32) -> bool {
 pub struct ModelConfig {
     /// `model_type` of `config.json` (e.g. `qwen3_moe`, `glm4_moe`).
     pub arch: String,
+    /// SHA-256 of the checkpoint's `config.json` bytes, 64 lowercase hex digits, when the
+    /// commitment binds the whole file ([`super::CommitOptions::bind_config`]; specs/SCHEME.md
+    /// "Config leaf"): every field the forward pass reads (`norm_topk_prob`,
+    /// `routed_scaling_factor`, `n_group`, `topk_group`, `rms_norm_eps`, `rope_theta`, …) is
+    /// then committed. Absent (and not serialised) otherwise, so commitments made without it
+    /// keep their roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_sha256: Option<String>,
     /// Routed-expert FFN width (`moe_intermediate_size`), or `intermediate_size` for dense models.
     pub d_ff: u64,
     /// `first_k_dense_replace` (0 when absent).
@@ -213,6 +221,16 @@ impl ModelConfig {
                 self.scheme
             )));
         }
+        if let Some(h) = &self.config_sha256 {
+            let hex = h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            if !hex {
+                return Err(CommitError::Config(format!(
+                    "config_sha256 {h:?} is not 64 lowercase hex digits"
+                )));
+            }
+        }
         serde_json::to_string(self).map_err(|e| CommitError::Config(e.to_string()))
     }
 
@@ -253,6 +271,7 @@ impl ModelConfig {
         };
         Ok(Self {
             arch,
+            config_sha256: None,
             d_ff,
             first_k_dense: int(&["first_k_dense_replace"]).unwrap_or(0),
             hidden: need(&["hidden_size"])?,

@@ -428,6 +428,10 @@ pub struct Probe<'a> {
     pub router_logits: Option<&'a mut BTreeMap<(usize, usize), Vec<f32>>>,
     /// When given, each MoE block's input and output, in the order the layers ran.
     pub blocks: Option<&'a mut Vec<BlockIo>>,
+    /// When given with `blocks`, only these (absolute position, layer) rows are kept, each as
+    /// its own one-row [`BlockIo`] (copied out, so a sampled audit holds `n` rows, not every
+    /// layer's `[rows, hidden]`).
+    pub block_rows: Option<&'a std::collections::BTreeSet<(usize, usize)>>,
     /// When given, the key positions each DSA layer kept for each row (sorted ascending), by
     /// (absolute position, layer) ([`crate::index_sets`]).
     pub attended: Option<&'a mut crate::index_sets::OwnIndexSets>,
@@ -475,13 +479,33 @@ impl Probe<'_> {
 
     /// Records an MoE block's input and output when asked to.
     pub(crate) fn push_block(&mut self, layer: usize, first: usize, x: &Tensor, y: &Tensor) {
-        if let Some(b) = self.blocks.as_deref_mut() {
+        let Some(b) = self.blocks.as_deref_mut() else {
+            return;
+        };
+        let Some(keep) = self.block_rows else {
             b.push(BlockIo {
                 layer,
                 first,
                 x: x.clone(),
                 y: y.clone(),
             });
+            return;
+        };
+        let rows = x.dims().first().copied().unwrap_or(0);
+        for i in 0..rows {
+            if !keep.contains(&(first + i, layer)) {
+                continue;
+            }
+            // A row that cannot be copied is left out; the caller reports it missing.
+            let row = |t: &Tensor| t.narrow(0, i, 1).and_then(|r| r.copy());
+            if let (Ok(x), Ok(y)) = (row(x), row(y)) {
+                b.push(BlockIo {
+                    layer,
+                    first: first + i,
+                    x,
+                    y,
+                });
+            }
         }
     }
 

@@ -1,11 +1,18 @@
 //! A miner's cell audit bundle ([`engy_core::cells::CellAuditBundle`]) checked end to end: the
 //! challenge recomputed from its seed and `cells_root`, each challenged cell's opening against
-//! the root, the touched weights against the trusted `model_root`, and each cell's numbers
-//! ([`super::verify_cell_committed`]). `engy-audit cells` prints this report.
-use engy_core::cells::{BundleError, CellAuditBundle};
+//! the root, the touched weights against the trusted `model_root`, each cell's numbers
+//! ([`super::verify_cell_committed`]), and the challenged cells' statistics together
+//! ([`super::stats`]). [`audit_bundle_with_recompute`] also binds every challenged cell's `x`
+//! to the auditor's own recompute of the request ([`super::recompute`]). `engy-audit cells`
+//! prints this report.
+use engy_core::cells::{BundleError, Cell, CellAuditBundle};
 use serde::Serialize;
 
+use super::recompute::bind_cells;
+pub use super::recompute::RecomputeBinding;
+use super::stats::{judge_cells, CellStats};
 use super::{verify_cell_committed, CellCheck, CellPolicy, CommittedCellError, CommittedWeights};
+use crate::arch::CommittedRouting;
 use crate::{Model, ModelError};
 
 /// One challenged cell's result.
@@ -57,6 +64,17 @@ pub struct BundleReport {
     pub bytes_read: u64,
     /// Every challenged cell, in challenge order.
     pub cells: Vec<BundleCell>,
+    /// The challenged cells judged together ([`super::stats`]); a failed statistic makes the
+    /// verdict a cheat.
+    pub stats: CellStats,
+    /// The recompute the cells' `x` were bound to ([`audit_bundle_with_recompute`]); `None`
+    /// from [`audit_bundle`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recompute: Option<RecomputeBinding>,
+    /// Whether the checkpoint's whole `config.json` is committed
+    /// ([`CommittedWeights::config_bound`]); when `false` the routing fields outside the
+    /// canonical config (`norm_topk_prob`, `routed_scaling_factor`, …) are the auditor's own.
+    pub config_bound: bool,
 }
 
 /// Why a bundle got no verdict.
@@ -74,7 +92,9 @@ pub enum BundleAuditError {
     Model(#[from] ModelError),
 }
 
-/// Audits `bundle` against `model` (loaded from the checkpoint `weights` indexes).
+/// Audits `bundle` against `model` (loaded from the checkpoint `weights` indexes): each
+/// cell's own rules and the statistics, without binding the cells to the request (a cell's `x`
+/// is the miner's word; [`audit_bundle_with_recompute`] is the sound audit).
 ///
 /// # Errors
 /// [`BundleAuditError`]; a failed cell is a verdict, never an error.
@@ -84,18 +104,82 @@ pub fn audit_bundle(
     bundle: &CellAuditBundle,
     policy: &CellPolicy,
 ) -> Result<BundleReport, BundleAuditError> {
+    audit(model, weights, bundle, None, policy)
+}
+
+/// The sound sampled audit of one request's bundle (issue 39; specs/CELLS.md §4): as
+/// [`audit_bundle`], and each challenged cell's `x` must be the auditor's recompute of the
+/// request at that (position, layer) within [`CellPolicy::x_rel`] (relative L2), its position
+/// inside the request, its layer an MoE layer the recompute reaches.
+///
+/// * `token_ids`: the request's prompt ids followed by its output ids, as the serve ran them
+///   (the cells' positions index this sequence). The caller binds them to the commitment
+///   (the `engy-cells/v2` root commits their SHA-256 and count).
+/// * `trace`: the serve's routing trace when it sent one (its near-ties are replayed so the
+///   recompute follows the serve's expert choices; [`super::recompute`]).
+/// * `model`: the checkpoint as loaded for the cell check (its numerics check `y`); the binding
+///   tries the recomputes of `policy.recompute` over the same weights.
+///
+/// Cost: one teacher-forced pass per recompute tried over `token_ids[..=p_max]` (usually one:
+/// the first that binds every cell ends the search), plus one MoE block per cell.
+///
+/// # Errors
+/// [`BundleAuditError`]; a failed cell or statistic is a verdict, never an error.
+pub fn audit_bundle_with_recompute(
+    model: &Model,
+    weights: &CommittedWeights,
+    bundle: &CellAuditBundle,
+    token_ids: &[u32],
+    trace: Option<&CommittedRouting>,
+    policy: &CellPolicy,
+) -> Result<BundleReport, BundleAuditError> {
+    audit(model, weights, bundle, Some((token_ids, trace)), policy)
+}
+
+fn audit(
+    model: &Model,
+    weights: &CommittedWeights,
+    bundle: &CellAuditBundle,
+    request: Option<(&[u32], Option<&CommittedRouting>)>,
+    policy: &CellPolicy,
+) -> Result<BundleReport, BundleAuditError> {
+    let challenged = bundle.check()?;
+    let opened: Vec<&Cell> = challenged
+        .iter()
+        .filter_map(|c| c.opened.as_ref().ok())
+        .collect();
+    let (x_errs, binding) = match request {
+        Some((ids, trace)) => {
+            let (errs, b) = bind_cells(model, ids, &opened, trace, policy.recompute, policy.x_rel)?;
+            (Some((errs, ids.len())), Some(b))
+        }
+        None => (None, None),
+    };
     let mut cells = Vec::new();
-    for c in bundle.check()? {
+    let mut next_opened = 0usize;
+    for c in challenged {
         let (check, failures) = match c.opened {
             Err(e) => (None, vec![format!("opening: {e}")]),
-            Ok(cell) => match verify_cell_committed(model, weights, &cell, policy) {
-                Ok(check) => {
-                    let f = check.failures.clone();
-                    (Some(check), f)
+            Ok(cell) => {
+                let at = next_opened;
+                next_opened += 1;
+                match verify_cell_committed(model, weights, &cell, policy) {
+                    Ok(mut check) => {
+                        if let Some((errs, len)) = &x_errs {
+                            bind_failures(
+                                &mut check,
+                                errs.get(at).copied().flatten(),
+                                *len,
+                                policy,
+                            );
+                        }
+                        let f = check.failures.clone();
+                        (Some(check), f)
+                    }
+                    Err(CommittedCellError::Weights(e)) => return Err(e.into()),
+                    Err(CommittedCellError::Model(e)) => return Err(e.into()),
                 }
-                Err(CommittedCellError::Weights(e)) => return Err(e.into()),
-                Err(CommittedCellError::Model(e)) => return Err(e.into()),
-            },
+            }
         };
         cells.push(BundleCell {
             index: c.index,
@@ -105,9 +189,15 @@ pub fn audit_bundle(
             failures,
         });
     }
+    let checks: Vec<&CellCheck> = cells.iter().filter_map(|c| c.check.as_ref()).collect();
+    let stats = judge_cells(
+        &checks,
+        &policy.stats,
+        model.config().quantization.is_some(),
+    );
     let failed = cells.iter().filter(|c| !c.pass()).count() as u64;
     Ok(BundleReport {
-        verdict: if failed == 0 {
+        verdict: if failed == 0 && stats.pass() {
             BundleVerdict::Pass
         } else {
             BundleVerdict::Cheat
@@ -117,5 +207,34 @@ pub fn audit_bundle(
         units_read: weights.units_read(),
         bytes_read: weights.bytes_read(),
         cells,
+        stats,
+        recompute: binding,
+        config_bound: weights.config_bound(),
     })
+}
+
+/// Adds the binding's failure to a cell's check: its position outside the request, no
+/// recompute row at (position, layer), or `x` too far from the recompute's.
+fn bind_failures(check: &mut CellCheck, err: Option<f32>, len: usize, policy: &CellPolicy) {
+    check.x_err = err;
+    let why = if check.position as usize >= len {
+        format!(
+            "position {} is outside the request's {len} tokens",
+            check.position
+        )
+    } else {
+        match err {
+            None => format!(
+                "the recompute has no MoE block at (position {}, layer {})",
+                check.position, check.layer
+            ),
+            Some(e) if e <= policy.x_rel => return,
+            Some(e) => format!(
+                "x is {e:.4} (relative L2) from the recompute's MoE input at (position {}, \
+                 layer {}), more than {}",
+                check.position, check.layer, policy.x_rel
+            ),
+        }
+    };
+    check.failures.push(why);
 }

@@ -181,7 +181,11 @@ impl CommittedWeights {
     /// Indexes the checkpoint in `dir` (headers only) for checks against `trusted_root`.
     /// The committed config is taken from the openings and authenticated against the root
     /// first (one proof verified, or the spec's root compared); `config.json` must give the
-    /// same config (its `arch` and `quant` as committed).
+    /// same config (its `arch` and `quant` as committed). When the commitment binds the whole
+    /// file ([`ModelConfig::config_sha256`]), `config.json` must be those bytes exactly, so
+    /// every field the recompute reads (`norm_topk_prob`, `routed_scaling_factor`, `n_group`,
+    /// `topk_group`, …) is the committed one ([`Self::config_bound`]); without it only the ten
+    /// canonical keys are.
     ///
     /// # Errors
     /// [`WeightCheckError::BadProofs`] for no proofs, [`WeightCheckError::Proof`] when the
@@ -224,6 +228,7 @@ impl CommittedWeights {
             &CommitOptions {
                 quant: Some(config.quant.clone()),
                 arch: Some(config.arch.clone()),
+                bind_config: config.config_sha256.is_some(),
             },
         )?;
         if local != config {
@@ -247,6 +252,14 @@ impl CommittedWeights {
     /// The committed config.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Whether `config.json` was checked byte for byte against the commitment (its
+    /// `config_sha256`), so every field the forward pass reads from it is committed. `false`
+    /// for a commitment made without [`CommitOptions::bind_config`]: then the fields outside
+    /// the ten canonical keys (routing among them) are the auditor's own file's.
+    pub fn config_bound(&self) -> bool {
+        self.config.config_sha256.is_some()
     }
 
     /// Whether the checkpoint has a router at `layer` (an MoE layer whose cells touch units).

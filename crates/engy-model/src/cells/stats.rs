@@ -1,0 +1,233 @@
+//! The challenged cells judged together (issue 39, item 4): one cell's `y` may sit anywhere
+//! within the per-cell bound [`super::CellPolicy::y_rel`], but a serve whose every cell is off
+//! the same way is not rounding.
+//!
+//! Three statistics over the cells that passed their own rules ([`judge_cells`]):
+//!
+//! 1. **The median of `y_err`** (`‖y − ŷ‖ / ‖ŷ‖`, [`super::CellCheck::y_err`]) must be at most
+//!    [`StatsPolicy::y_median`]. Expert-only FP8 or int4 rounding moves every cell's `y` by
+//!    the weights' rounding (a few percent), an honest serve by the activations' rounding
+//!    order (a few tenths of a percent).
+//! 2. **The mean of `y_bias`** (`⟨y − ŷ, ŷ⟩ / ‖ŷ‖²`, [`super::CellCheck::y_bias`]) must be
+//!    within ±[`StatsPolicy::y_bias`]: rounding has no direction, a serve that scales its MoE
+//!    outputs by `1 + s` has `s` on every cell.
+//! 3. **The near-tie count**: a cell whose experts are another set than the top-k of its own
+//!    recomputed scores, within the margin ([`super::default_cell_margin`]), is a near-tie. An
+//!    honest serve's router rounds its logits and flips a choice only where two scores are
+//!    within that rounding; a serve that takes the cheaper of two near experts does so at
+//!    every near pair. The count must be below the smallest `k` with
+//!    `P(Binomial(n, p₀) ≥ k) ≤ α` ([`near_tie_limit`]), `p₀` = [`StatsPolicy::near_tie_rate`],
+//!    `α` = [`StatsPolicy::false_flag`].
+//!
+//! **Calibration** (`crates/engy-model/tests/cells.rs`, `honest_cells_statistics`; the
+//! numbers in bench/RESULTS.md "Cells: statistics"): honest serves of the devnet checkpoint in
+//! bf16 and in f32, every cell checked against the f32 recompute (a bf16 serve is then judged
+//! across numerics, as a GPU serve's fused kernels are). The thresholds are set well above the
+//! largest honest value seen and well below the smallest cheat:
+//!
+//! * `y_median` = 0.012: largest honest per-cell `y_err` ≈ 0.005 (bf16 serve), so the median of
+//!   any number of honest cells stays below it whatever their count (false-flag rate 0 while
+//!   no honest cell exceeds it: the median exceeds it only when half the cells do); a
+//!   uniformly 1.02-scaled `y` has `y_err` ≥ 0.02 on every cell, expert-only FP8 rounding a
+//!   median above it (measured in the test).
+//! * `y_bias` = 0.006: the largest honest per-cell `|y_bias|` is below 0.003, so a mean over any
+//!   number of cells stays below 0.006 (false-flag rate 0 by the same bound, not by a normal
+//!   approximation); a 1.02 scaling has 0.02.
+//! * `near_tie_rate` = 0.02, `false_flag` = 1e-6: honest serves checked across numerics show
+//!   near-ties on fewer than 1% of cells; 0.02 doubles that, and `α` = 10⁻⁶ makes a false flag
+//!   from near-ties one in a million audits (at `n` = 32 the limit is 7 near-ties).
+//!
+//! **Quantised checkpoints** (FP8, NVFP4): sglang serves them W8A8 (issue 40), whose activation
+//! quantisation moves `y` by a few percent against a recompute with bf16 activations, as much
+//! as the expert-only cheats. Until the cell recompute models it, `y_median` and `y_bias` are
+//! not judged on a quantised checkpoint ([`CellStats::y_judged`] false); the per-cell rules
+//! and the near-tie count still are.
+use serde::Serialize;
+
+use super::{CellCheck, CellRouting};
+
+/// Default [`super::CellPolicy::x_rel`]: the largest relative L2 distance between a cell's `x`
+/// and the recompute's. Honest serves bound to a recompute of the same numerics sit at bf16
+/// rounding (≈ 0.003); across numerics (a bf16 serve against the f32 recompute, where near-tie
+/// flips move later layers' inputs) the tests measure the largest value (bench/RESULTS.md
+/// "Cells: statistics"); a cell of zeros is at 1, a cell copied from another request or another
+/// model's pass near 1 or above.
+pub const X_REL: f32 = 0.25;
+
+/// Thresholds of the statistics (module docs give their derivation).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StatsPolicy {
+    /// Largest median `y_err` of the challenged cells.
+    pub y_median: f32,
+    /// Largest `|mean y_bias|` of the challenged cells.
+    pub y_bias: f32,
+    /// Upper bound of an honest serve's per-cell near-tie rate (`p₀`).
+    pub near_tie_rate: f64,
+    /// Largest probability that an honest serve's near-tie count is flagged (`α`).
+    pub false_flag: f64,
+}
+
+impl Default for StatsPolicy {
+    fn default() -> Self {
+        Self {
+            y_median: 0.012,
+            y_bias: 0.006,
+            near_tie_rate: 0.02,
+            false_flag: 1e-6,
+        }
+    }
+}
+
+/// The statistics of a set of challenged cells ([`judge_cells`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CellStats {
+    /// Cells judged (those whose numbers were checked).
+    pub n: usize,
+    /// Whether the `y` statistics were judged (false on a quantised checkpoint: module docs).
+    pub y_judged: bool,
+    /// Median `y_err` over cells with a finite one.
+    pub y_err_median: f32,
+    /// Mean `y_bias` over cells with a finite one.
+    pub y_bias_mean: f32,
+    /// Cells whose routing was a near-tie.
+    pub near_ties: usize,
+    /// The smallest near-tie count that is flagged ([`near_tie_limit`]).
+    pub near_tie_limit: usize,
+    /// Every failed statistic, in words (empty when none failed).
+    pub failures: Vec<String>,
+}
+
+impl CellStats {
+    /// Whether every statistic held.
+    pub fn pass(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// `P(Binomial(n, p) ≥ k)`, summed in f64 from the log-pmf.
+pub fn binomial_tail(n: usize, p: f64, k: usize) -> f64 {
+    if k == 0 {
+        return 1.0;
+    }
+    if k > n || p <= 0.0 {
+        return 0.0;
+    }
+    if p >= 1.0 {
+        return 1.0;
+    }
+    let (lp, lq) = (p.ln(), (1.0 - p).ln());
+    // ln C(n, i) built up incrementally from ln C(n, 0) = 0.
+    let mut ln_c = 0f64;
+    let mut tail = 0f64;
+    for i in 0..=n {
+        if i > 0 {
+            ln_c += ((n - i + 1) as f64).ln() - (i as f64).ln();
+        }
+        if i >= k {
+            tail += (ln_c + i as f64 * lp + (n - i) as f64 * lq).exp();
+        }
+    }
+    tail.min(1.0)
+}
+
+/// The smallest near-tie count `k` among `n` cells with `P(Binomial(n, p₀) ≥ k) ≤ α`: a
+/// count of `k` or more is flagged, and an honest serve whose per-cell rate is at most `p₀`
+/// is flagged with probability at most `α`. `n + 1` (never flagged) when no `k ≤ n` is that
+/// unlikely.
+pub fn near_tie_limit(n: usize, p0: f64, alpha: f64) -> usize {
+    (1..=n)
+        .find(|&k| binomial_tail(n, p0, k) <= alpha)
+        .unwrap_or(n + 1)
+}
+
+/// Judges `checks` together (module docs). Cells with a non-finite `y_err` (they failed on
+/// their own) are left out of the `y` statistics; `quantized` turns those off (module docs).
+pub fn judge_cells(checks: &[&CellCheck], policy: &StatsPolicy, quantized: bool) -> CellStats {
+    let mut errs: Vec<f32> = checks
+        .iter()
+        .map(|c| c.y_err)
+        .filter(|e| e.is_finite())
+        .collect();
+    errs.sort_by(f32::total_cmp);
+    let median = match errs.len() {
+        0 => 0.0,
+        m if m % 2 == 1 => errs[m / 2],
+        m => 0.5 * (errs[m / 2 - 1] + errs[m / 2]),
+    };
+    let biases: Vec<f64> = checks
+        .iter()
+        .map(|c| f64::from(c.y_bias))
+        .filter(|b| b.is_finite())
+        .collect();
+    let bias = if biases.is_empty() {
+        0.0
+    } else {
+        (biases.iter().sum::<f64>() / biases.len() as f64) as f32
+    };
+    let n = checks.len();
+    let near_ties = checks
+        .iter()
+        .filter(|c| c.routing == CellRouting::NearTie)
+        .count();
+    let limit = near_tie_limit(n, policy.near_tie_rate, policy.false_flag);
+    let mut failures = Vec::new();
+    if !quantized {
+        if median > policy.y_median {
+            failures.push(format!(
+                "the median block-output error of {} cells is {median:.4}, more than {} \
+                 (honest rounding stays below it)",
+                errs.len(),
+                policy.y_median
+            ));
+        }
+        if bias.abs() > policy.y_bias {
+            failures.push(format!(
+                "the block outputs are scaled by {:+.4} on average over {} cells, more than ±{}",
+                bias,
+                biases.len(),
+                policy.y_bias
+            ));
+        }
+    }
+    if near_ties >= limit {
+        failures.push(format!(
+            "{near_ties} of {n} cells take a near-tied expert set; an honest serve (rate ≤ {}) \
+             reaches {limit} with probability ≤ {:e}",
+            policy.near_tie_rate, policy.false_flag
+        ));
+    }
+    CellStats {
+        n,
+        y_judged: !quantized,
+        y_err_median: median,
+        y_bias_mean: bias,
+        near_ties,
+        near_tie_limit: limit,
+        failures,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binomial_tail_matches_closed_forms() {
+        // P(X ≥ 1) = 1 − (1 − p)^n.
+        let t = binomial_tail(32, 0.02, 1);
+        assert!((t - (1.0 - 0.98f64.powi(32))).abs() < 1e-12, "{t}");
+        // P(X ≥ n) = p^n.
+        assert!((binomial_tail(5, 0.5, 5) - 0.03125).abs() < 1e-12);
+        assert_eq!(binomial_tail(5, 0.5, 0), 1.0);
+        assert_eq!(binomial_tail(5, 0.5, 6), 0.0);
+    }
+
+    #[test]
+    fn near_tie_limit_is_the_first_unlikely_count() {
+        let k = near_tie_limit(32, 0.02, 1e-6);
+        assert!(binomial_tail(32, 0.02, k) <= 1e-6);
+        assert!(binomial_tail(32, 0.02, k - 1) > 1e-6);
+        // One cell can never be unlikely enough at α = 1e-6 with p₀ = 0.02.
+        assert_eq!(near_tie_limit(1, 0.02, 1e-6), 2);
+    }
+}
