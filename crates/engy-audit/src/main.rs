@@ -50,6 +50,11 @@ enum Command {
     /// Exit 0 done / matches, 1 bad input (a usage error included), 2 roots differ or the
     /// proof is rejected.
     Spec(spec::SpecArgs),
+    /// The audit service: takes the gateway's reports over HTTP, samples them by a chain
+    /// beacon, audits them on resident workers and keeps verdicts and evidence in SQLite or
+    /// PostgreSQL (docs/AUDITOR.md "Audit service"). Runs until SIGTERM; exit 0 stopped,
+    /// 1 failed, 3 a setting not usable.
+    Serve(Box<engy_audit_service::ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +66,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Audit(args) => audit::main(&args),
         Command::Cells(args) => cells::main(&args),
+        Command::Serve(args) => engy_audit_service::main(&args),
         Command::Spec(args) => match spec::main(args) {
             Ok(code) => code,
             Err(e) => {
