@@ -3,9 +3,11 @@
 //!
 //! * `audit` ([`audit`]): one miner commitment against the pinned checkpoint; exit 0 pass,
 //!   1 cheat, 2 unproven, 3 the audit could not run.
-//! * `cells` ([`cells`]): a miner's cell audit bundle against the checkpoint, its touched
-//!   weights checked against the trusted `model_root`; exit 0 pass, 1 cheat, 2 bundle refused,
-//!   3 the audit could not run, 4 the checkpoint is not the committed one.
+//! * `cells` ([`cells`]): the sampled cell audit of one request: the auditor's own challenge
+//!   (commitment, beacon, policy `n`), the miner's answer (a bundle, or a refusal) against it,
+//!   the cells against the checkpoint whose touched weights are checked against the trusted
+//!   `model_root`; exit 0 pass, 1 cheat, 2 not judged, 3 the audit could not run, 4 the
+//!   checkpoint is not the committed one.
 //! * `spec` ([`spec`]): build, verify, open and inspect Merkle weight commitments
 //!   (specs/SCHEME.md); the same code and exit codes as `engy-validator spec`.
 //!
@@ -41,10 +43,12 @@ enum Command {
     /// verify). Exit 0 pass, 1 cheat, 2 unproven, 3 the audit could not run (a usage error
     /// included).
     Audit(audit::AuditArgs),
-    /// Check a miner's cell audit bundle (the challenged cells of one request, opened) against
-    /// the checkpoint, whose touched weights are checked against the trusted model_root.
-    /// Exit 0 pass, 1 cheat, 2 bundle refused, 3 the audit could not run (a usage error
-    /// included), 4 the checkpoint is not the committed one.
+    /// The sampled cell audit of one request: the auditor's challenge (from the commitment,
+    /// the beacon and its policy) and the miner's answer to it (a bundle of opened cells, or a
+    /// refusal), checked against the checkpoint, whose touched weights are checked against the
+    /// trusted model_root. Exit 0 pass, 1 cheat (a failed cell, a bundle that does not answer
+    /// the challenge, a refusal inside the retention window), 2 not judged, 3 the audit could
+    /// not run (a usage error included), 4 the checkpoint is not the committed one.
     Cells(cells::CellsArgs),
     /// Build, verify, open and inspect Merkle weight commitments (specs/SCHEME.md).
     /// Exit 0 done / matches, 1 bad input (a usage error included), 2 roots differ or the

@@ -1,58 +1,14 @@
-//! `engy-audit cells` as a process: a miner's cell audit bundle for a real generated checkpoint,
-//! its weights checked against the `engy-commit/v1` root from `spec build` (or from opening
-//! proofs): pass, cheat, refused, unrunnable and a checkpoint that is not the committed one map
-//! to exit codes 0 / 1 / 2 / 3 / 4 (docs/AUDITOR.md "Cells").
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+//! `engy-audit cells` as a process: the auditor's challenge over a request's commitment (the
+//! seed from a beacon, `n` from its policy), a miner's cell audit bundle for a real generated
+//! checkpoint, its weights checked against the `engy-commit/v1` root from `spec build` (or from
+//! opening proofs): pass, cheat, not judged, unrunnable and a checkpoint that is not the
+//! committed one map to exit codes 0 / 1 / 2 / 3 / 4 (docs/AUDITOR.md "Cells").
+mod cells_common;
 
-use engy_core::cells::{CellAuditBundle, CellShape, CellTree};
-use engy_core::commit::{self, CommitOptions, LayerPart, Progress, UnitId};
-use engy_model::cells::{serve_cells, CellServe};
-use engy_model::{gen_model, Compute, GenConfig, Model, Precision};
+use cells_common::{a, bundle, commitment, engy_audit, fixture, seed_of, serve, text, write};
+use engy_model::cells::CellServe;
 
-fn engy_audit(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_engy-audit"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> (i32, String, String) {
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-/// The bundle a serve of `how` answers the challenge `seed` with (`n` cells).
-fn bundle(model: &Model, ids: &[u32], how: CellServe, seed: [u8; 32], n: u64) -> CellAuditBundle {
-    let cells = serve_cells(model, ids, how).unwrap();
-    let s = model.routing_shape().unwrap();
-    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
-    layers.dedup();
-    layers.sort_unstable();
-    layers.dedup();
-    let shape = CellShape::new(
-        ids.len() as u32,
-        layers,
-        model.config().hidden_size as u32,
-        s.experts as u32,
-        s.top_k as u32,
-        cells[0].router_logits().dtype(),
-    )
-    .unwrap();
-    let tree = CellTree::from_cells(shape, &cells).unwrap();
-    CellAuditBundle::open(&tree, &seed, n, |i| Ok(cells[i as usize].encode())).unwrap()
-}
-
-fn write(dir: &Path, name: &str, b: &CellAuditBundle) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, serde_json::to_vec(b).unwrap()).unwrap();
-    p
-}
-
-fn copy_dir(src: &Path, dst: &Path) {
+fn copy_dir(src: &std::path::Path, dst: &std::path::Path) {
     std::fs::create_dir_all(dst).unwrap();
     for e in std::fs::read_dir(src).unwrap() {
         let p = e.unwrap().path();
@@ -62,134 +18,137 @@ fn copy_dir(src: &Path, dst: &Path) {
 
 #[test]
 fn cells_exit_codes_follow_the_verdict() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("m");
-    gen_model(&dir, 9, &GenConfig::default()).unwrap();
-    // The trusted root: `spec build`, as a validator publishes it.
-    let spec_dir = t.path().join("spec");
-    let o = engy_audit(&[
-        "spec".as_ref(),
-        "build".as_ref(),
-        "--quiet".as_ref(),
-        "--checkpoint".as_ref(),
-        dir.as_os_str(),
-        "--out".as_ref(),
-        spec_dir.as_os_str(),
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{o:?}");
-    // Opening proofs of every MoE unit, as `spec open` writes them.
-    let c =
-        commit::commit_checkpoint(&dir, &CommitOptions::default(), &Progress::default()).unwrap();
-    let root = hex::encode(c.model_root);
-    let proofs = t.path().join("proofs");
-    std::fs::create_dir_all(&proofs).unwrap();
-    let serve = Model::load_with(&dir, Precision::Bf16, Compute::Bf16).unwrap();
-    let shape = serve.routing_shape().unwrap();
-    for layer in 0..c.config.n_layers as u32 {
-        let mut parts = vec![LayerPart::Router, LayerPart::Shared];
-        parts.extend((0..shape.experts as u32).map(LayerPart::Expert));
-        for part in parts {
-            if let Ok(p) = c.open(UnitId::Layer { layer, part }) {
-                let f = proofs.join(format!("{layer}-{part:?}.json"));
-                std::fs::write(f, serde_json::to_vec(&p).unwrap()).unwrap();
-            }
-        }
-    }
+    let fx = fixture(9);
     let ids: Vec<u32> = (3..67).collect();
-    let seed = [7u8; 32];
-    let honest = bundle(&serve, &ids, CellServe::Honest, seed, 8);
-    let honest_path = write(t.path(), "honest.json", &honest);
-    let ck = dir.as_os_str();
-    let cells = |b: &Path, extra: &[&std::ffi::OsStr]| {
-        let mut a: Vec<&std::ffi::OsStr> = vec![
-            "cells".as_ref(),
-            "--checkpoint".as_ref(),
-            ck,
-            "--bundle".as_ref(),
-            b.as_os_str(),
-        ];
-        a.extend_from_slice(extra);
-        text(&engy_audit(&a))
-    };
-    let with_proofs: [&std::ffi::OsStr; 4] = [
-        "--model-root".as_ref(),
-        root.as_ref(),
-        "--proofs".as_ref(),
-        proofs.as_os_str(),
-    ];
-    let with_spec: [&std::ffi::OsStr; 2] = ["--spec".as_ref(), spec_dir.as_os_str()];
+    let (prompt, output) = ids.split_at(37);
+    let (tree, cells) = serve(&fx.serve, &ids, CellServe::Honest);
+    let c = commitment(prompt, output, Some(&tree));
+    let n = 32.min(tree.shape().n_cells());
+    let honest = bundle(&tree, &cells, seed_of(&c), n);
+    let t = fx.t.path();
+    let c_path = write(t, "commitment.json", &c);
+    let honest_path = write(t, "honest.json", &serde_json::to_vec(&honest).unwrap());
+    let with_bundle = [a("--bundle"), a(&honest_path)];
 
-    // Honest: exit 0, one line per challenged cell, the units read.
-    let (code, out, err) = cells(&honest_path, &with_proofs);
+    // Honest: exit 0, the challenge, one line per challenged cell, the units read.
+    let (code, out, err) = fx.cells(&c_path, &with_bundle);
     eprintln!("{out}");
     assert_eq!(code, 0, "{out}{err}");
     assert!(
-        out.starts_with("verdict: pass (0/8 challenged cells failed)"),
+        out.starts_with(&format!("verdict: pass (0/{n} challenged cells failed)")),
         "{out}"
     );
-    assert_eq!(out.matches("\n  cell ").count(), 8, "{out}");
+    assert!(
+        out.contains(&format!(
+            "challenge: {n} of {} cells",
+            tree.shape().n_cells()
+        )),
+        "{out}"
+    );
+    assert_eq!(out.matches("\n  cell ").count(), n as usize, "{out}");
     assert!(out.contains("units ("), "{out}");
-    let (code, out, err) = cells(&honest_path, &with_spec);
+    // The same with opening proofs instead of the spec.
+    let o = engy_audit(&[
+        a("cells"),
+        a("--checkpoint"),
+        a(&fx.dir),
+        a("--model-root"),
+        a(&fx.root),
+        a("--proofs"),
+        a(&fx.proofs),
+        a("--commitment"),
+        a(&c_path),
+        a("--beacon"),
+        a(hex::encode(cells_common::BEACON)),
+        a("--bundle"),
+        a(&honest_path),
+    ]);
+    let (code, out, err) = text(&o);
     assert_eq!(code, 0, "{out}{err}");
-    // The commitment's own cells_root: still a pass; another one: refused.
-    let own = hex::encode(honest.cells_root.0);
-    let (code, out, _) = cells(
-        &honest_path,
-        &[&with_spec[..], &["--cells-root".as_ref(), own.as_ref()]].concat(),
+    // The recorded cells_root: still a pass; another one: a cheat.
+    let own = hex::encode(tree.root());
+    let (code, out, _) = fx.cells(
+        &c_path,
+        &[&with_bundle[..], &[a("--cells-root"), a(&own)]].concat(),
     );
     assert_eq!(code, 0, "{out}");
     let other = hex::encode([1u8; 32]);
-    let (code, out, _) = cells(
-        &honest_path,
-        &[&with_spec[..], &["--cells-root".as_ref(), other.as_ref()]].concat(),
+    let (code, out, _) = fx.cells(
+        &c_path,
+        &[&with_bundle[..], &[a("--cells-root"), a(&other)]].concat(),
     );
-    assert_eq!(code, 2, "{out}");
-    assert!(out.starts_with("verdict: refused"), "{out}");
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.starts_with("verdict: cheat (the commitment's cells_root"),
+        "{out}"
+    );
 
     // Fabricated y: exit 1; the JSON report lists the failed cells.
-    let fab = write(
-        t.path(),
-        "fab.json",
-        &bundle(&serve, &ids, CellServe::FabricatedY, seed, 8),
-    );
-    let (code, out, err) = cells(&fab, &[&with_spec[..], &["--json".as_ref()]].concat());
+    let (ftree, fcells) = serve(&fx.serve, &ids, CellServe::FabricatedY);
+    let fc = commitment(prompt, output, Some(&ftree));
+    let fab = bundle(&ftree, &fcells, seed_of(&fc), n);
+    let (code, out, err) = fx.audit("fab", &fc, &fab, &[a("--json")]);
     assert_eq!(code, 1, "{out}{err}");
     let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(report["verdict"], "cheat");
-    assert!(report["failed"].as_u64().unwrap() > 0);
+    assert!(report["bundle"]["failed"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["challenge"]["n"], n);
 
     // A challenged cell left unopened: a failed cell (exit 1).
     let mut missing = honest.clone();
     missing.openings.pop();
-    let (code, out, _) = cells(&write(t.path(), "missing.json", &missing), &with_spec);
+    let (code, out, _) = fx.audit("missing", &c, &missing, &[]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("not opened"), "{out}");
-    eprintln!("{out}");
 
-    // An opening of a cell the challenge did not choose: refused (exit 2).
+    // An opening of a cell the challenge did not choose: not an answer (exit 1).
     let chosen = honest.challenge().unwrap();
     let unchosen = (0..honest.shape.n_cells())
         .find(|i| !chosen.contains(i))
         .unwrap();
     let mut extra = honest.clone();
     extra.openings[0].index = unchosen;
-    let (code, out, _) = cells(&write(t.path(), "extra.json", &extra), &with_spec);
-    assert_eq!(code, 2, "{out}");
+    let (code, out, _) = fx.audit("extra", &c, &extra, &[]);
+    assert_eq!(code, 1, "{out}");
     assert!(out.contains("did not choose"), "{out}");
 
     // Not a bundle: exit 3.
-    let junk = t.path().join("junk.json");
-    std::fs::write(&junk, b"{\"cells_root\": 1}").unwrap();
-    let (code, _, err) = cells(&junk, &with_spec);
+    let junk = write(t, "junk.json", b"{\"cells_root\": 1}");
+    let (code, _, err) = fx.cells(&c_path, &[a("--bundle"), a(&junk)]);
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("not a cell audit bundle"), "{err}");
+    // A policy below the minimum: exit 3, naming it.
+    let (code, _, err) = fx.cells(
+        &c_path,
+        &[&with_bundle[..], &[a("--cells-n"), a("8")]].concat(),
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("below the minimum 32"), "{err}");
+
+    // Not judged (exit 2): a commitment without cells from a serve not known to offer them,
+    // and a refusal after the retention window.
+    let bare = write(t, "bare.json", &commitment(prompt, output, None));
+    let (code, out, _) = fx.cells(&bare, &with_bundle);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.starts_with("verdict: not judged"), "{out}");
+    let (code, out, _) = fx.cells(
+        &c_path,
+        &[
+            a("--declined"),
+            a("unknown-request"),
+            a("--challenge-age-s"),
+            a("601"),
+        ],
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("past the 600 s retention window"), "{out}");
 
     // The auditor's checkpoint differs from the committed one in an expert a challenged cell
     // uses: exit 4, naming the unit and the tensor.
     let cell = engy_core::cells::Cell::decode(&honest.openings[0].cell).unwrap();
     let (layer, e) = (cell.layer(), cell.expert_ids()[0]);
-    let bad = t.path().join("bad");
-    copy_dir(&dir, &bad);
+    let bad = t.join("bad");
+    copy_dir(&fx.dir, &bad);
     let name = format!("model.layers.{layer}.mlp.experts.{e}.up_proj.weight");
     for f in std::fs::read_dir(&bad).unwrap() {
         let p = f.unwrap().path();
@@ -203,15 +162,19 @@ fn cells_exit_codes_follow_the_verdict() {
         }
     }
     let o = engy_audit(&[
-        "cells".as_ref(),
-        "--checkpoint".as_ref(),
-        bad.as_os_str(),
-        "--bundle".as_ref(),
-        honest_path.as_os_str(),
-        "--model-root".as_ref(),
-        root.as_ref(),
-        "--proofs".as_ref(),
-        proofs.as_os_str(),
+        a("cells"),
+        a("--checkpoint"),
+        a(&bad),
+        a("--model-root"),
+        a(&fx.root),
+        a("--proofs"),
+        a(&fx.proofs),
+        a("--commitment"),
+        a(&c_path),
+        a("--beacon"),
+        a(hex::encode(cells_common::BEACON)),
+        a("--bundle"),
+        a(&honest_path),
     ]);
     let (code, out, err) = text(&o);
     assert_eq!(code, 4, "{out}{err}");

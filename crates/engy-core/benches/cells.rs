@@ -1,4 +1,4 @@
-//! Miner-side and auditor-side costs of `engy-cells/v1` (specs/CELLS.md) at a Qwen3.6-35B-A3B
+//! Miner-side and auditor-side costs of `engy-cells/v2` (specs/CELLS.md) at a Qwen3.6-35B-A3B
 //! cell shape (hidden 2048, 256 experts, top-8, bf16 logits: 8,760 bytes a cell).
 //!
 //! * `cells/encode_leaf`: one cell to canonical bytes and its leaf (the hook's work per
@@ -40,6 +40,7 @@ fn shape(n_positions: u32) -> CellShape {
         EXPERTS,
         TOP_K,
         LogitsDtype::Bf16,
+        [7; 32],
     )
     .unwrap()
 }
@@ -91,6 +92,7 @@ fn bench(c: &mut Criterion) {
         4,
         1,
         LogitsDtype::Bf16,
+        [7; 32],
     )
     .unwrap();
     let tiny: Vec<Cell> = (0..big as u32)

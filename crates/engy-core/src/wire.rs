@@ -276,11 +276,12 @@ pub struct Commitment {
 /// the request's length.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CellsCommitment {
-    /// `engy-cells/v1` ([`crate::cells::SCHEME`]).
+    /// `engy-cells/v2` ([`crate::cells::SCHEME`]).
     pub scheme: String,
     /// `cells_root`, 64 lowercase hex characters.
     pub root: crate::commit::spec::Hex,
-    /// `n_positions` (= `len(prompt_ids) + n_tokens`), `layers` (the MoE layers), `hidden`,
+    /// `n_positions` (= `len(prompt_ids) + n_tokens`), `tokens_sha256` (of those ids as
+    /// `u32le`), `layers` (the MoE layers), `hidden`,
     /// `n_experts`, `top_k`, `logits_dtype` (1 = BF16, 2 = F32); validated when read.
     pub shape: crate::cells::CellShape,
 }

@@ -1,10 +1,11 @@
-//! `engy-cells/v1` (specs/CELLS.md): properties of `engy_core::cells` and the fixed vectors
+//! `engy-cells/v2` (specs/CELLS.md): properties of `engy_core::cells` and the fixed vectors
 //! of the independent Python implementation.
 //!
 //! * `vectors_from_python_match`: every case of `$ENGY_VECTORS_DIR/cells/vectors.json`
 //!   (default `tests/vectors/cells/`, made by `integrations/sglang/tests/make_vectors.py`
-//!   with hashlib) is rebuilt from its parts in Rust: cell bytes, leaves, shape leaf, roots,
-//!   every inclusion path and the challenge indices must be equal.
+//!   with hashlib) is rebuilt from its parts in Rust: the tokens' SHA-256, cell bytes, leaves,
+//!   shape leaf, roots, every inclusion path, the challenge indices and the production seed
+//!   must be equal.
 //! * `python_regenerates_the_vectors`: with `ENGY_PY_REVERSE=1` (CI), runs that script and
 //!   requires its output to equal the committed file (visible SKIP otherwise).
 //! * property tests: encode/decode round trips, a flipped bit anywhere in a cell or a path
@@ -13,13 +14,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use engy_core::cells::{
-    cell_leaf, decode_all, select, verify_opening, Cell, CellError, CellPath, CellShape, CellTree,
-    LogitsDtype, RouterLogits,
+    cell_leaf, decode_all, production_seed, select, tokens_sha256, verify_opening, Cell, CellError,
+    CellPath, CellShape, CellTree, LogitsDtype, RouterLogits,
 };
 use engy_core::commit::spec::Hex;
 use half::bf16;
 use proptest::prelude::*;
 use serde_json::Value;
+
+/// A tokens digest for shapes built by hand.
+const T: [u8; 32] = [7; 32];
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -50,12 +54,44 @@ fn bf16s(b: &[u8]) -> Vec<bf16> {
 fn vectors_from_python_match() {
     let doc: Value =
         serde_json::from_slice(&std::fs::read(vectors_file()).expect("read vectors")).unwrap();
-    assert_eq!(doc["schema"], "engy-cells/vectors/v1");
+    assert_eq!(doc["schema"], "engy-cells/vectors/v2");
+    let ps = &doc["production_seed"];
+    assert_eq!(
+        hex::encode(production_seed(
+            &digest(&ps["beacon"]),
+            &digest(&ps["commitment_digest"])
+        )),
+        ps["seed"]
+    );
     let cases = doc["cases"].as_array().unwrap();
     assert!(!cases.is_empty());
     for case in cases {
         let id = case["id"].as_str().unwrap();
         let shape: CellShape = serde_json::from_value(case["shape"].clone()).unwrap();
+        let tokens: Vec<u32> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            shape.tokens_sha256(),
+            &tokens_sha256(&tokens),
+            "{id}: tokens"
+        );
+        assert_eq!(
+            CellShape::for_request(
+                &tokens,
+                shape.layers().to_vec(),
+                shape.hidden(),
+                shape.n_experts(),
+                shape.top_k(),
+                shape.logits_dtype().unwrap()
+            )
+            .unwrap(),
+            shape,
+            "{id}: shape from the tokens"
+        );
         assert_eq!(
             hex::encode(shape.leaf()),
             case["shape_leaf"],
@@ -165,12 +201,32 @@ fn arb_cell() -> impl Strategy<Value = Cell> {
             prop::collection::vec(any::<u16>(), hidden),
         )
             .prop_map(move |(p, l, x, lg, ids, y)| {
-                let logits = if f32_logits {
-                    RouterLogits::F32(lg.into_iter().map(f32::from_bits).collect())
-                } else {
-                    RouterLogits::Bf16(lg.into_iter().map(|v| bf16::from_bits(v as u16)).collect())
+                // Any finite bit pattern (v2 refuses NaN and infinities: clear the top
+                // exponent bit of the all-ones exponents).
+                let f32f = |v: u32| {
+                    if (v >> 23) & 0xff == 0xff {
+                        v & !(1 << 30)
+                    } else {
+                        v
+                    }
                 };
-                let b = |v: Vec<u16>| v.into_iter().map(bf16::from_bits).collect();
+                let b16f = |v: u16| {
+                    if (v >> 7) & 0xff == 0xff {
+                        v & !(1 << 14)
+                    } else {
+                        v
+                    }
+                };
+                let logits = if f32_logits {
+                    RouterLogits::F32(lg.into_iter().map(|v| f32::from_bits(f32f(v))).collect())
+                } else {
+                    RouterLogits::Bf16(
+                        lg.into_iter()
+                            .map(|v| bf16::from_bits(b16f(v as u16)))
+                            .collect(),
+                    )
+                };
+                let b = |v: Vec<u16>| v.into_iter().map(|v| bf16::from_bits(b16f(v))).collect();
                 Cell::new(p, l, b(x), logits, ids, b(y)).unwrap()
             })
     })
@@ -199,14 +255,17 @@ fn arb_request() -> impl Strategy<Value = (CellShape, Vec<Cell>)> {
                 n_experts,
                 2,
                 LogitsDtype::Bf16,
+                [salt as u8; 32],
             )
             .unwrap();
             let mut cells = Vec::new();
             for p in 0..n_positions {
                 for &l in &layers {
                     let v = |k: u64| {
+                        // finite: the exponent's top bit cleared
                         bf16::from_bits(
-                            (salt ^ (u64::from(p) << 32) ^ (u64::from(l) << 16) ^ k) as u16,
+                            (salt ^ (u64::from(p) << 32) ^ (u64::from(l) << 16) ^ k) as u16
+                                & !(1 << 14),
                         )
                     };
                     cells.push(
@@ -290,8 +349,15 @@ proptest! {
         prop_assert!(wrong_root);
         // Another shape (one more position) is another commitment.
         let other = CellShape::new(shape.n_positions() + 1, shape.layers().to_vec(), shape.hidden(),
-            shape.n_experts(), shape.top_k(), LogitsDtype::Bf16).unwrap();
+            shape.n_experts(), shape.top_k(), LogitsDtype::Bf16, *shape.tokens_sha256()).unwrap();
         prop_assert!(verify_opening(&other, &root, &bytes, &path).is_err());
+        // So is one over other tokens (the same sizes).
+        let mut tokens = *shape.tokens_sha256();
+        tokens[bit.index(32)] ^= 1;
+        let retok = CellShape::new(shape.n_positions(), shape.layers().to_vec(), shape.hidden(),
+            shape.n_experts(), shape.top_k(), LogitsDtype::Bf16, tokens).unwrap();
+        let moved_tokens = matches!(verify_opening(&retok, &root, &bytes, &path), Err(CellError::RootMismatch { .. }));
+        prop_assert!(moved_tokens);
         prop_assert_eq!(cell_leaf(&bytes), tree.leaves()[i]);
     }
 
@@ -339,7 +405,7 @@ fn selection_is_uniform_enough() {
 
 #[test]
 fn cells_out_of_order_or_misfit_are_refused() {
-    let shape = CellShape::new(2, vec![1, 3], 2, 4, 1, LogitsDtype::Bf16).unwrap();
+    let shape = CellShape::new(2, vec![1, 3], 2, 4, 1, LogitsDtype::Bf16, T).unwrap();
     let mk = |p, l| {
         Cell::new(
             p,
@@ -363,9 +429,9 @@ fn cells_out_of_order_or_misfit_are_refused() {
     assert_eq!(shape.cell_at(2), Some((1, 1)));
     assert_eq!(shape.index_of(2, 1), None);
     assert_eq!(shape.index_of(0, 2), None);
-    assert!(CellShape::new(0, vec![1], 2, 4, 1, LogitsDtype::Bf16).is_err());
-    assert!(CellShape::new(1, vec![3, 1], 2, 4, 1, LogitsDtype::Bf16).is_err());
-    assert!(CellShape::new(1, vec![1], 2, 4, 5, LogitsDtype::Bf16).is_err());
+    assert!(CellShape::new(0, vec![1], 2, 4, 1, LogitsDtype::Bf16, T).is_err());
+    assert!(CellShape::new(1, vec![3, 1], 2, 4, 1, LogitsDtype::Bf16, T).is_err());
+    assert!(CellShape::new(1, vec![1], 2, 4, 5, LogitsDtype::Bf16, T).is_err());
     // Deserialising validates the same way.
     let json = serde_json::to_value(&shape).unwrap();
     assert_eq!(
@@ -377,6 +443,8 @@ fn cells_out_of_order_or_misfit_are_refused() {
         ("layers", serde_json::json!([3, 1])),
         ("logits_dtype", serde_json::json!(7)),
         ("top_k", serde_json::json!(9)),
+        ("tokens_sha256", serde_json::json!("ab")),
+        ("extra", serde_json::json!(1)),
     ] {
         let mut bad = json.clone();
         bad[k] = v;
@@ -389,7 +457,7 @@ fn a_cell_committed_at_another_place_is_refused() {
     // A miner that commits a tree with cells out of place (here: every position holds
     // position 0's cell) gets valid paths, but the opened header is not the challenged cell.
     use engy_core::commit::tree::{inclusion_path, mth, node};
-    let shape = CellShape::new(2, vec![4], 2, 4, 1, LogitsDtype::Bf16).unwrap();
+    let shape = CellShape::new(2, vec![4], 2, 4, 1, LogitsDtype::Bf16, T).unwrap();
     let cell = Cell::new(
         0,
         4,
@@ -452,4 +520,40 @@ fn bad_cell_parts_and_bytes_are_typed_errors() {
         Cell::decode(&bad),
         Err(CellError::BadExpertIds { .. })
     ));
+    // Sizes above the v2 caps.
+    let mut bad = bytes.clone();
+    bad[8..12].copy_from_slice(&((1u32 << 16) + 1).to_le_bytes());
+    assert!(matches!(Cell::decode(&bad), Err(CellError::BadSize(_))));
+    let mut bad = bytes.clone();
+    bad[12..16].copy_from_slice(&((1u32 << 13) + 1).to_le_bytes());
+    assert!(matches!(Cell::decode(&bad), Err(CellError::BadSize(_))));
+}
+
+#[test]
+fn non_finite_values_are_not_cells() {
+    // A NaN logit compares false with every tolerance; v2 refuses it in the format.
+    let x = vec![bf16::ONE; 3];
+    let lg = |v: f32| RouterLogits::F32(vec![0.0, v, 1.0, 2.0]);
+    assert_eq!(
+        Cell::new(0, 0, x.clone(), lg(f32::NAN), vec![1], x.clone()),
+        Err(CellError::NonFinite {
+            field: "router_logits",
+            at: 1
+        })
+    );
+    assert!(Cell::new(0, 0, x.clone(), lg(f32::INFINITY), vec![1], x.clone()).is_err());
+    let mut nan_y = x.clone();
+    nan_y[2] = bf16::NAN;
+    assert_eq!(
+        Cell::new(0, 0, x.clone(), lg(0.5), vec![1], nan_y),
+        Err(CellError::NonFinite { field: "y", at: 2 })
+    );
+    // The same in bytes: x[0] set to a bf16 NaN.
+    let good = Cell::new(0, 0, x.clone(), lg(0.5), vec![1], x.clone()).unwrap();
+    let mut bad = good.encode();
+    bad[24..26].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    assert_eq!(
+        Cell::decode(&bad),
+        Err(CellError::NonFinite { field: "x", at: 0 })
+    );
 }

@@ -4,7 +4,8 @@
 use std::path::Path;
 
 use engy_core::cells::{
-    BundleError, Cell, CellAuditBundle, CellError, CellShape, CellTree, LogitsDtype, RouterLogits,
+    parse_bundle, BundleError, Cell, CellAuditBundle, CellError, CellShape, CellTree, Challenge,
+    LogitsDtype, RouterLogits, MAX_BUNDLE_BYTES,
 };
 use half::bf16;
 
@@ -18,8 +19,11 @@ fn spec_example() -> String {
     rest.split_once("```").unwrap().0.to_string()
 }
 
+/// The request's token ids (prompt + output).
+const TOKENS: [u32; 5] = [11, 7, 5, 3, 2];
+
 fn request() -> (CellTree, Vec<Cell>) {
-    let shape = CellShape::new(5, vec![1, 3], 8, 6, 2, LogitsDtype::Bf16).unwrap();
+    let shape = CellShape::for_request(&TOKENS, vec![1, 3], 8, 6, 2, LogitsDtype::Bf16).unwrap();
     let mut cells = Vec::new();
     for p in 0..5u32 {
         for (j, &l) in [1u32, 3].iter().enumerate() {
@@ -138,4 +142,104 @@ fn unknown_keys_and_bad_base64_are_refused() {
     v["openings"][0]["cell"] = "not base64!".into();
     let e = serde_json::from_value::<CellAuditBundle>(v).unwrap_err();
     assert!(e.to_string().contains("base64"), "{e}");
+}
+
+#[test]
+fn the_auditors_challenge_is_the_only_answerable_one() {
+    let (tree, cells) = request();
+    let seed = [9u8; 32];
+    let want = Challenge {
+        cells_root: tree.root(),
+        shape: tree.shape().clone(),
+        seed,
+        n: 4,
+    };
+    let honest =
+        CellAuditBundle::open(&tree, &seed, 4, |i| Ok(cells[i as usize].encode())).unwrap();
+    let checked = honest.check_challenge(&want).unwrap();
+    assert!(checked.iter().all(|c| c.opened.is_ok()));
+
+    // n = 0 and no openings: its own challenge is empty, the auditor's is not.
+    let mut none = honest.clone();
+    none.n = 0;
+    none.openings.clear();
+    assert!(none.check().unwrap().is_empty());
+    assert_eq!(
+        none.check_challenge(&want),
+        Err(BundleError::N { got: 0, want: 4 })
+    );
+    // A seed the miner chose (its bundle consistent with it): not the auditor's.
+    let ground =
+        CellAuditBundle::open(&tree, &[1; 32], 4, |i| Ok(cells[i as usize].encode())).unwrap();
+    assert!(ground.check().is_ok());
+    assert!(matches!(
+        ground.check_challenge(&want),
+        Err(BundleError::Seed { .. })
+    ));
+    // A fresh tree over one position (a shrunk shape), consistent with itself.
+    let small_shape =
+        CellShape::for_request(&TOKENS[..1], vec![1, 3], 8, 6, 2, LogitsDtype::Bf16).unwrap();
+    let small = CellTree::from_cells(small_shape, &cells[..2]).unwrap();
+    let shrunk =
+        CellAuditBundle::open(&small, &seed, 2, |i| Ok(cells[i as usize].encode())).unwrap();
+    assert!(shrunk.check().is_ok());
+    assert!(matches!(
+        shrunk.check_challenge(&want),
+        Err(BundleError::Root { .. })
+    ));
+    // The same root claimed with another shape: the shape differs (and would not open).
+    let mut reshaped = honest.clone();
+    reshaped.shape = CellShape::for_request(&TOKENS, vec![1], 8, 6, 2, LogitsDtype::Bf16).unwrap();
+    match reshaped.check_challenge(&want) {
+        Err(BundleError::Shape(why)) => assert!(why.contains("layers [1]"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    // Cells over other tokens: the request's shape says which tokens.
+    let mut other_tokens = TOKENS;
+    other_tokens[2] = 6;
+    let retok =
+        CellShape::for_request(&other_tokens, vec![1, 3], 8, 6, 2, LogitsDtype::Bf16).unwrap();
+    assert!(retok
+        .request_mismatch(tree.shape())
+        .unwrap()
+        .contains("tokens_sha256"));
+    assert_eq!(tree.shape().request_mismatch(tree.shape()), None);
+    // More openings than n: refused before any is checked.
+    let mut padded = honest.clone();
+    padded.openings.push(padded.openings[0].clone());
+    assert!(matches!(
+        padded.check_challenge(&want),
+        Err(BundleError::TooManyOpenings { .. })
+    ));
+}
+
+#[test]
+fn a_bundle_above_the_cap_is_not_parsed() {
+    let example = spec_example();
+    assert!(parse_bundle(example.as_bytes()).is_ok());
+    let mut big = example.into_bytes();
+    big.resize(MAX_BUNDLE_BYTES + 1, b' ');
+    assert_eq!(
+        parse_bundle(&big),
+        Err(BundleError::TooLarge {
+            len: MAX_BUNDLE_BYTES + 1
+        })
+    );
+    assert!(matches!(
+        parse_bundle(b"{}"),
+        Err(BundleError::Malformed(_))
+    ));
+}
+
+#[test]
+fn a_path_longer_than_64_fails_its_cell() {
+    let (tree, cells) = request();
+    let seed = [9u8; 32];
+    let mut b = CellAuditBundle::open(&tree, &seed, 1, |i| Ok(cells[i as usize].encode())).unwrap();
+    b.openings[0].path = vec![b.openings[0].path[0]; 65];
+    let checked = b.check().unwrap();
+    assert!(matches!(
+        checked[0].opened,
+        Err(CellError::BadPath { len: 65, .. })
+    ));
 }

@@ -47,7 +47,7 @@ fn check_case(dir: &Path) {
     let req = spool::latest(&spool_dir).unwrap();
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(req.join("manifest.json")).unwrap()).unwrap();
-    assert_eq!(manifest["scheme"], "engy-cells/v1", "{arch}");
+    assert_eq!(manifest["scheme"], "engy-cells/v2", "{arch}");
     // The miner's reading: decodes every cell, recomputes cells_root against the manifest.
     let spooled = spool::read_request(&req).unwrap_or_else(|e| panic!("{arch}: {e}"));
     let tree = spooled.tree.clone();

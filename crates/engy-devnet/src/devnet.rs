@@ -31,10 +31,14 @@
 //! committed root at the indices it computed itself and each cell against the weights
 //! ([`engy_model::cells::verify_cell`]).
 //!
-//! It prints one table row per request, then the summary lines `honest: …`, `int4 cheat: …`,
-//! `fp8 experts: …`, `fabricated cells: …`, `routing: honest A/B tokens agree (near-ties N)` and one `cells: <phase> F/N opened cells
-//! failed` per phase, and exits non-zero if an honest proof does not pass, a cheat is not
-//! caught (an `unproven` counts as a failure in every phase), or an honest cell fails.
+//! It prints one table row per request, its `verdict` the audit's verdict on the request
+//! (TOPLOC, routing and cells together, naming what caught a cheat: `cheat (cells)`;
+//! [`combined_verdict`]) beside the recompute's own (`toploc`), then the summary lines
+//! `honest: K/N pass`, `int4 cheat: K/N cheat`, `fp8 experts: K/N cheat`, `fabricated cells:
+//! K/N cheat` (K counts the rows whose verdict column says so), `routing: honest A/B tokens
+//! agree (near-ties N)` and one `cells: <phase> F/N challenged cells failed` per phase, and
+//! exits non-zero if an honest request does not pass, a cheat is not caught (an `unproven`
+//! counts as a failure in every phase), or an honest cell fails.
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -42,7 +46,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use base64::Engine as _;
-use engy_core::cells::{select, verify_opening, CellPath};
+use engy_core::cells::{
+    challenge_n, BundleOpening, CellAuditBundle, CellShape, Challenge, ChallengedCell,
+};
 use engy_core::wire::{CellOpening, CellsCommitment};
 use engy_model::audit::{audit_with, AuditParams, Recompute, RoutingAudit, Verdict};
 use engy_model::cells::{verify_cell, write_expert_cheat, CellPolicy, CellServe};
@@ -155,13 +161,22 @@ pub struct DevnetRow {
     pub latency: Duration,
     /// Audit score (mean exponent mismatches / topk).
     pub score: Option<f64>,
-    /// `pass`, `cheat`, `unproven: …` or `error: …`.
+    /// The recompute's verdict (TOPLOC and the routing check): `pass`, `cheat`,
+    /// `unproven: …` or `error: …`.
+    pub toploc: String,
+    /// The audit's verdict on the request, TOPLOC, routing and cells together: `pass`,
+    /// `cheat (toploc, routing, cells)` naming every check that caught it, `unproven: …` or
+    /// `error: …` ([`combined_verdict`]).
     pub verdict: String,
     /// Token positions whose routing agrees in every MoE layer, near-tie positions, and
     /// positions compared (`None` when the commitment carried no trace).
     pub routing: Option<(usize, usize, usize)>,
-    /// Opened cells that failed, and cells opened (`None` when the cell audit did not run).
+    /// Opened cells that failed, and cells challenged (`None` when the cell audit did not
+    /// run).
     pub cells: Option<(usize, usize)>,
+    /// Why the cell audit failed before any cell was checked (a refused challenge, a shape
+    /// that is not the request's, an answer to another challenge).
+    pub cells_reason: Option<String>,
     /// Whether this row is what the phase expects.
     pub ok: bool,
 }
@@ -299,8 +314,11 @@ fn tail(path: &Path, lines: usize) -> String {
 struct PhaseSpec {
     name: &'static str,
     precision: Precision,
-    /// The audit verdict the phase's commitments must get.
+    /// The recompute's verdict (TOPLOC and routing) the phase's commitments must get.
     expect: Verdict,
+    /// Whether the phase cheats: the audit's verdict ([`combined_verdict`]) must be `cheat`
+    /// (for every request with `caught_per_request`, else somewhere in the phase), else `pass`.
+    cheat: bool,
     /// How the phase's serve builds its cells.
     cells: CellServe,
     /// Whether the phase's opened cells must all pass (else at least one must fail).
@@ -455,9 +473,11 @@ async fn phase(
                 proof_bytes: 0,
                 latency,
                 score: None,
+                toploc: format!("error: {err}"),
                 verdict: format!("error: {err}"),
                 routing: None,
                 cells: None,
+                cells_reason: None,
                 ok: false,
             }
         } else {
@@ -471,12 +491,16 @@ async fn phase(
             .await
             .context("audit task")?
             .context("audit")?;
-            let verdict = match &report.verdict {
+            let toploc = match &report.verdict {
                 Verdict::Unproven { reason } => format!("unproven: {reason}"),
                 v => v.label().to_string(),
             };
+            let toploc_failed = report.batches.len() > report.passing_batches
+                && (report.passing_batches as f64) < params.toploc_p * report.batches.len() as f64;
+            let routing_failed =
+                matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
             if let Some(dir) = &opts.save_commitments {
-                save_commitment(dir, name, r.label, &commitment, &verdict)?;
+                save_commitment(dir, name, r.label, &commitment, &toploc)?;
             }
             let routing = match &report.routing {
                 Some(RoutingAudit::Checked(s)) => {
@@ -486,9 +510,20 @@ async fn phase(
             };
             drop(commitment);
             progress.update(&format!("{what}: challenging the miner's cells…"));
-            let cells = cell_audit(&gateway, conn, &resp, Arc::clone(auditor))
+            let outcome = cell_audit(&gateway, conn, &resp, Arc::clone(auditor))
                 .await
                 .context("cell audit")?;
+            let cells = outcome.as_ref().map(|o| (o.failed, o.challenged));
+            let cells_reason = outcome.as_ref().and_then(|o| o.reason.clone());
+            let cells_failed = outcome.as_ref().is_none_or(|o| o.failed > 0);
+            let verdict =
+                combined_verdict(&report.verdict, toploc_failed, routing_failed, cells_failed);
+            let caught = verdict.starts_with("cheat");
+            let verdict_ok = if spec.cheat {
+                caught || !spec.caught_per_request
+            } else {
+                verdict == "pass"
+            };
             let cells_ok = match cells {
                 Some((failed, _)) if spec.cells_pass => failed == 0,
                 Some((failed, _)) => failed > 0 || !spec.caught_per_request,
@@ -504,10 +539,12 @@ async fn phase(
                 proof_bytes: report.proof_bytes,
                 latency,
                 score: report.score,
-                ok: &report.verdict == expect && cells_ok && routing.is_some(),
+                ok: &report.verdict == expect && verdict_ok && cells_ok && routing.is_some(),
+                toploc,
                 verdict,
                 routing,
                 cells,
+                cells_reason,
             }
         };
         progress.done(&format!(
@@ -558,68 +595,208 @@ fn save_commitment(
     Ok(())
 }
 
+/// What the sampled cell audit of one request found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CellOutcome {
+    /// Challenged cells that failed (all of them when the answer failed as a whole).
+    pub failed: usize,
+    /// Cells challenged.
+    pub challenged: usize,
+    /// Why the answer failed as a whole, before any cell was checked.
+    pub reason: Option<String>,
+}
+
+/// The audit's verdict on one request from its three checks: `pass` when none caught it,
+/// else `cheat (…)` naming each that did (`toploc`, `routing`, `cells`); an `unproven`
+/// recompute stays `unproven: …` unless the cells caught it.
+pub fn combined_verdict(
+    recompute: &Verdict,
+    toploc_failed: bool,
+    routing_failed: bool,
+    cells_failed: bool,
+) -> String {
+    let mut by = Vec::new();
+    if matches!(recompute, Verdict::Cheat) && toploc_failed {
+        by.push("toploc");
+    }
+    if matches!(recompute, Verdict::Cheat) && routing_failed {
+        by.push("routing");
+    }
+    if matches!(recompute, Verdict::Cheat) && by.is_empty() {
+        by.push("toploc");
+    }
+    if cells_failed {
+        by.push("cells");
+    }
+    match recompute {
+        Verdict::Unproven { reason } if by.is_empty() => format!("unproven: {reason}"),
+        _ if by.is_empty() => "pass".to_string(),
+        _ => format!("cheat ({})", by.join(", ")),
+    }
+}
+
+/// The request's cell shape as the auditor derives it (specs/CELLS.md §3 "A request's
+/// shape"): positions and tokens from the commitment's ids, layers and sizes from the
+/// auditor's model (its MoE layers are the layers its own cells of the request cover).
+fn request_shape(auditor: &Checkpoint, ids: &[u32], c: &CellsCommitment) -> Option<CellShape> {
+    let rs = auditor.model.routing_shape()?;
+    let dtype = c.shape.logits_dtype().ok()?;
+    let first = ids.get(..1)?;
+    let layers: Vec<u32> = engy_model::cells::serve_cells(&auditor.model, first, CellServe::Honest)
+        .ok()?
+        .iter()
+        .map(|cell| cell.layer())
+        .collect();
+    CellShape::for_request(
+        ids,
+        layers,
+        auditor.model.config().hidden_size as u32,
+        rs.experts as u32,
+        rs.top_k as u32,
+        dtype,
+    )
+    .ok()
+}
+
 /// The sampled cell audit of one response through the miner (module docs, docs/PROTOCOL.md
-/// §10): the commitment's `cells` (root and shape), a seed the auditor draws only now,
-/// `open_cells` for [`CELLS_PER_REQUEST`] cells on the request's leg (`conn`), each opening
-/// checked against the root at the index the auditor computed itself, then against
-/// `auditor`'s weights. Returns (failed, opened); a refused challenge or a missing or wrong
-/// opening fails its cells; `None` for a commitment without cells.
+/// §10), the auditor owning the challenge: the commitment's `cells` (root and shape, the shape
+/// checked against the request's), a seed the auditor draws only now, `open_cells` for
+/// [`CELLS_PER_REQUEST`] cells on the request's leg (`conn`); the answer, made a bundle of the
+/// auditor's seed and `n`, must answer exactly that challenge
+/// ([`CellAuditBundle::check_challenge`]), then each opening is checked against the root and
+/// `auditor`'s weights. A refusal (`cells_error`), a commitment without cells from this serve
+/// (which offers them), another root or shape fail every challenged cell. `None` never: a
+/// missing `commitment.cells` is a failed audit here.
 async fn cell_audit(
     gateway: &GatewayDouble,
     conn: u64,
     resp: &Value,
     auditor: Arc<Checkpoint>,
-) -> anyhow::Result<Option<(usize, usize)>> {
+) -> anyhow::Result<Option<CellOutcome>> {
+    let all_failed = |n: usize, reason: String| {
+        Ok(Some(CellOutcome {
+            failed: n,
+            challenged: n,
+            reason: Some(reason),
+        }))
+    };
     let Some(cells) = resp.pointer("/commitment/cells") else {
-        return Ok(None);
+        return all_failed(
+            0,
+            "the commitment carries no cells, from a serve that offers them".into(),
+        );
     };
     let c: CellsCommitment =
         serde_json::from_value(cells.clone()).context("reading commitment.cells")?;
+    let commitment: engy_core::wire::Commitment =
+        serde_json::from_value(resp.get("commitment").cloned().unwrap_or(Value::Null))
+            .context("reading the commitment")?;
+    let ids: Vec<u32> = commitment
+        .toploc
+        .prompt_ids
+        .iter()
+        .chain(&commitment.output_token_ids)
+        .copied()
+        .collect();
+    let want_shape = {
+        let a = Arc::clone(&auditor);
+        let (ids, c) = (ids.clone(), c.clone());
+        tokio::task::spawn_blocking(move || request_shape(&a, &ids, &c))
+            .await
+            .context("shape task")?
+    };
+    let Some(want_shape) = want_shape else {
+        bail!("the auditor's model gives no cell shape for this request");
+    };
+    if let Some(why) = c.shape.request_mismatch(&want_shape) {
+        let n = challenge_n(CELLS_PER_REQUEST, want_shape.n_cells()) as usize;
+        return all_failed(
+            n,
+            format!("commitment.cells.shape is not the request's: {why}"),
+        );
+    }
     let request_id = resp.get("request_id").cloned().unwrap_or(Value::Null);
-    let n_cells = c.shape.n_cells();
-    let n = CELLS_PER_REQUEST.min(n_cells);
+    let n = challenge_n(CELLS_PER_REQUEST, c.shape.n_cells());
     // The miner has committed `cells.root`; only now does the auditor draw its seed.
-    let seed: [u8; 32] = rand::random();
-    let want = select(&seed, &c.root.0, n_cells, n)?;
+    let challenge = Challenge {
+        cells_root: c.root.0,
+        shape: c.shape.clone(),
+        seed: rand::random(),
+        n,
+    };
     let asked_before = gateway
         .frames()
         .iter()
         .filter(|f| f.kind() == "open_cells" && f.value.get("request_id") == Some(&request_id))
         .count();
-    if !gateway.open_cells(conn, request_id.clone(), seed, n) {
+    if !gateway.open_cells(conn, request_id.clone(), challenge.seed, n) {
         bail!("the request's leg {conn} is gone: cannot send open_cells");
     }
     let answer = gateway
         .wait_cells(&request_id, asked_before, Duration::from_secs(60))
         .await
         .context("no answer to open_cells within 60 s")?;
-    let openings: Vec<CellOpening> = match answer.get("openings") {
-        Some(o) if answer["type"] == "cells" => {
-            serde_json::from_value(o.clone()).context("reading the cells frame")?
+    let (root, openings): (engy_core::commit::spec::Hex, Vec<CellOpening>) =
+        match (answer.get("root"), answer.get("openings")) {
+            (Some(r), Some(o)) if answer["type"] == "cells" => (
+                serde_json::from_value(r.clone()).context("reading the cells frame's root")?,
+                serde_json::from_value(o.clone()).context("reading the cells frame")?,
+            ),
+            _ => {
+                return all_failed(
+                    n as usize,
+                    format!(
+                        "the miner declined the challenge inside the retention window: {}",
+                        answer
+                            .get("reason")
+                            .and_then(Value::as_str)
+                            .unwrap_or("no cells")
+                    ),
+                )
+            }
+        };
+    let mut bundle_openings = Vec::with_capacity(openings.len());
+    for o in openings {
+        let Ok(cell) = base64::engine::general_purpose::STANDARD.decode(&o.cell) else {
+            return all_failed(n as usize, format!("opening {} is not base64", o.index));
+        };
+        bundle_openings.push(BundleOpening {
+            index: o.index,
+            cell,
+            path: o.path,
+        });
+    }
+    let bundle = CellAuditBundle {
+        cells_root: root,
+        shape: c.shape.clone(),
+        seed: engy_core::commit::spec::Hex(challenge.seed),
+        n,
+        openings: bundle_openings,
+    };
+    let checked: Vec<ChallengedCell> = match bundle.check_challenge(&challenge) {
+        Ok(c) => c,
+        Err(e) => {
+            return all_failed(
+                n as usize,
+                format!("the answer does not answer the auditor's challenge: {e}"),
+            )
         }
-        _ => return Ok(Some((want.len(), want.len()))),
     };
     tokio::task::spawn_blocking(move || {
         let policy = CellPolicy::default();
         let mut failed = 0;
-        for (i, &index) in want.iter().enumerate() {
-            let opened = openings.get(i).filter(|o| o.index == index).and_then(|o| {
-                let bytes = base64::engine::general_purpose::STANDARD
-                    .decode(&o.cell)
-                    .ok()?;
-                let path = CellPath {
-                    index,
-                    siblings: o.path.clone(),
-                };
-                verify_opening(&c.shape, &c.root.0, &bytes, &path).ok()
-            });
-            let pass = match opened {
-                Some(cell) => verify_cell(&auditor.model, &cell, &policy)?.pass(),
-                None => false,
+        for c in &checked {
+            let pass = match &c.opened {
+                Ok(cell) => verify_cell(&auditor.model, cell, &policy)?.pass(),
+                Err(_) => false,
             };
             failed += usize::from(!pass);
         }
-        Ok(Some((failed, want.len())))
+        Ok(Some(CellOutcome {
+            failed,
+            challenged: checked.len(),
+            reason: None,
+        }))
     })
     .await
     .context("cell audit task")?
@@ -675,6 +852,7 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             name: "honest",
             precision: Precision::Bf16,
             expect: Verdict::Pass,
+            cheat: false,
             cells: CellServe::Honest,
             cells_pass: true,
             caught_per_request: true,
@@ -685,6 +863,7 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
                 group_size: opts.int4_group,
             },
             expect: Verdict::Cheat,
+            cheat: true,
             cells: CellServe::Honest,
             cells_pass: false,
             caught_per_request: true,
@@ -693,6 +872,7 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             name: FP8_EXPERTS,
             precision: Precision::Bf16,
             expect: Verdict::Pass,
+            cheat: true,
             cells: CellServe::Fp8Experts,
             cells_pass: false,
             caught_per_request: false,
@@ -701,6 +881,7 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             name: FABRICATED,
             precision: Precision::Bf16,
             expect: Verdict::Pass,
+            cheat: true,
             cells: CellServe::FabricatedY,
             cells_pass: false,
             caught_per_request: true,
@@ -723,7 +904,7 @@ pub const FABRICATED: &str = "fabricated cells";
 pub fn render_table(rows: &[DevnetRow]) -> String {
     let mut s = String::new();
     let header = format!(
-        "{:<16} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>8} {:>6} {:>9} {:>6}  {}\n",
+        "{:<16} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>8} {:>6} {:>9} {:>6} {:<7}  {}\n",
         "phase",
         "request",
         "mode",
@@ -735,6 +916,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
         "score",
         "routing",
         "cellsF",
+        "toploc",
         "verdict"
     );
     s.push_str(&header);
@@ -742,7 +924,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
     s.push('\n');
     for r in rows {
         s.push_str(&format!(
-            "{:<16} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>7.2}s {:>6} {:>9} {:>6}  {}{}\n",
+            "{:<16} {:<17} {:<10} {:>6} {:>6} {:>6} {:>6} {:>7.2}s {:>6} {:>9} {:>6} {:<7}  {}{}{}\n",
             r.phase,
             r.request,
             if r.stream { "stream" } else { "non-stream" },
@@ -758,18 +940,27 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
             r.cells
                 .map(|(f, n)| format!("{f}/{n}"))
                 .unwrap_or("-".into()),
+            r.toploc.split(':').next().unwrap_or("-"),
             r.verdict,
+            r.cells_reason
+                .as_deref()
+                .map(|w| format!(": {w}"))
+                .unwrap_or_default(),
             if r.ok { "" } else { "   <-- UNEXPECTED" }
         ));
     }
     for (phase, want) in [
         ("honest", "pass"),
         ("int4 cheat", "cheat"),
-        (FP8_EXPERTS, "pass"),
-        (FABRICATED, "pass"),
+        (FP8_EXPERTS, "cheat"),
+        (FABRICATED, "cheat"),
     ] {
         let of: Vec<&DevnetRow> = rows.iter().filter(|r| r.phase == phase).collect();
-        let ok = of.iter().filter(|r| r.ok).count();
+        // The same words as the verdict column: a row counts when its verdict is `want`.
+        let ok = of
+            .iter()
+            .filter(|r| r.verdict == want || (want == "cheat" && r.verdict.starts_with("cheat (")))
+            .count();
         let scores: Vec<f64> = of.iter().filter_map(|r| r.score).collect();
         let (lo, hi) = scores
             .iter()
@@ -804,7 +995,7 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
             .filter_map(|r| r.cells)
             .fold((0, 0), |(f, n), (rf, rn)| (f + rf, n + rn));
         s.push_str(&format!(
-            "cells: {phase} {failed}/{opened} opened cells failed\n"
+            "cells: {phase} {failed}/{opened} challenged cells failed\n"
         ));
     }
     s

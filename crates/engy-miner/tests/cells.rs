@@ -95,7 +95,7 @@ async fn committed_cells_open_and_verify_against_the_root_and_the_weights() {
     let (commitment, _) = assert_ok(&resp);
     assert_eq!(resp["request_id"], "r-1");
     let cells = commitment.get("cells").expect("commitment.cells");
-    assert_eq!(cells["scheme"], "engy-cells/v1");
+    assert_eq!(cells["scheme"], "engy-cells/v2");
     let shape: CellShape = serde_json::from_value(cells["shape"].clone()).unwrap();
     let root: Hex = serde_json::from_value(cells["root"].clone()).unwrap();
     let mut seq = ids(&commitment["toploc"]["prompt_ids"]);
@@ -104,6 +104,11 @@ async fn committed_cells_open_and_verify_against_the_root_and_the_weights() {
         shape.n_positions() as usize,
         seq.len(),
         "every position of prompt + output"
+    );
+    assert_eq!(
+        shape.tokens_sha256(),
+        &engy_core::cells::tokens_sha256(&seq),
+        "the root binds the request's token ids"
     );
     assert_eq!(shape.layers(), &[1], "the MoE layer");
     // The commit pass was one prefill of exactly that sequence, max_new_tokens 1.

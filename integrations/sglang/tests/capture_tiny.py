@@ -167,7 +167,7 @@ def finish(arch, d, ref, moe_layers, hidden, n_experts, top_k, ids, passes):
             fails.append(f"cell ({p}, {l}): expert ids differ")
     leaves = [fmt.cell_leaf(fmt.encode_cell(c["position"], c["layer"], c["x"], c["logits"], c["logits_dtype"],
                                             c["expert_ids"], c["y"])) for c in cells]
-    if fmt.cells_root(man["shape"], leaves).hex() != man["cells_root"]:
+    if fmt.cells_root(dict(man["shape"], tokens_sha256=man["tokens_sha256"]), leaves).hex() != man["cells_root"]:
         fails.append("manifest cells_root is not the root of cells.bin")
     print(f"{arch}: {len(cells)} cells, layers {sorted(moe_layers)}, root {man['cells_root'][:16]}…")
     return report(arch, fails)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fixed engy-cells/v1 vectors from the Python implementation (engy_cells.format, stdlib
+"""Fixed engy-cells/v2 vectors from the Python implementation (engy_cells.format, stdlib
 only): prints the JSON that tests/vectors/cells/vectors.json holds and that
 crates/engy-core/tests/cells.rs recomputes in Rust.
 
@@ -36,9 +36,19 @@ def bf16s(tag, n):
     return struct.pack(f"<{n}H", *vals)
 
 
+def token_ids(cid, n):
+    """n deterministic token ids below 151 936 (Qwen's vocabulary)."""
+    raw = stream(cid + "/tokens", 4 * n)
+    return [struct.unpack_from("<I", raw, 4 * i)[0] % 151936 for i in range(n)]
+
+
 def case(cid, n_positions, layers, hidden, n_experts, top_k, dtype, seed_tag, n_select):
+    tokens = token_ids(cid, n_positions)
+    # tokens_sha256 by hashlib directly (u32le ids back to back), not through fmt
+    digest = hashlib.sha256(b"".join(struct.pack("<I", t) for t in tokens)).hexdigest()
+    assert digest == fmt.tokens_sha256(tokens)
     shape = dict(n_positions=n_positions, layers=layers, hidden=hidden, n_experts=n_experts,
-                 top_k=top_k, logits_dtype=dtype)
+                 top_k=top_k, logits_dtype=dtype, tokens_sha256=digest)
     cells, leaves = [], []
     for p in range(n_positions):
         for l in layers:
@@ -64,7 +74,7 @@ def case(cid, n_positions, layers, hidden, n_experts, top_k, dtype, seed_tag, n_
     paths = [dict(index=i, siblings=[s.hex() for s in fmt.inclusion_path(leaves, i)])
              for i in range(len(leaves))]
     seed = hashlib.sha256(seed_tag.encode()).digest()
-    return dict(id=cid, shape=shape, shape_leaf=fmt.shape_leaf(**shape).hex(), cells=cells,
+    return dict(id=cid, tokens=tokens, shape=shape, shape_leaf=fmt.shape_leaf(**shape).hex(), cells=cells,
                 tree_root=tree.hex(), cells_root=root.hex(), paths=paths,
                 challenge=dict(seed=seed.hex(), n=n_select,
                                indices=fmt.select(seed, root, len(leaves), n_select)))
@@ -76,7 +86,10 @@ def main():
         case("three-positions-two-layers-bf16", 3, [1, 3], 8, 6, 2, fmt.BF16, "seed-b", 4),
         case("odd-tree-f32", 5, [0, 1, 2], 6, 5, 3, fmt.F32, "seed-c", 15),
     ]
-    print(json.dumps(dict(schema="engy-cells/vectors/v1",
+    beacon = bytes(range(32))
+    seed = dict(beacon=beacon.hex(), commitment_digest=(b"\xab" * 32).hex(),
+                seed=fmt.production_seed(beacon, b"\xab" * 32).hex())
+    print(json.dumps(dict(schema="engy-cells/vectors/v2", production_seed=seed,
                           produced_by="integrations/sglang/tests/make_vectors.py (engy_cells.format, hashlib)",
                           cases=cases), indent=1))
 

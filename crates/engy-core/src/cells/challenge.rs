@@ -17,6 +17,24 @@ use sha2::{Digest as _, Sha256};
 use super::{CellError, CHALLENGE_TAG, SEED_TAG};
 use crate::commit::tree::{self as mtree, Digest};
 
+/// Cells an auditor challenges per request unless its policy says more (specs/CELLS.md §5
+/// "How many cells").
+pub const DEFAULT_CHALLENGE_CELLS: u64 = 32;
+/// Fewest cells an auditor's policy may challenge per request (fewer only when the request
+/// has fewer cells): a cheat that shows in a fraction `f` of cells escapes `n` challenged
+/// cells with probability `(1 − f)^n`, 0.034 for `f` = 0.1 at 32.
+pub const MIN_CHALLENGE_CELLS: u64 = 32;
+/// Most cells one challenge may ask for (the wire's `open_cells` limit,
+/// [`crate::wire::MAX_OPEN_CELLS`]).
+pub const MAX_CHALLENGE_CELLS: u64 = crate::wire::MAX_OPEN_CELLS;
+
+/// The `n` an auditor challenges in a request of `n_cells` cells when its policy asks for
+/// `policy_n` (at least [`MIN_CHALLENGE_CELLS`], checked by the caller): `min(policy_n,
+/// n_cells, MAX_CHALLENGE_CELLS)`, at least 1 (a shape has at least one cell).
+pub fn challenge_n(policy_n: u64, n_cells: u64) -> u64 {
+    policy_n.min(n_cells).min(MAX_CHALLENGE_CELLS).max(1)
+}
+
 /// The index a candidate `v` gives among `n_cells >= 1`, or `None` when rejection
 /// sampling drops it (`v >= 2^64 − (2^64 mod n_cells)`).
 fn accept(v: u64, n_cells: u64) -> Option<u64> {
@@ -67,8 +85,14 @@ pub fn select(
     Ok(chosen)
 }
 
+/// The commitment digest the production seed mixes in (specs/CELLS.md §5): SHA-256 of the
+/// `commitment` JSON value's bytes exactly as the miner's `response` frame carried them.
+pub fn commitment_digest(commitment_json: &[u8]) -> [u8; 32] {
+    Sha256::digest(commitment_json).into()
+}
+
 /// The production challenge seed (specs/CELLS.md §5): `SHA-256(lp(SEED_TAG) || beacon ||
-/// commitment_digest)`, `SEED_TAG = "engy-cells/v1/seed"`.
+/// commitment_digest)`, `SEED_TAG = "engy-cells/v2/seed"`.
 ///
 /// * `beacon`: 32 bytes that exist only after the commitment: the hash of a block produced
 ///   after the miner's `response` (or a drand round's randomness), chosen by the rule of
@@ -93,12 +117,12 @@ mod tests {
 
     #[test]
     fn production_seed_is_the_specified_hash() {
-        // Computed with Python's hashlib: sha256(u64le(18) + b"engy-cells/v1/seed" +
+        // Computed with Python's hashlib: sha256(u64le(18) + b"engy-cells/v2/seed" +
         // bytes(range(32)) + b"\xab" * 32).
         let beacon: [u8; 32] = std::array::from_fn(|i| i as u8);
         assert_eq!(
             hex::encode(production_seed(&beacon, &[0xab; 32])),
-            "17fbc02f06fe00ddfcfe98c4309434460a0f1872ce32f31c795718c955781465"
+            "6381e10fb54897419ea1efb1219300ae5d1610adeb3001181663e313ce1c67ba"
         );
         assert_ne!(
             production_seed(&beacon, &[0xab; 32]),

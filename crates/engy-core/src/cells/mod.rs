@@ -1,5 +1,6 @@
-//! Activation cells and their Merkle commitment, scheme `engy-cells/v1` (specs/CELLS.md;
-//! docs/PROTOCOL.md "Cell commitments").
+//! Activation cells and their Merkle commitment, scheme `engy-cells/v2` (specs/CELLS.md;
+//! docs/PROTOCOL.md §10). `engy-cells/v1` (whose root bound neither the request's tokens nor
+//! a cap on its sizes) is retired: nothing here reads it.
 //!
 //! A **cell** is one (token position, MoE layer) of a teacher-forced pass: the MoE block's
 //! input `x` (after the post-attention norm), the router logits, the routed expert ids the
@@ -13,8 +14,9 @@
 //! * [`tree`]: [`CellShape`] (the shape leaf, leaf order), [`CellTree`], [`CellPath`],
 //!   [`verify_opening`];
 //! * [`challenge`]: [`select`], the seeded choice of distinct cells;
-//! * [`bundle`]: [`CellAuditBundle`], the JSON a miner answers a challenge with, and its
-//!   check against its own challenge;
+//! * [`bundle`]: [`CellAuditBundle`], the JSON a miner answers a challenge with, its
+//!   check against the auditor's own [`Challenge`] ([`CellAuditBundle::check_challenge`]),
+//!   and its size cap ([`bundle::parse_bundle`]);
 //! * [`spool`]: a request the sglang hook package (`integrations/sglang`) spooled, read back
 //!   and rechecked.
 //!
@@ -29,27 +31,55 @@ pub mod challenge;
 pub mod spool;
 pub mod tree;
 
-pub use bundle::{BundleError, BundleOpening, CellAuditBundle, ChallengedCell};
-pub use challenge::{production_seed, select};
+pub use bundle::{
+    parse_bundle, BundleError, BundleOpening, CellAuditBundle, Challenge, ChallengedCell,
+    MAX_BUNDLE_BYTES,
+};
+pub use challenge::{
+    challenge_n, commitment_digest, production_seed, select, DEFAULT_CHALLENGE_CELLS,
+    MAX_CHALLENGE_CELLS, MIN_CHALLENGE_CELLS,
+};
 pub use tree::{verify_opening, CellPath, CellShape, CellTree};
 
 /// The scheme's version tag.
-pub const SCHEME: &str = "engy-cells/v1";
+pub const SCHEME: &str = "engy-cells/v2";
 /// Domain tag of a cell leaf.
-pub const CELL_TAG: &str = "engy-cells/v1/cell";
+pub const CELL_TAG: &str = "engy-cells/v2/cell";
 /// Domain tag of the shape leaf.
-pub const SHAPE_TAG: &str = "engy-cells/v1/shape";
+pub const SHAPE_TAG: &str = "engy-cells/v2/shape";
 /// Domain tag of the challenge stream.
-pub const CHALLENGE_TAG: &str = "engy-cells/v1/challenge";
+pub const CHALLENGE_TAG: &str = "engy-cells/v2/challenge";
 /// Domain tag of the production seed ([`challenge::production_seed`]).
-pub const SEED_TAG: &str = "engy-cells/v1/seed";
+pub const SEED_TAG: &str = "engy-cells/v2/seed";
 
 /// Bytes of the fixed cell header: six `u32le` fields.
 pub const HEADER_LEN: usize = 24;
-/// Largest `hidden` accepted (guards allocations sized by a header).
-pub const MAX_HIDDEN: u32 = 1 << 20;
-/// Largest `n_experts` accepted (the `engy-commit/v1` limit).
-pub const MAX_EXPERTS: u32 = 1 << 20;
+/// Largest `hidden` accepted (specs/CELLS.md §2: every served MoE is far below it, GLM-5's
+/// 6 144 the largest; guards allocations sized by a header).
+pub const MAX_HIDDEN: u32 = 1 << 16;
+/// Largest `n_experts` accepted (specs/CELLS.md §2: 256 for Qwen3.6 and GLM-5, 512 for the
+/// largest served MoE).
+pub const MAX_EXPERTS: u32 = 1 << 13;
+/// Largest number of MoE layers in a shape (specs/CELLS.md §3).
+pub const MAX_LAYERS: usize = 1 << 10;
+/// Most siblings an inclusion path may hold (specs/CELLS.md §4: a tree of `n_cells < 2^64`
+/// leaves has paths of at most 64).
+pub const MAX_PATH: usize = 64;
+/// Seconds after a `response` during which the miner must answer `open_cells` for its
+/// request (docs/PROTOCOL.md §10 "Retention"): inside this window `unknown_request`,
+/// `bad_challenge` on a valid challenge, or no answer is a failed audit.
+pub const RETENTION_WINDOW_S: u64 = 600;
+
+/// SHA-256 of a request's token ids (`prompt_ids ++ output_token_ids`, the teacher-forced
+/// sequence), each as `u32le`, back to back (specs/CELLS.md §3): the `tokens_sha256` of the
+/// shape, bound into `cells_root`.
+pub fn tokens_sha256(ids: &[u32]) -> Digest {
+    let mut h = Sha256::new();
+    for id in ids {
+        h.update(id.to_le_bytes());
+    }
+    h.finalize().into()
+}
 
 /// Why cell bytes, a cell or an opening were rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,6 +102,15 @@ pub enum CellError {
     /// `top_k` 0 or above `n_experts`).
     #[error("bad cell size: {0}")]
     BadSize(String),
+    /// A value of `x`, the router logits or `y` is NaN or infinite (specs/CELLS.md §2: a
+    /// serve's activations are finite; a NaN would compare false with every tolerance).
+    #[error("cell holds a non-finite {field} value at {at}")]
+    NonFinite {
+        /// `x`, `router_logits` or `y`.
+        field: &'static str,
+        /// Element index.
+        at: usize,
+    },
     /// The logits dtype code is neither 1 (BF16) nor 2 (F32).
     #[error("unknown router logits dtype code {0} (1 = BF16, 2 = F32)")]
     BadDtype(u32),
@@ -250,6 +289,24 @@ fn check_sizes(hidden: u64, n_experts: u64, top_k: u64) -> Result<(), CellError>
     Ok(())
 }
 
+fn check_finite(x: &[bf16], logits: &RouterLogits, y: &[bf16]) -> Result<(), CellError> {
+    let bad = |field, at| Err(CellError::NonFinite { field, at });
+    if let Some(at) = x.iter().position(|v| !v.is_finite()) {
+        return bad("x", at);
+    }
+    let at = match logits {
+        RouterLogits::Bf16(v) => v.iter().position(|v| !v.is_finite()),
+        RouterLogits::F32(v) => v.iter().position(|v| !v.is_finite()),
+    };
+    if let Some(at) = at {
+        return bad("router_logits", at);
+    }
+    if let Some(at) = y.iter().position(|v| !v.is_finite()) {
+        return bad("y", at);
+    }
+    Ok(())
+}
+
 fn check_ids(ids: &[u32], n_experts: u32) -> Result<(), CellError> {
     let ascending = ids.windows(2).all(|w| w[0] < w[1]);
     if !ascending || ids.iter().any(|&e| e >= n_experts) {
@@ -266,7 +323,8 @@ impl Cell {
     /// score); they are stored ascending, as the encoding requires.
     ///
     /// Errors: [`CellError::Inconsistent`] (`x`, `y` lengths differ), [`CellError::BadSize`],
-    /// [`CellError::BadExpertIds`] (a repeated id or one `>= n_experts`).
+    /// [`CellError::BadExpertIds`] (a repeated id or one `>= n_experts`),
+    /// [`CellError::NonFinite`].
     pub fn new(
         position: u32,
         layer: u32,
@@ -289,6 +347,7 @@ impl Cell {
         )?;
         expert_ids.sort_unstable();
         check_ids(&expert_ids, router_logits.len() as u32)?;
+        check_finite(&x, &router_logits, &y)?;
         Ok(Self {
             position,
             layer,
@@ -390,7 +449,7 @@ impl Cell {
     /// returns it with its encoded length.
     ///
     /// Errors: [`CellError::Truncated`], [`CellError::BadSize`], [`CellError::BadDtype`],
-    /// [`CellError::BadExpertIds`].
+    /// [`CellError::BadExpertIds`], [`CellError::NonFinite`].
     pub fn decode_prefix(bytes: &[u8]) -> Result<(Self, usize), CellError> {
         let head = bytes.get(..HEADER_LEN).ok_or(CellError::Truncated {
             need: HEADER_LEN,
@@ -431,14 +490,16 @@ impl Cell {
         };
         let expert_ids = u32s(ids);
         check_ids(&expert_ids, n_experts)?;
+        let (x, y) = (bf16s(x), bf16s(y));
+        check_finite(&x, &router_logits, &y)?;
         Ok((
             Self {
                 position,
                 layer,
-                x: bf16s(x),
+                x,
                 router_logits,
                 expert_ids,
-                y: bf16s(y),
+                y,
             },
             need,
         ))

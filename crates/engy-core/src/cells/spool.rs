@@ -5,9 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use sha2::{Digest as _, Sha256};
 
-use super::{CellError, CellShape, CellTree, SCHEME};
+use super::{CellError, CellShape, CellTree, LogitsDtype, SCHEME};
 use crate::commit::tree::Digest;
 
 /// Why a spooled request cannot be committed. Every variant names the file.
@@ -59,10 +58,22 @@ pub enum SpoolError {
     },
 }
 
+/// The manifest's `shape`: the shape's sizes; its `tokens_sha256` is the manifest's own
+/// (the hooks hash the ids as the passes run).
+#[derive(Deserialize)]
+struct ManifestShape {
+    n_positions: u32,
+    layers: Vec<u32>,
+    hidden: u32,
+    n_experts: u32,
+    top_k: u32,
+    logits_dtype: u32,
+}
+
 #[derive(Deserialize)]
 struct Manifest {
     scheme: String,
-    shape: CellShape,
+    shape: ManifestShape,
     #[serde(default)]
     cells_root: Option<String>,
     #[serde(default)]
@@ -80,8 +91,8 @@ pub struct SpoolRequest {
     pub dir: PathBuf,
     /// Its cell tree (shape from the manifest, leaves from `cells.bin`).
     pub tree: CellTree,
-    /// SHA-256 of the pass's token ids as `u32le`, when the hooks saw them.
-    pub tokens_sha256: Option<Digest>,
+    /// SHA-256 of the pass's token ids as `u32le` (bound into the shape and `cells_root`).
+    pub tokens_sha256: Digest,
     /// Forward passes the request took (more than one: a chunked prefill).
     pub passes: u64,
     /// `cells.bin` as read: the cells' canonical bytes back to back in leaf order, each
@@ -91,15 +102,11 @@ pub struct SpoolRequest {
 
 impl SpoolRequest {
     /// True when the spooled pass ran exactly `ids` (the miner's prompt + output ids):
-    /// the manifest's `tokens_sha256` is SHA-256 of them as `u32le`. False when it differs
-    /// or the hooks saw no ids.
+    /// the manifest's `tokens_sha256` is [`super::tokens_sha256`] of them and the shape
+    /// covers as many positions.
     pub fn ran_tokens(&self, ids: &[u32]) -> bool {
-        let mut h = Sha256::new();
-        for id in ids {
-            h.update(id.to_le_bytes());
-        }
-        let want: Digest = h.finalize().into();
-        self.tokens_sha256 == Some(want)
+        self.tokens_sha256 == super::tokens_sha256(ids)
+            && self.tree.shape().n_positions() as usize == ids.len()
     }
 }
 
@@ -131,7 +138,8 @@ pub fn latest(spool: &Path) -> Result<PathBuf, SpoolError> {
 /// Reads and rechecks one request directory.
 ///
 /// Errors: [`SpoolError::Io`], [`SpoolError::Manifest`] (not JSON of the expected shape,
-/// another scheme, no `cells_root`), [`SpoolError::CaptureFailed`], [`SpoolError::Cells`],
+/// another scheme (`engy-cells/v1` is retired), no `cells_root`, no `tokens_sha256`: the
+/// hooks did not see the pass's ids), [`SpoolError::CaptureFailed`], [`SpoolError::Cells`],
 /// [`SpoolError::RootMismatch`].
 pub fn read_request(dir: &Path) -> Result<SpoolRequest, SpoolError> {
     let (mpath, mbytes) = read(dir.join("manifest.json"))?;
@@ -148,14 +156,25 @@ pub fn read_request(dir: &Path) -> Result<SpoolRequest, SpoolError> {
         return Err(SpoolError::CaptureFailed { path: mpath, error });
     }
     let claimed = m.cells_root.ok_or_else(|| bad("no cells_root".into()))?;
-    let tokens_sha256 = match m.tokens_sha256 {
-        None => None,
-        Some(h) => {
-            Some(crate::commit::parse_digest(&h).map_err(|e| bad(format!("tokens_sha256: {e}")))?)
-        }
-    };
+    let tokens = m.tokens_sha256.ok_or_else(|| {
+        bad("no tokens_sha256 (the hooks saw no input ids: is the `tokens` hook on the token embedding?)".into())
+    })?;
+    let tokens_sha256 =
+        crate::commit::parse_digest(&tokens).map_err(|e| bad(format!("tokens_sha256: {e}")))?;
+    let s = m.shape;
+    let dtype = LogitsDtype::from_code(s.logits_dtype).map_err(|e| bad(format!("shape: {e}")))?;
+    let shape = CellShape::new(
+        s.n_positions,
+        s.layers,
+        s.hidden,
+        s.n_experts,
+        s.top_k,
+        dtype,
+        tokens_sha256,
+    )
+    .map_err(|e| bad(format!("shape: {e}")))?;
     let (cpath, cbytes) = read(dir.join("cells.bin"))?;
-    let tree = CellTree::from_bytes(m.shape, &cbytes).map_err(|source| SpoolError::Cells {
+    let tree = CellTree::from_bytes(shape, &cbytes).map_err(|source| SpoolError::Cells {
         path: cpath,
         source,
     })?;

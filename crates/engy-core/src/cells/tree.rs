@@ -4,20 +4,28 @@
 //! ```text
 //! cells_root = node(shape_leaf, MTH([cell_leaf(p, l) for p in 0..n_positions for l in layers]))
 //! ```
+//!
+//! The shape leaf binds the SHA-256 of the request's token ids ([`super::tokens_sha256`]), so
+//! one request's cells are never another's, and an auditor holding the ids checks the shape
+//! against them ([`CellShape::for_request`]).
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use super::{cell_leaf, check_sizes, Cell, CellError, LogitsDtype, SHAPE_TAG};
+use super::{
+    cell_leaf, check_sizes, Cell, CellError, LogitsDtype, MAX_LAYERS, MAX_PATH, SHAPE_TAG,
+};
 use crate::commit::spec::Hex;
 use crate::commit::tree::{self as mtree, Digest};
 
 /// What a request's cell commitment covers: positions `0..n_positions` of the
-/// teacher-forced sequence (prompt + output), the MoE layers (ascending decoder-layer
-/// indices), and the per-cell sizes every cell must carry. Its [`CellShape::leaf`] is
-/// the left child of `cells_root`, so leaf positions are never ambiguous.
+/// teacher-forced sequence (prompt + output) whose token ids hash to `tokens_sha256`, the MoE
+/// layers (ascending decoder-layer indices), and the per-cell sizes every cell must carry.
+/// Its [`CellShape::leaf`] is the left child of `cells_root`, so leaf positions are never
+/// ambiguous and the cells are bound to the request's tokens.
 ///
-/// JSON (the spool manifest's `shape`): the six fields by name, `logits_dtype` as its code;
-/// deserialising validates like [`CellShape::new`].
+/// JSON (`commitment.cells.shape`, the bundle's `shape`): the seven fields by name,
+/// `logits_dtype` as its code, `tokens_sha256` 64 hex digits; deserialising validates like
+/// [`CellShape::new`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "RawShape")]
 pub struct CellShape {
@@ -27,9 +35,11 @@ pub struct CellShape {
     n_experts: u32,
     top_k: u32,
     logits_dtype: u32,
+    tokens_sha256: Hex,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawShape {
     n_positions: u32,
     layers: Vec<u32>,
@@ -37,6 +47,7 @@ struct RawShape {
     n_experts: u32,
     top_k: u32,
     logits_dtype: u32,
+    tokens_sha256: Hex,
 }
 
 impl TryFrom<RawShape> for CellShape {
@@ -51,13 +62,17 @@ impl TryFrom<RawShape> for CellShape {
             r.n_experts,
             r.top_k,
             dtype,
+            r.tokens_sha256.0,
         )
     }
 }
 
 impl CellShape {
-    /// A shape. Errors: [`CellError::BadShape`] when `n_positions` is 0, `layers` is
-    /// empty or not strictly ascending, or the sizes are out of range.
+    /// A shape. `tokens_sha256` is [`super::tokens_sha256`] of the `n_positions` token ids
+    /// the cells were computed on.
+    ///
+    /// Errors: [`CellError::BadShape`] when `n_positions` is 0, `layers` is empty, longer than
+    /// [`MAX_LAYERS`] or not strictly ascending, or the sizes are out of range.
     pub fn new(
         n_positions: u32,
         layers: Vec<u32>,
@@ -65,14 +80,16 @@ impl CellShape {
         n_experts: u32,
         top_k: u32,
         logits_dtype: LogitsDtype,
+        tokens_sha256: Digest,
     ) -> Result<Self, CellError> {
         let bad = |m: String| Err(CellError::BadShape(m));
         if n_positions == 0 {
             return bad("n_positions is 0".into());
         }
-        if layers.is_empty() || !layers.windows(2).all(|w| w[0] < w[1]) {
+        if layers.is_empty() || layers.len() > MAX_LAYERS || !layers.windows(2).all(|w| w[0] < w[1])
+        {
             return bad(format!(
-                "layers {layers:?} must be non-empty and strictly ascending"
+                "layers {layers:?} must be 1 ..= {MAX_LAYERS} strictly ascending indices"
             ));
         }
         check_sizes(hidden.into(), n_experts.into(), top_k.into())
@@ -84,7 +101,74 @@ impl CellShape {
             n_experts,
             top_k,
             logits_dtype: logits_dtype.code(),
+            tokens_sha256: Hex(tokens_sha256),
         })
+    }
+
+    /// The shape of a request whose teacher-forced sequence is `ids` (prompt + output):
+    /// `n_positions = len(ids)`, `tokens_sha256 = `[`super::tokens_sha256`]`(ids)`.
+    ///
+    /// Errors: those of [`CellShape::new`], and [`CellError::BadShape`] for more than
+    /// `u32::MAX` ids.
+    pub fn for_request(
+        ids: &[u32],
+        layers: Vec<u32>,
+        hidden: u32,
+        n_experts: u32,
+        top_k: u32,
+        logits_dtype: LogitsDtype,
+    ) -> Result<Self, CellError> {
+        let n = u32::try_from(ids.len())
+            .map_err(|_| CellError::BadShape(format!("{} positions", ids.len())))?;
+        Self::new(
+            n,
+            layers,
+            hidden,
+            n_experts,
+            top_k,
+            logits_dtype,
+            super::tokens_sha256(ids),
+        )
+    }
+
+    /// SHA-256 of the token ids the cells were computed on ([`super::tokens_sha256`]).
+    pub fn tokens_sha256(&self) -> &Digest {
+        &self.tokens_sha256.0
+    }
+
+    /// How this shape differs from the request's `want` in anything but `logits_dtype`
+    /// (positions, tokens, layers, sizes), in words; `None` when it does not. The router
+    /// dtype is the serve's choice (specs/CELLS.md §2), so a request's shape is derived from
+    /// its token ids and the committed model config with either dtype.
+    pub fn request_mismatch(&self, want: &CellShape) -> Option<String> {
+        let mut d = Vec::new();
+        if self.n_positions != want.n_positions {
+            d.push(format!(
+                "n_positions {} (the request has {})",
+                self.n_positions, want.n_positions
+            ));
+        }
+        if self.tokens_sha256 != want.tokens_sha256 {
+            d.push(format!(
+                "tokens_sha256 {} (the request's token ids hash to {})",
+                self.tokens_sha256, want.tokens_sha256
+            ));
+        }
+        if self.layers != want.layers {
+            d.push(format!(
+                "layers {:?} (the model's MoE layers are {:?})",
+                self.layers, want.layers
+            ));
+        }
+        let sizes = |s: &CellShape| (s.hidden, s.n_experts, s.top_k);
+        if sizes(self) != sizes(want) {
+            d.push(format!(
+                "(hidden, n_experts, top_k) {:?} (the model's are {:?})",
+                sizes(self),
+                sizes(want)
+            ));
+        }
+        (!d.is_empty()).then(|| d.join(", "))
     }
 
     /// Positions covered (`0..n_positions`).
@@ -139,13 +223,14 @@ impl CellShape {
         Some((position, layer))
     }
 
-    /// The shape leaf: `SHA-256(0x00 || lp(SHAPE_TAG) || u32le(n_positions) ||
-    /// u32le(hidden) || u32le(n_experts) || u32le(top_k) || u32le(logits_dtype) ||
+    /// The shape leaf: `SHA-256(0x00 || lp(SHAPE_TAG) || tokens_sha256 || u32le(n_positions)
+    /// || u32le(hidden) || u32le(n_experts) || u32le(top_k) || u32le(logits_dtype) ||
     /// u32le(|layers|) || u32le(layer)…)`.
     pub fn leaf(&self) -> Digest {
         let mut h = Sha256::new();
         h.update([mtree::LEAF_PREFIX]);
         mtree::update_lp(&mut h, SHAPE_TAG.as_bytes());
+        h.update(self.tokens_sha256.0);
         for v in [
             self.n_positions,
             self.hidden,
@@ -343,13 +428,21 @@ impl CellTree {
 /// ([`super::select`]), not from the miner.
 ///
 /// Errors: decoding errors, [`CellError::NoSuchCell`], [`CellError::ShapeMismatch`],
-/// [`CellError::BadPath`], [`CellError::RootMismatch`].
+/// [`CellError::BadPath`] (also for a path of more than [`MAX_PATH`] siblings),
+/// [`CellError::RootMismatch`].
 pub fn verify_opening(
     shape: &CellShape,
     cells_root: &Digest,
     cell_bytes: &[u8],
     path: &CellPath,
 ) -> Result<Cell, CellError> {
+    if path.siblings.len() > MAX_PATH {
+        return Err(CellError::BadPath {
+            len: path.siblings.len(),
+            index: path.index,
+            n_cells: shape.n_cells(),
+        });
+    }
     let cell = Cell::decode(cell_bytes)?;
     shape.check_cell(path.index, &cell)?;
     let siblings: Vec<Digest> = path.siblings.iter().map(|h| h.0).collect();

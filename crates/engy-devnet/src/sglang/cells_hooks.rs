@@ -9,7 +9,8 @@
 //! * the pass's cells are appended to `cells.bin` in leaf order (position-major, then
 //!   layer), then `manifest.json` is rewritten atomically: `scheme`, `request`, `shape`,
 //!   `n_cells`, `passes`, `error`, `tokens_sha256` (SHA-256 of the pass's ids as int32 LE),
-//!   `tree_root`, `cells_root` (`json.dumps(doc, indent=1)` + newline, keys in that order);
+//!   `tree_root`, `cells_root` (`engy-cells/v2`: over the shape and `tokens_sha256`;
+//!   `json.dumps(doc, indent=1)` + newline, keys in that order);
 //! * a pass that starts elsewhere (a radix-cache hit) continues the current request at
 //!   another position than its next, which the hooks refuse: the current request's
 //!   manifest gets an `error` and nothing else is written.
@@ -21,7 +22,6 @@ use std::path::{Path, PathBuf};
 use engy_core::cells::{Cell, CellShape, CellTree, SCHEME};
 use serde::Serialize;
 use serde_json::{json, Value};
-use sha2::{Digest as _, Sha256};
 
 /// `sglang_forward_hooks(spool)` of the hook package: the `forward_hooks` server argument a
 /// serve started with `--forward-hooks "$(engy-cells-hooks SPOOL)"` reports in its server
@@ -60,13 +60,38 @@ pub struct Spool {
 struct Manifest {
     scheme: &'static str,
     request: String,
-    shape: CellShape,
+    shape: ManifestShape,
     n_cells: usize,
     passes: u64,
     error: Option<String>,
     tokens_sha256: Option<String>,
     tree_root: String,
     cells_root: String,
+}
+
+/// The manifest's `shape` as the hooks write it: the six sizes (its `tokens_sha256` is the
+/// manifest's own key).
+#[derive(Debug, Clone, Serialize)]
+struct ManifestShape {
+    n_positions: u32,
+    layers: Vec<u32>,
+    hidden: u32,
+    n_experts: u32,
+    top_k: u32,
+    logits_dtype: u32,
+}
+
+impl From<&CellShape> for ManifestShape {
+    fn from(s: &CellShape) -> Self {
+        Self {
+            n_positions: s.n_positions(),
+            layers: s.layers().to_vec(),
+            hidden: s.hidden(),
+            n_experts: s.n_experts(),
+            top_k: s.top_k(),
+            logits_dtype: s.logits_dtype().map_or(0, |d| d.code()),
+        }
+    }
 }
 
 fn atomic(path: &Path, text: &str) -> std::io::Result<()> {
@@ -119,7 +144,7 @@ impl Spool {
                 "RuntimeError: pass starts at position {start}, the request has {} (prefix cache on? start the commit serve with --disable-radix-cache)",
                 self.current
                     .as_ref()
-                    .map_or(0, |(_, m)| m.shape.n_positions())
+                    .map_or(0, |(_, m)| m.shape.n_positions)
             );
             if let Some((dir, m)) = self.current.as_mut() {
                 m.error.get_or_insert_with(|| msg.clone());
@@ -137,8 +162,8 @@ impl Spool {
         layers.sort_unstable();
         layers.dedup();
         let first = &cells[0];
-        let shape = CellShape::new(
-            ids.len() as u32,
+        let shape = CellShape::for_request(
+            ids,
             layers,
             first.hidden(),
             first.n_experts(),
@@ -149,18 +174,14 @@ impl Spool {
         let tree = CellTree::from_cells(shape.clone(), cells).map_err(std::io::Error::other)?;
         let bytes: Vec<u8> = cells.iter().flat_map(Cell::encode).collect();
         std::fs::write(dir.join("cells.bin"), &bytes)?;
-        let mut h = Sha256::new();
-        for id in ids {
-            h.update((*id as i32).to_le_bytes());
-        }
         let m = Manifest {
             scheme: SCHEME,
             request: name,
-            shape,
+            shape: ManifestShape::from(&shape),
             n_cells: cells.len(),
             passes: 1,
             error: None,
-            tokens_sha256: Some(hex::encode(h.finalize())),
+            tokens_sha256: Some(hex::encode(shape.tokens_sha256())),
             tree_root: hex::encode(tree.tree_root()),
             cells_root: hex::encode(tree.root()),
         };

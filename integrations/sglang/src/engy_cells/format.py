@@ -1,26 +1,30 @@
-"""The `engy-cells/v1` format (specs/CELLS.md) in plain Python: cell bytes, leaves, the
-Merkle tree, inclusion paths and the challenge. Standard library only (hashlib, struct),
-so it is also the independent implementation the Rust side (engy_core::cells) is checked
-against.
+"""The `engy-cells/v2` format (specs/CELLS.md) in plain Python: cell bytes, leaves, the
+Merkle tree, inclusion paths, the shape leaf that binds the request's token ids, and the
+challenge. Standard library only (hashlib, struct, math), so it is also the independent
+implementation the Rust side (engy_core::cells) is checked against. `engy-cells/v1` is
+retired.
 """
 import hashlib
+import math
 import struct
 
-SCHEME = "engy-cells/v1"
-CELL_TAG = b"engy-cells/v1/cell"
-SHAPE_TAG = b"engy-cells/v1/shape"
-CHALLENGE_TAG = b"engy-cells/v1/challenge"
+SCHEME = "engy-cells/v2"
+CELL_TAG = b"engy-cells/v2/cell"
+SHAPE_TAG = b"engy-cells/v2/shape"
+CHALLENGE_TAG = b"engy-cells/v2/challenge"
+SEED_TAG = b"engy-cells/v2/seed"
 
 BF16 = 1
 F32 = 2
 WIDTH = {BF16: 2, F32: 4}
 HEADER = struct.Struct("<6I")
-MAX_HIDDEN = 1 << 20
-MAX_EXPERTS = 1 << 20
+MAX_HIDDEN = 1 << 16
+MAX_EXPERTS = 1 << 13
+MAX_LAYERS = 1 << 10
 
 
 class CellFormatError(ValueError):
-    """Bytes or parts that are not a valid engy-cells/v1 cell."""
+    """Bytes or parts that are not a valid engy-cells/v2 cell."""
 
 
 def _sha(*parts):
@@ -44,6 +48,35 @@ def _check_sizes(hidden, n_experts, top_k):
         raise CellFormatError(f"top_k {top_k} not in 1..={n_experts}")
 
 
+def _bf16_finite(b):
+    """Index of the first NaN/inf among little-endian bf16 values, or None."""
+    for i, (v,) in enumerate(struct.iter_unpack("<H", bytes(b))):
+        if v & 0x7F80 == 0x7F80:
+            return i
+    return None
+
+
+def _check_finite(x, logits, logits_dtype, y):
+    bad = _bf16_finite(x)
+    if bad is not None:
+        raise CellFormatError(f"non-finite x value at {bad}")
+    if logits_dtype == BF16:
+        bad = _bf16_finite(logits)
+    else:
+        bad = next((i for i, (v,) in enumerate(struct.iter_unpack("<f", bytes(logits)))
+                    if not math.isfinite(v)), None)
+    if bad is not None:
+        raise CellFormatError(f"non-finite router_logits value at {bad}")
+    bad = _bf16_finite(y)
+    if bad is not None:
+        raise CellFormatError(f"non-finite y value at {bad}")
+
+
+def tokens_sha256(ids):
+    """SHA-256 of the token ids as u32le back to back (the shape's tokens_sha256), hex."""
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+
+
 def encode_cell(position, layer, x, logits, logits_dtype, expert_ids, y):
     """Canonical bytes of one cell.
 
@@ -63,6 +96,7 @@ def encode_cell(position, layer, x, logits, logits_dtype, expert_ids, y):
     _check_sizes(hidden, n_experts, len(ids))
     if any(a >= b for a, b in zip(ids, ids[1:])) or ids[-1] >= n_experts or ids[0] < 0:
         raise CellFormatError(f"expert ids {ids} not distinct ids below {n_experts}")
+    _check_finite(x, logits, logits_dtype, y)
     head = HEADER.pack(position, layer, hidden, n_experts, len(ids), logits_dtype)
     return b"".join([head, bytes(x), bytes(logits), struct.pack(f"<{len(ids)}I", *ids), bytes(y)])
 
@@ -88,6 +122,7 @@ def decode_cell(b, offset=0):
     y = b[o:o + 2 * hidden]
     if any(a >= c for a, c in zip(ids, ids[1:])) or ids[-1] >= n_experts:
         raise CellFormatError(f"expert ids {ids}")
+    _check_finite(x, logits, dt, y)
     return dict(position=position, layer=layer, hidden=hidden, n_experts=n_experts,
                 top_k=top_k, logits_dtype=dt, x=x, logits=logits, expert_ids=ids, y=y), end
 
@@ -138,17 +173,28 @@ def inclusion_path(items, m):
     return inclusion_path(items[k:], m - k) + [mth(items[:k])]
 
 
-def shape_leaf(n_positions, layers, hidden, n_experts, top_k, logits_dtype):
-    """SHA-256(0x00 || lp(SHAPE_TAG) || u32le n_positions, hidden, n_experts, top_k,
-    logits_dtype, len(layers), layers...)"""
+def shape_leaf(n_positions, layers, hidden, n_experts, top_k, logits_dtype, tokens_sha256):
+    """SHA-256(0x00 || lp(SHAPE_TAG) || tokens_sha256 (32 bytes) || u32le n_positions, hidden,
+    n_experts, top_k, logits_dtype, len(layers), layers...); `tokens_sha256` hex."""
+    if not 1 <= len(layers) <= MAX_LAYERS or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise CellFormatError(f"layers {layers}")
+    digest = bytes.fromhex(tokens_sha256)
+    if len(digest) != 32:
+        raise CellFormatError("tokens_sha256 is not 32 bytes")
     body = struct.pack("<6I", n_positions, hidden, n_experts, top_k, logits_dtype, len(layers))
     body += struct.pack(f"<{len(layers)}I", *layers)
-    return _sha(b"\x00", lp(SHAPE_TAG), body)
+    return _sha(b"\x00", lp(SHAPE_TAG), digest, body)
 
 
 def cells_root(shape, leaves):
-    """node(shape_leaf, MTH(leaves)); `shape` a dict with the CellShape fields."""
+    """node(shape_leaf, MTH(leaves)); `shape` a dict with the CellShape fields (the seven of
+    specs/CELLS.md §3, tokens_sha256 in hex)."""
     return node(shape_leaf(**shape), mth(leaves))
+
+
+def production_seed(beacon, commitment_digest):
+    """SHA-256(lp(SEED_TAG) || beacon || commitment_digest), both 32 bytes."""
+    return _sha(lp(SEED_TAG), beacon, commitment_digest)
 
 
 def select(seed, root, n_cells, n):

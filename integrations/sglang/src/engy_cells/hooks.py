@@ -1,4 +1,4 @@
-"""Forward hooks that capture engy-cells/v1 cells into a spool directory.
+"""Forward hooks that capture engy-cells/v2 cells into a spool directory.
 
 One capture state per spool directory is shared by five hook roles:
 
@@ -22,7 +22,8 @@ transformers model.
 
 Spool layout (one commit pass = one request): ``SPOOL/req-NNNNNN/cells.bin`` (cells back
 to back in leaf order: position-major, then layer) and ``manifest.json`` (scheme, shape,
-``cells_root``, ``tree_root``, ``tokens_sha256``, ``error``), rewritten atomically after
+``cells_root`` (over the shape and ``tokens_sha256``; absent when the ``tokens`` hook saw
+no ids), ``tree_root``, ``tokens_sha256``, ``error``), rewritten atomically after
 every pass; ``SPOOL/latest`` names the newest request directory.
 """
 import fnmatch
@@ -228,7 +229,10 @@ class Capture:
                    tokens_sha256=None if r["tokens"] is None else r["tokens"].hexdigest())
         if s is not None and r["leaves"]:
             tree = fmt.mth(r["leaves"])
-            doc.update(tree_root=tree.hex(), cells_root=fmt.node(fmt.shape_leaf(**s), tree).hex())
+            doc.update(tree_root=tree.hex())
+            if r["tokens"] is not None:  # engy-cells/v2: the root binds the pass's token ids
+                bound = dict(s, tokens_sha256=r["tokens"].hexdigest())
+                doc.update(cells_root=fmt.node(fmt.shape_leaf(**bound), tree).hex())
         _atomic(os.path.join(r["dir"], "manifest.json"), json.dumps(doc, indent=1) + "\n")
 
 
