@@ -181,3 +181,54 @@ fn a_cell_reads_and_checks_only_its_units_and_names_a_tampered_expert() {
         Err(WeightCheckError::Proof { .. })
     ));
 }
+
+/// Item 5 of issue 39: a field the forward pass reads but the ten canonical keys do not hold
+/// (`norm_topk_prob` changes every MoE layer's weighting) is the auditor's own file's under a
+/// commitment without `bind_config`, and refused with it.
+#[test]
+fn a_bound_config_refuses_a_changed_routing_field() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    gen_model(&dir, 11, &GenConfig::default()).unwrap();
+    let unbound =
+        commit::commit_checkpoint(&dir, &CommitOptions::default(), &Progress::default()).unwrap();
+    let bound = commit::commit_checkpoint(
+        &dir,
+        &CommitOptions {
+            bind_config: true,
+            ..CommitOptions::default()
+        },
+        &Progress::default(),
+    )
+    .unwrap();
+    assert_ne!(unbound.model_root, bound.model_root);
+    assert_eq!(unbound.body_root, bound.body_root);
+    assert!(unbound.config.config_sha256.is_none());
+    // The honest checkpoint opens against both.
+    let spec = |c: &Commitment| Openings::Spec(Box::new(SpecFile::from_commitment(c, 0.0)));
+    assert!(
+        !CommittedWeights::open(&dir, unbound.model_root, spec(&unbound))
+            .unwrap()
+            .config_bound()
+    );
+    assert!(CommittedWeights::open(&dir, bound.model_root, spec(&bound))
+        .unwrap()
+        .config_bound());
+
+    // The same weights with norm_topk_prob flipped.
+    let bad = t.path().join("bad");
+    copy_dir(&dir, &bad);
+    let path = bad.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let flipped = !cfg["norm_topk_prob"].as_bool().unwrap_or(false);
+    cfg["norm_topk_prob"] = serde_json::Value::Bool(flipped);
+    std::fs::write(&path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    // Without the binding the changed routing rule is accepted (the gap this closes).
+    assert!(CommittedWeights::open(&bad, unbound.model_root, spec(&unbound)).is_ok());
+    // With it, refused.
+    match CommittedWeights::open(&bad, bound.model_root, spec(&bound)) {
+        Err(WeightCheckError::Config { .. }) => {}
+        other => panic!("a changed config.json was not refused: {other:?}"),
+    }
+}

@@ -1,11 +1,21 @@
 //! The sampled cell audit on the generated devnet checkpoint: a bf16 serve's cells are
-//! committed in an `engy-cells/v1` tree, challenged with a seed, opened, and checked against
-//! the weights; honest cells never fail, each cheat's cells fail at a measured rate.
+//! committed in an `engy-cells/v2` tree, challenged with a seed, opened, and checked against
+//! the weights; honest cells never fail, each cheat's cells fail at a measured rate. Bundles
+//! bound to the auditor's recompute of the request ([`audit_bundle_with_recompute`]): cells of
+//! zeros, cells of another request or another model fail; a uniformly scaled `y` and
+//! expert-only FP8 rounding fail the statistics; honest bf16 and f32 serves pass.
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use engy_core::cells::{select, verify_opening, CellShape, CellTree, LogitsDtype};
-use engy_model::cells::{serve_cells, verify_cell, write_expert_cheat, CellPolicy, CellServe};
+use engy_core::cells::{
+    select, tokens_sha256, verify_opening, Cell, CellAuditBundle, CellShape, CellTree, LogitsDtype,
+    RouterLogits,
+};
+use engy_core::commit::{self, CommitOptions, Progress, SpecFile};
+use engy_model::cells::{
+    audit_bundle, audit_bundle_with_recompute, serve_cells, verify_cell, write_expert_cheat,
+    BundleReport, BundleVerdict, CellPolicy, CellServe, CommittedWeights, Openings,
+};
 use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision};
 
 fn checkpoint_dir() -> &'static Path {
@@ -51,6 +61,7 @@ fn shape_of(model: &Model, ids: &[u32], cells: &[engy_core::cells::Cell]) -> Cel
         s.experts as u32,
         s.top_k as u32,
         dtype,
+        tokens_sha256(ids),
     )
     .unwrap()
 }
@@ -140,4 +151,227 @@ fn each_cheat_fails_its_cells() {
         println!("{name}: {failed}/{n} cells failed ({p:.3}); cells for 99% detection: {need}");
         assert!(p > floor, "{name}: only {failed}/{n} cells failed");
     }
+}
+
+/// The checkpoint's commitment, as the auditor trusts it (its spec file's unit roots).
+fn committed(dir: &Path) -> CommittedWeights {
+    let c =
+        commit::commit_checkpoint(dir, &CommitOptions::default(), &Progress::default()).unwrap();
+    let spec = SpecFile::from_commitment(&c, 0.0);
+    CommittedWeights::open(dir, c.model_root, Openings::Spec(Box::new(spec))).unwrap()
+}
+
+/// The bundle a miner answers a 32-cell challenge with: `cells` committed for the request
+/// `ids` (the shape's token hash and positions are the request's), opened at `seed`.
+fn bundle(model: &Model, ids: &[u32], cells: &[Cell], seed: u8) -> CellAuditBundle {
+    let tree = CellTree::from_cells(shape_of(model, ids, cells), cells).unwrap();
+    CellAuditBundle::open(&tree, &[seed; 32], 32, |i| Ok(cells[i as usize].encode())).unwrap()
+}
+
+/// Cells of the same (position, layer) and sizes as `like`, every value rebuilt by `f`.
+fn rebuild(like: &[Cell], f: impl Fn(&Cell) -> Cell) -> Vec<Cell> {
+    like.iter().map(f).collect()
+}
+
+fn audit(model: &Model, w: &CommittedWeights, b: &CellAuditBundle, ids: &[u32]) -> BundleReport {
+    audit_bundle_with_recompute(model, w, b, ids, None, &CellPolicy::default()).unwrap()
+}
+
+fn summary(r: &BundleReport) -> String {
+    format!(
+        "{:?}: {}/{} cells failed; x_err max {:.4} ({} recomputes); y median {:.4}, bias {:+.4}, \
+         near-ties {}/{} (limit {}); {:?}",
+        r.verdict,
+        r.failed,
+        r.n,
+        r.recompute.as_ref().map_or(f32::NAN, |b| b.x_err_max),
+        r.recompute.as_ref().map_or(0, |b| b.recomputes),
+        r.stats.y_err_median,
+        r.stats.y_bias_mean,
+        r.stats.near_ties,
+        r.stats.n,
+        r.stats.near_tie_limit,
+        r.stats.failures
+    )
+}
+
+#[test]
+fn zero_copied_and_foreign_cells_fail_the_binding_to_the_recompute() {
+    let dir = checkpoint_dir();
+    let ck = Checkpoint::open(dir, Precision::Bf16).unwrap();
+    let serve = ck.model.with_compute(Compute::Bf16).unwrap();
+    let w = committed(dir);
+    let seqs = sequences(&serve, &ck, 2, 48);
+    let (a, b) = (&seqs[0], &seqs[1]);
+    let honest = serve_cells(&serve, a, CellServe::Honest).unwrap();
+    let s = serve.routing_shape().unwrap();
+
+    // Zeros: x = 0, logits 0 (every expert a tie), experts 0..k, y = 0.
+    let zeros = rebuild(&honest, |c| {
+        let h = c.x().len();
+        Cell::new(
+            c.position(),
+            c.layer(),
+            vec![half::bf16::ZERO; h],
+            RouterLogits::Bf16(vec![half::bf16::ZERO; s.experts]),
+            (0..s.top_k as u32).collect(),
+            vec![half::bf16::ZERO; h],
+        )
+        .unwrap()
+    });
+    // Another request's cells at the same (position, layer), committed for this request.
+    let other: Vec<Cell> = serve_cells(&serve, b, CellServe::Honest).unwrap();
+    let by_at = |cells: &[Cell], p: u32, l: u32| {
+        cells
+            .iter()
+            .find(|c| (c.position(), c.layer()) == (p, l))
+            .cloned()
+    };
+    let len = a.len().min(b.len());
+    let a_short = &a[..len];
+    let honest_short: Vec<Cell> = honest
+        .iter()
+        .filter(|c| (c.position() as usize) < len)
+        .cloned()
+        .collect();
+    let copied = rebuild(&honest_short, |c| {
+        by_at(&other, c.position(), c.layer()).unwrap()
+    });
+    // Another model's pass over this request (same architecture and sizes, other weights).
+    let t = tempfile::tempdir().unwrap();
+    gen_model(&t.path().join("m"), 6, &GenConfig::default()).unwrap();
+    let foreign_model =
+        Model::load_with(&t.path().join("m"), Precision::Bf16, Compute::Bf16).unwrap();
+    let foreign = serve_cells(&foreign_model, a, CellServe::Honest).unwrap();
+
+    let policy = CellPolicy::default();
+    for (name, ids, cells) in [
+        ("zeros", &a[..], &zeros),
+        ("another request's cells", a_short, &copied),
+        ("another model's cells", &a[..], &foreign),
+    ] {
+        let bnd = bundle(&serve, ids, cells, 7);
+        // Today's unbound audit: every rule is self-consistent.
+        let unbound = audit_bundle(&ck.model, &w, &bnd, &policy).unwrap();
+        let bound = audit(&ck.model, &w, &bnd, ids);
+        println!("{name}: unbound {}", summary(&unbound));
+        println!("{name}: bound {}", summary(&bound));
+        assert_eq!(
+            bound.verdict,
+            BundleVerdict::Cheat,
+            "{name}: {}",
+            summary(&bound)
+        );
+        // Both requests open with the same chat-template tokens: a copied cell there is the
+        // honest cell. Every cell past the common prefix fails the binding.
+        let common = a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32;
+        let past: Vec<_> = bound
+            .cells
+            .iter()
+            .filter(|c| name != "another request's cells" || c.position >= common)
+            .collect();
+        assert!(
+            past.len() >= 16,
+            "{name}: {} cells past the prefix",
+            past.len()
+        );
+        for c in past {
+            assert!(
+                c.failures
+                    .iter()
+                    .any(|f| f.contains("from the recompute's MoE input")),
+                "{name}: cell ({}, {}) not caught: {:?}",
+                c.position,
+                c.layer,
+                c.check
+            );
+        }
+    }
+    // The honest cells of the same request pass.
+    let r = audit(&ck.model, &w, &bundle(&serve, a, &honest, 7), a);
+    assert_eq!(r.verdict, BundleVerdict::Pass, "{}", summary(&r));
+}
+
+#[test]
+fn honest_bundles_pass_and_scaled_or_fp8_outputs_fail_the_statistics() {
+    let dir = checkpoint_dir();
+    let ck = Checkpoint::open(dir, Precision::Bf16).unwrap();
+    let bf16 = ck.model.with_compute(Compute::Bf16).unwrap();
+    let w = committed(dir);
+    let t = tempfile::tempdir().unwrap();
+    let fp8_dir = t.path().join("fp8");
+    write_expert_cheat(dir, &fp8_dir, CellServe::Fp8Experts.expert_quant().unwrap()).unwrap();
+    let fp8 = Model::load_with(&fp8_dir, Precision::Bf16, Compute::Bf16).unwrap();
+    let seqs = sequences(&bf16, &ck, 12, 96);
+    let (mut x_max, mut y_med_max, mut bias_max, mut near) = (0f32, 0f32, 0f32, 0usize);
+    let (mut cell_y_max, mut cell_bias_max) = (0f32, 0f32);
+    let (mut honest_n, mut cells_n) = (0usize, 0usize);
+    let (mut scaled_caught, mut fp8_caught, mut scaled_cells_pass) = (0usize, 0usize, 0usize);
+    for (r, ids) in seqs.iter().enumerate() {
+        let seed = r as u8 + 1;
+        for serve in [&bf16, &ck.model] {
+            let cells = serve_cells(serve, ids, CellServe::Honest).unwrap();
+            let rep = audit(&ck.model, &w, &bundle(serve, ids, &cells, seed), ids);
+            assert_eq!(
+                rep.verdict,
+                BundleVerdict::Pass,
+                "honest: {}",
+                summary(&rep)
+            );
+            x_max = x_max.max(rep.recompute.as_ref().unwrap().x_err_max);
+            y_med_max = y_med_max.max(rep.stats.y_err_median);
+            bias_max = bias_max.max(rep.stats.y_bias_mean.abs());
+            near += rep.stats.near_ties;
+            for k in rep.cells.iter().filter_map(|c| c.check.as_ref()) {
+                cell_y_max = cell_y_max.max(k.y_err);
+                cell_bias_max = cell_bias_max.max(k.y_bias.abs());
+            }
+            cells_n += rep.stats.n;
+            honest_n += 1;
+        }
+        // Every output scaled by 1.02: each cell alone passes (y_rel 0.05).
+        let honest = serve_cells(&bf16, ids, CellServe::Honest).unwrap();
+        let scaled = rebuild(&honest, |c| {
+            let y = c
+                .y()
+                .iter()
+                .map(|v| half::bf16::from_f32(v.to_f32() * 1.02));
+            Cell::new(
+                c.position(),
+                c.layer(),
+                c.x().to_vec(),
+                c.router_logits().clone(),
+                c.expert_ids().to_vec(),
+                y.collect(),
+            )
+            .unwrap()
+        });
+        let rep = audit(&ck.model, &w, &bundle(&bf16, ids, &scaled, seed), ids);
+        scaled_cells_pass += rep.cells.iter().filter(|c| c.pass()).count();
+        scaled_caught += usize::from(rep.verdict == BundleVerdict::Cheat);
+        if r == 0 {
+            println!("1.02-scaled y: {}", summary(&rep));
+        }
+        let cells = serve_cells(&fp8, ids, CellServe::Fp8Experts).unwrap();
+        let rep = audit(&ck.model, &w, &bundle(&fp8, ids, &cells, seed), ids);
+        fp8_caught += usize::from(rep.verdict == BundleVerdict::Cheat);
+        if r == 0 {
+            println!("fp8 experts: {}", summary(&rep));
+        }
+    }
+    println!(
+        "honest: {honest_n} bundles ({cells_n} cells, bf16 and f32 serves) pass; largest x_err \
+         {x_max:.4}, largest y median {y_med_max:.4}, largest |mean bias| {bias_max:.4}, \
+         near-ties {near}/{cells_n}; one cell: largest y_err {cell_y_max:.4}, largest \
+         |y_bias| {cell_bias_max:.4}"
+    );
+    println!(
+        "1.02-scaled y: {scaled_caught}/{} bundles caught ({scaled_cells_pass} of their cells \
+         pass alone); fp8 experts: {fp8_caught}/{} caught",
+        seqs.len(),
+        seqs.len()
+    );
+    assert!(scaled_cells_pass > 0, "the scaling must pass cells alone");
+    assert_eq!(scaled_caught, seqs.len());
+    assert_eq!(fp8_caught, seqs.len());
 }

@@ -19,23 +19,28 @@
 //!    `P(Binomial(n, p₀) ≥ k) ≤ α` ([`near_tie_limit`]), `p₀` = [`StatsPolicy::near_tie_rate`],
 //!    `α` = [`StatsPolicy::false_flag`].
 //!
-//! **Calibration** (`crates/engy-model/tests/cells.rs`, `honest_cells_statistics`; the
+//! **Calibration** (`crates/engy-model/tests/cells.rs`: `honest_bundles_pass_and_scaled_or_
+//! fp8_outputs_fail_the_statistics` and `honest_cells_pass_and_open_against_the_root`; the
 //! numbers in bench/RESULTS.md "Cells: statistics"): honest serves of the devnet checkpoint in
 //! bf16 and in f32, every cell checked against the f32 recompute (a bf16 serve is then judged
-//! across numerics, as a GPU serve's fused kernels are). The thresholds are set well above the
-//! largest honest value seen and well below the smallest cheat:
+//! across numerics, as a GPU serve's fused kernels are); 24 bundles of 32 challenged cells, and
+//! 10 648 cells one by one. The thresholds sit above the largest honest value seen and below
+//! the smallest cheat:
 //!
-//! * `y_median` = 0.012: largest honest per-cell `y_err` ≈ 0.005 (bf16 serve), so the median of
-//!   any number of honest cells stays below it whatever their count (false-flag rate 0 while
-//!   no honest cell exceeds it: the median exceeds it only when half the cells do); a
-//!   uniformly 1.02-scaled `y` has `y_err` ≥ 0.02 on every cell, expert-only FP8 rounding a
-//!   median above it (measured in the test).
-//! * `y_bias` = 0.006: the largest honest per-cell `|y_bias|` is below 0.003, so a mean over any
-//!   number of cells stays below 0.006 (false-flag rate 0 by the same bound, not by a normal
-//!   approximation); a 1.02 scaling has 0.02.
-//! * `near_tie_rate` = 0.02, `false_flag` = 1e-6: honest serves checked across numerics show
-//!   near-ties on fewer than 1% of cells; 0.02 doubles that, and `α` = 10⁻⁶ makes a false flag
-//!   from near-ties one in a million audits (at `n` = 32 the limit is 7 near-ties).
+//! * `y_median` = 0.012: the largest honest bundle median was 0.0050 and the largest single
+//!   honest cell 0.0103 (of 10 648), so the median exceeds 0.012 only when half the challenged
+//!   cells lie beyond every honest cell seen; with none of 10 648 beyond it, the per-cell rate
+//!   is below 3/10 648 (95% upper bound), and 16 of 32 such cells come with probability below
+//!   10⁻⁴⁰. A uniformly 1.02-scaled `y` has a median of 0.021, expert-only FP8 rounding 0.050
+//!   (each cell alone passes `y_rel` = 0.05 in the first case, half of them in the second).
+//! * `y_bias` = 0.006 for `n` ≥ 4 cells, `0.012 / √n` below: the largest honest bundle mean
+//!   was 0.0007 and the largest single honest cell 0.0059, so even one cell alone stays below
+//!   its limit; rounding's mean shrinks as `1/√n`. A 1.02 scaling has +0.020 on every cell.
+//! * `near_tie_rate` = 0.02, `false_flag` = 1e-6: honest serves checked across numerics showed
+//!   2 near-ties in 768 cells (0.26%); 0.02 is eight times that, and `α` = 10⁻⁶ makes a false
+//!   flag from near-ties one in a million audits (at `n` = 32 the limit is 8 near-ties), while
+//!   a serve that takes the cheaper expert at every pair within the margin reaches it whenever
+//!   a quarter of its cells have such a pair.
 //!
 //! **Quantised checkpoints** (FP8, NVFP4): sglang serves them W8A8 (issue 40), whose activation
 //! quantisation moves `y` by a few percent against a recompute with bf16 activations, as much
@@ -47,11 +52,13 @@ use serde::Serialize;
 use super::{CellCheck, CellRouting};
 
 /// Default [`super::CellPolicy::x_rel`]: the largest relative L2 distance between a cell's `x`
-/// and the recompute's. Honest serves bound to a recompute of the same numerics sit at bf16
-/// rounding (≈ 0.003); across numerics (a bf16 serve against the f32 recompute, where near-tie
-/// flips move later layers' inputs) the tests measure the largest value (bench/RESULTS.md
-/// "Cells: statistics"); a cell of zeros is at 1, a cell copied from another request or another
-/// model's pass near 1 or above.
+/// and the recompute's. Measured (bench/RESULTS.md "Cells: statistics"): honest bf16 and f32
+/// serves of the devnet checkpoint bound to the recompute the plan picks, at most 0.014 over
+/// 768 challenged cells; expert-only FP8 rounding (which moves later layers' inputs) 0.029;
+/// a cell of zeros 1.0; cells copied from another request up to 1.44, another model's 1.54.
+/// 0.25 leaves the honest side an 18× margin for serves whose kernels round in another order
+/// over many more layers (issue 40: an FP8 checkpoint's W8A8 serve must be bound to a W8A8
+/// recompute in [`crate::audit::Recompute::plan`]), and the fabricated cells a 4× one.
 pub const X_REL: f32 = 0.25;
 
 /// Thresholds of the statistics (module docs give their derivation).
@@ -140,6 +147,12 @@ pub fn near_tie_limit(n: usize, p0: f64, alpha: f64) -> usize {
         .unwrap_or(n + 1)
 }
 
+/// The limit of `|mean y_bias|` over `n` cells: `y_bias`, or `2 · y_bias / √n` when that is
+/// larger (fewer than four cells; module docs).
+pub fn bias_limit(y_bias: f32, n: usize) -> f32 {
+    y_bias.max(2.0 * y_bias / (n.max(1) as f32).sqrt())
+}
+
 /// Judges `checks` together (module docs). Cells with a non-finite `y_err` (they failed on
 /// their own) are left out of the `y` statistics; `quantized` turns those off (module docs).
 pub fn judge_cells(checks: &[&CellCheck], policy: &StatsPolicy, quantized: bool) -> CellStats {
@@ -180,12 +193,13 @@ pub fn judge_cells(checks: &[&CellCheck], policy: &StatsPolicy, quantized: bool)
                 policy.y_median
             ));
         }
-        if bias.abs() > policy.y_bias {
+        let bias_limit = bias_limit(policy.y_bias, biases.len());
+        if bias.abs() > bias_limit {
             failures.push(format!(
-                "the block outputs are scaled by {:+.4} on average over {} cells, more than ±{}",
+                "the block outputs are scaled by {:+.4} on average over {} cells, more than \
+                 ±{bias_limit:.4}",
                 bias,
                 biases.len(),
-                policy.y_bias
             ));
         }
     }
