@@ -1215,13 +1215,9 @@ mod tests {
 
     #[tokio::test]
     async fn connect_error_names_the_url_and_the_cause_once() {
-        // A port nothing listens on: bind, note it, close.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let url = format!("ws://127.0.0.1:{port}");
+        // A port nothing listens on, held so that nothing can (engy_devnet::ports).
+        let closed = engy_devnet::ports::ReservedPort::new().unwrap();
+        let url = format!("ws://{}", closed.addr());
         let Err(e) = Chain::connect(&url).await else {
             panic!("connected to a closed port");
         };

@@ -79,19 +79,11 @@ async fn nothing_lands_silently_on_real_subtensor() {
     make_due(&url, &chain, &env).await;
     let state_before = std::fs::read(env.state_file()).unwrap();
     rpc(&url, "dev_setBlockBuildMode", serde_json::json!(["Manual"])).await;
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.arg("run")
-        .env_clear()
+    let mut daemon = env
+        .command(&["run"])
         .env("ENGY_SN53_POLL_S", "300")
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
-    for (k, v) in env.vars.iter().filter(|(k, _)| k != "ENGY_SN53_POLL_S") {
-        cmd.env(k, v);
-    }
-    let mut daemon = cmd.spawn().unwrap();
+        .spawn()
+        .unwrap();
     let t = Instant::now();
     while rpc(&url, "author_pendingExtrinsics", serde_json::json!([]))
         .await
@@ -104,12 +96,7 @@ async fn nothing_lands_silently_on_real_subtensor() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let pid = daemon.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    signal(&daemon, "-TERM");
     let status = daemon.wait().await.unwrap();
     let mut text = String::new();
     daemon

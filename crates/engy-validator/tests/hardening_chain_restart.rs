@@ -1,6 +1,7 @@
 //! The chain killed and restarted in the middle of a tick (issue 8), with real processes:
 //! the real `engy-validator` daemon, its OWN chopsticks node started with
-//! `$ENGY_SHARED_DIR/chain/start-subtensor.sh PORT --restart` on a free port (never the
+//! `$ENGY_SHARED_DIR/chain/start-subtensor.sh PORT --restart` on a port this test holds for
+//! the node's whole life, restarts included ([`ReservedPort`]: never a guessed one, never the
 //! shared instance of `tests/run.sh`), and the provider double on 127.0.0.1.
 //!
 //! The tick is stopped at a known point by holding the payload fetch in the provider double
@@ -26,6 +27,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
+use engy_devnet::ports::ReservedPort;
 use engy_devnet::provider::ProviderDouble;
 use engy_validator::chain::Chain;
 use engy_validator::schedule;
@@ -54,6 +56,9 @@ fn harness_dir() -> PathBuf {
 struct OwnChain {
     harness: PathBuf,
     port: u16,
+    /// `port`, held while the node lives and between its runs: chopsticks (node's libuv
+    /// binds with SO_REUSEADDR) listens on it, nobody else is given it.
+    _reserved: ReservedPort,
     run_dir: tempfile::TempDir,
 }
 
@@ -133,12 +138,6 @@ impl Drop for OwnChain {
             .stdout(Stdio::null())
             .status();
     }
-}
-
-/// A free TCP port on 127.0.0.1 (bound, then released for the node).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 /// What `Weights(53, uid)` holds after `vector` lands on this chain.
@@ -254,9 +253,11 @@ async fn chain_killed_mid_tick_and_restarted() {
         );
         return;
     }
+    let reserved = ReservedPort::new().unwrap();
     let own = OwnChain {
         harness,
-        port: free_port(),
+        port: reserved.port(),
+        _reserved: reserved,
         run_dir: tempfile::tempdir().unwrap(),
     };
     own.start().await;
@@ -281,19 +282,11 @@ async fn chain_killed_mid_tick_and_restarted() {
     env.set("ENGY_SN53_RESUBMIT_BLOCKS", &RESUBMIT.to_string());
 
     // -- the daemon (one long-lived process, poll 1 s) lands epoch e0
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.arg("run")
-        .env_clear()
-        .stdout(Stdio::piped())
+    let mut daemon = env
+        .command(&["run"])
         .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
-    for (k, v) in &env.vars {
-        cmd.env(k, v);
-    }
-    let mut daemon = cmd.spawn().unwrap();
+        .spawn()
+        .unwrap();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let stdout = daemon.stdout.take().unwrap();
     tokio::spawn(async move {
@@ -525,12 +518,7 @@ async fn chain_killed_mid_tick_and_restarted() {
     );
 
     // -- and it still stops cleanly
-    let pid = daemon.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    signal(&daemon, "-TERM");
     let status = tokio::time::timeout(Duration::from_secs(10), daemon.wait())
         .await
         .expect("SIGTERM did not stop the daemon")

@@ -35,28 +35,7 @@ fn weights() -> Vec<(String, u16)> {
 }
 
 fn spawn(env: &Env, args: &[&str]) -> tokio::process::Child {
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.args(args)
-        .env_clear()
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
-    for (k, v) in &env.vars {
-        cmd.env(k, v);
-    }
-    cmd.spawn().unwrap()
-}
-
-fn signal(child: &tokio::process::Child, sig: &str) {
-    let pid = child.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .unwrap()
-        .success());
+    env.command(args).stderr(Stdio::piped()).spawn().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

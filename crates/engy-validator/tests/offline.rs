@@ -201,15 +201,7 @@ async fn sigterm_exits_zero() {
     let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
     let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
     env.set("ENGY_SN53_POLL_S", "300");
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.arg("run")
-        .env_clear()
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    for (k, v) in &env.vars {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = env.command(&["run"]).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     // wait for the first tick's line, then SIGTERM while idle
     while let Some(line) = lines.next_line().await.unwrap() {
@@ -217,12 +209,7 @@ async fn sigterm_exits_zero() {
             break;
         }
     }
-    let pid = child.id().unwrap().to_string();
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    signal(&child, "-TERM");
     let status = child.wait().await.unwrap();
     assert_eq!(status.code(), Some(0));
 }

@@ -9,12 +9,6 @@ use engy_devnet::provider::ProviderDouble;
 /// A node URL where nothing listens (connection refused at once).
 const DEAD_CHAIN: &str = "ws://127.0.0.1:9";
 
-/// A 127.0.0.1 port nothing listens on (bound, then released).
-fn closed_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 #[tokio::test]
 async fn sigterm_during_the_start_up_chain_connect_exits_zero() {
     use tokio::io::AsyncReadExt;
@@ -24,23 +18,10 @@ async fn sigterm_during_the_start_up_chain_connect_exits_zero() {
     let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
     let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), &url);
     env.set("ENGY_SN53_POLL_S", "300");
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.arg("run")
-        .env_clear()
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    for (k, v) in &env.vars {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = env.command(&["run"]).spawn().unwrap();
     // The connect has started once the node sees the TCP connection.
     let (_held, _) = node.accept().await.unwrap();
-    let pid = child.id().unwrap().to_string();
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    signal(&child, "-TERM");
     let status = child.wait().await.unwrap();
     let mut out = String::new();
     child
@@ -58,7 +39,8 @@ async fn sigterm_during_the_start_up_chain_connect_exits_zero() {
 #[tokio::test]
 async fn an_unreachable_provider_is_reported_with_its_cause() {
     let p = ProviderDouble::start(key(BOB_SEED), 53).await.unwrap();
-    let api = format!("http://127.0.0.1:{}", closed_port());
+    let closed = engy_devnet::ports::ReservedPort::new().unwrap();
+    let api = format!("http://{}", closed.addr());
     let env = Env::new(CHARLIE_SEED, &api, &p.master_ss58(), DEAD_CHAIN);
     let out = env.run(&["check"]).await;
     assert_eq!(out.status.code(), Some(1));

@@ -407,21 +407,16 @@ async fn json_logs_and_metrics() {
     p.publish(5, &weights());
     let mut env = Env::new(CHARLIE_SEED, &p.url(), &p.master_ss58(), DEAD_CHAIN);
     env.set("ENGY_SN53_POLL_S", "300");
-    let mut cmd = tokio::process::Command::new(bin());
-    cmd.args([
-        "run",
-        "--log-format",
-        "json",
-        "--metrics-addr",
-        "127.0.0.1:0",
-    ])
-    .env_clear()
-    .stdout(std::process::Stdio::piped())
-    .kill_on_drop(true);
-    for (k, v) in &env.vars {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = env
+        .command(&[
+            "run",
+            "--log-format",
+            "json",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .spawn()
+        .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut addr = None;
     let mut tick = None;
@@ -465,12 +460,7 @@ async fn json_logs_and_metrics() {
     ] {
         assert!(text.contains(want), "{want} not in:\n{text}");
     }
-    let pid = child.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    signal(&child, "-TERM");
     assert_eq!(child.wait().await.unwrap().code(), Some(0));
 
     // off by default: no metrics line

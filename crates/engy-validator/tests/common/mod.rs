@@ -110,19 +110,28 @@ impl Env {
         engy_validator::state::read(&self.state_file())
     }
 
-    /// Runs the real binary with `args`, in this environment only (the parent's ENGY_*
-    /// variables are not inherited).
-    pub async fn run(&self, args: &[&str]) -> Output {
+    /// `engy-validator <args>` in this environment only (the parent's variables are not
+    /// inherited, PATH is), stdout piped, killed when dropped: the one way the tests start
+    /// the binary. A later `.env(k, v)` overrides a setting of the environment.
+    pub fn command(&self, args: &[&str]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(bin());
-        cmd.args(args).env_clear();
+        cmd.args(args)
+            .env_clear()
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
         if let Some(path) = std::env::var_os("PATH") {
             cmd.env("PATH", path);
         }
         for (k, v) in &self.vars {
             cmd.env(k, v);
         }
-        cmd.kill_on_drop(true);
-        let out = cmd.output().await.unwrap();
+        cmd
+    }
+
+    /// Runs the real binary with `args` to its end, in this environment only
+    /// ([`Env::command`]); stdout and stderr are captured and echoed.
+    pub async fn run(&self, args: &[&str]) -> Output {
+        let out = self.command(args).output().await.unwrap();
         eprintln!(
             "--- engy-validator {} → {}\n{}{}",
             args.join(" "),
@@ -190,18 +199,7 @@ impl Running {
     /// inherited).
     pub fn spawn(env: &Env, args: &[&str]) -> Running {
         use tokio::io::AsyncBufReadExt;
-        let mut cmd = tokio::process::Command::new(bin());
-        cmd.args(args)
-            .env_clear()
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        if let Some(path) = std::env::var_os("PATH") {
-            cmd.env("PATH", path);
-        }
-        for (k, v) in &env.vars {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
+        let mut child = env.command(args).spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
@@ -250,6 +248,16 @@ impl Running {
         }
         self.child.wait().await.unwrap()
     }
+}
+
+/// Sends `sig` (`-TERM`, `-KILL`, …) to a running child with kill(1); panics when it fails.
+pub fn signal(child: &tokio::process::Child, sig: &str) {
+    let pid = child.id().expect("the child has exited").to_string();
+    assert!(std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .unwrap()
+        .success());
 }
 
 /// GETs `url` with `accept` (when given): `(content-type, body)`.
