@@ -561,9 +561,14 @@ fn report_text(report: &CellsReport) -> String {
         challenge(&mut s);
         return s;
     };
+    let stats = if r.stats.failures.is_empty() {
+        String::new()
+    } else {
+        format!("; together: {}", r.stats.failures.join("; "))
+    };
     let _ = writeln!(
         s,
-        "verdict: {verdict} ({}/{} challenged cells failed)",
+        "verdict: {verdict} ({}/{} challenged cells failed{stats})",
         r.failed, r.n
     );
     challenge(&mut s);

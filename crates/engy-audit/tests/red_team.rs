@@ -10,8 +10,6 @@
 //! commit pass passes the cell audit — that gap is TOPLOC's (docs/AUDITOR.md "Cells").
 mod cells_common;
 
-use std::ffi::OsString;
-
 use cells_common::{a, bundle, commitment, fixture, seed_of, serve, shape_of, write};
 use engy_core::cells::{cell_leaf, Cell, CellAuditBundle, CellTree, RouterLogits};
 use engy_core::commit::spec::Hex;
@@ -326,5 +324,4 @@ fn every_attack_is_a_cheat_and_honest_serves_pass() {
         wrong.len(),
         wrong.iter().map(|r| r.attack).collect::<Vec<_>>()
     );
-    let _: Vec<OsString> = Vec::new();
 }
