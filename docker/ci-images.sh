@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds, runs and tests both images on this machine, with no Docker daemon and no registry
-# (issue 25). Called by .ci/run; a developer runs it the same way after a test build.
+# Builds, runs and tests both images on this machine, with no Docker daemon and no registry.
+# Called by .ci/run; a developer runs it the same way after a test build.
 #
 #   bash docker/ci-images.sh tools   # only install the tools (podman, mmdebstrap, podman-compose,
 #                                    # check-jsonschema); idempotent, seconds when present

@@ -60,11 +60,58 @@ fn the_miner_compose_file_is_valid_and_runs_sglang_with_hidden_states_beside_the
     ] {
         assert!(text.contains(needle), "{needle} missing in\n{text}");
     }
-    // Every MINER.md §4 setting in .env.miner reaches the miner: `docker compose config`
-    // inlines the env_file, podman-compose names it (the image test runs the miner through
-    // this file and sees ENGY_WORKER_NAME in its HELLO: crates/engy-miner/tests/image.rs).
+    // Every setting of `engy-miner --help` is passed by name (compose resolves it from the
+    // --env-file; the image test sees ENGY_WORKER_NAME in the HELLO:
+    // crates/engy-miner/tests/image.rs), and the file reads no env_file relative to itself.
     assert!(
-        text.contains("rig-compose-test") || text.contains(".env.miner"),
-        "the miner service neither passes .env.miner (env_file) nor its ENGY_WORKER_NAME:\n{text}"
+        !text.contains("env_file"),
+        "an env_file is read relative to docker/:\n{text}"
+    );
+    for name in [
+        "ENGY_WORKER_NAME",
+        "TOPLOC_GEN_CHUNK",
+        "HW_GPUS",
+        "ENGY_CELLS_SPOOL",
+    ] {
+        assert!(
+            text.contains(name),
+            "{name} is not passed to the miner:\n{text}"
+        );
+    }
+    // cells: the override mounts one spool into both containers and installs the hooks
+    let cells = dir.path().join("docker/compose.miner.cells.yml");
+    std::fs::copy(repo().join("docker/compose.miner.cells.yml"), &cells).unwrap();
+    let mut cmd = engine.compose();
+    cmd.args(["-p", "engy-compose-config", "-f"])
+        .arg(dir.path().join("docker/compose.miner.yml"))
+        .arg("-f")
+        .arg(&cells)
+        .arg("--env-file")
+        .arg(dir.path().join(".env.miner"))
+        .arg("config")
+        .current_dir(dir.path());
+    for (k, _) in &settings {
+        cmd.env_remove(k);
+    }
+    let out = output(&mut cmd).unwrap();
+    let cells_text = engy_devnet::container::text(&out);
+    let text = cells_text;
+    assert!(
+        out.status.success(),
+        "{engine:?} compose config (cells)\n{text}"
+    );
+    for needle in [
+        "engy-cells-hooks /var/spool/engy-cells",
+        "--disable-radix-cache",
+        "engy_sn53_cells_spool:/var/spool/engy-cells",
+        "/var/spool/engy-cells",
+    ] {
+        assert!(text.contains(needle), "{needle} missing in\n{text}");
+    }
+    assert_eq!(
+        text.matches("engy_sn53_cells_spool:/var/spool/engy-cells")
+            .count(),
+        2,
+        "the spool is not mounted in both the serve and the miner:\n{text}"
     );
 }
