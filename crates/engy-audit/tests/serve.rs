@@ -1,0 +1,763 @@
+//! `engy-audit serve`, the audit service, as a process (crates/engy-audit-service): reports in
+//! over HTTP on 127.0.0.1, the real audit on the devnet model, verdicts and evidence out, on
+//! SQLite and (with `$ENGY_TEST_POSTGRES_URL`, started by tests/run.sh) on PostgreSQL.
+//!
+//! Faults, each through the real binary: malformed / oversize / unknown-model reports (4xx,
+//! nothing stored); a duplicate report (one job); a worker SIGKILLed mid-audit (the job is
+//! redone by another, one verdict); two workers on one queue (no job audited twice); a model
+//! that cannot be opened (a clear error, the job kept); PostgreSQL restarted mid-run (nothing
+//! lost).
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use engy_core::toploc::Params;
+use engy_model::audit::commit_greedy;
+use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
+use serde_json::{json, Value};
+
+/// Every wait in these tests polls a condition under this deadline.
+const DEADLINE: Duration = Duration::from_secs(180);
+const BEACON: &str = "0101010101010101010101010101010101010101010101010101010101010101";
+/// A well-formed SS58 hotkey, the miner `n` of this test run (a PostgreSQL database shared by
+/// several runs never mixes their miners).
+fn hotkey(n: &str) -> String {
+    use sha2::Digest as _;
+    let key: [u8; 32] = sha2::Sha256::digest(format!("{}/{n}", run_nonce())).into();
+    engy_core::keys::ss58_encode(&key)
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`): (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect to the service");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    // A refused oversize body may be answered before it is all sent.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {text:?}"));
+    let (headers, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = if headers
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_owned()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
+    let (code, body) = http(addr, "GET", path, b"");
+    (
+        code,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    )
+}
+
+/// Polls `f` until it gives `Some`, failing after [`DEADLINE`] with `what`.
+fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The devnet model and commitments made on it.
+struct Fixture {
+    _dir: tempfile::TempDir,
+    checkpoint: PathBuf,
+    honest: Checkpoint,
+    cheat: Checkpoint,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = dir.path().join("m");
+        gen_model(&checkpoint, 3, &GenConfig::default()).unwrap();
+        let honest = Checkpoint::open(&checkpoint, Precision::Bf16).unwrap();
+        let cheat = Checkpoint::open(&checkpoint, Precision::Int4 { group_size: 32 }).unwrap();
+        Fixture {
+            _dir: dir,
+            checkpoint,
+            honest,
+            cheat,
+        }
+    }
+
+    /// A commitment of `tokens` output tokens for the prompt `text`, honest or not. The
+    /// prompt carries this process's id and start time, so that runs against one PostgreSQL
+    /// database never report the same commitment twice.
+    fn commitment(&self, text: &str, tokens: usize, honest: bool) -> Value {
+        let ck = if honest { &self.honest } else { &self.cheat };
+        let text = format!("{text} (run {})", run_nonce());
+        let prompt = ck
+            .tokenizer
+            .encode(
+                format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"),
+                false,
+            )
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        commit_greedy(
+            &ck.model,
+            &self.honest.model_root,
+            &prompt,
+            tokens,
+            &[],
+            &Params::ENGY,
+        )
+        .unwrap()
+    }
+}
+
+/// This test process's id and start time.
+fn run_nonce() -> &'static str {
+    static NONCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NONCE.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{}-{t}", std::process::id())
+    })
+}
+
+fn report(request_id: &str, hotkey: &str, model: &str, commitment: &Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "request_id": request_id,
+        "hotkey": hotkey,
+        "model": model,
+        "commitment": commitment,
+        "timing": {"ttft_ms": 12, "total_ms": 340},
+    }))
+    .unwrap()
+}
+
+/// SHA-256 of the commitment as `report` writes it (serde_json's compact form).
+fn digest_of(commitment: &Value) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(
+        serde_json::to_vec(commitment).unwrap(),
+    ))
+}
+
+/// A running `engy-audit serve`.
+struct Service {
+    child: Child,
+    addr: SocketAddr,
+    lines: mpsc::Receiver<Value>,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Service {
+    fn start(db: &str, models: &[(&str, &Path)], extra: &[&str]) -> Service {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_engy-audit"));
+        cmd.arg("serve")
+            .args(["--listen", "127.0.0.1:0", "--db", db])
+            .args([
+                "--fixed-beacon",
+                BEACON,
+                "--sample-rate",
+                "1",
+                "--floor",
+                "0",
+            ])
+            .args(["--log-format", "json"]);
+        for (name, dir) in models {
+            cmd.arg("--model").arg(format!("{name}={}", dir.display()));
+        }
+        cmd.args(extra)
+            .env_remove("ENGY_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn engy-audit serve");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                log2.lock().unwrap().push(line.clone());
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        let mut s = Service {
+            child,
+            addr: "127.0.0.1:1".parse().unwrap(),
+            lines,
+            log,
+        };
+        let listening = s.wait_line("the listening line", |v| v["message"] == "listening");
+        s.addr = listening["addr"].as_str().unwrap().parse().unwrap();
+        s
+    }
+
+    /// The next log line matching `f` (earlier ones are consumed).
+    fn wait_line(&mut self, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            let left = DEADLINE.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(v) if f(&v) => return v,
+                Ok(_) => {}
+                Err(_) => panic!(
+                    "timed out waiting for {what}; log:\n{}",
+                    self.log.lock().unwrap().join("\n")
+                ),
+            }
+        }
+    }
+
+    fn post(&self, body: &[u8]) -> (u16, Value) {
+        let (code, text) = http(self.addr, "POST", "/v1/requests", body);
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    fn health(&self) -> Value {
+        get_json(self.addr, "/health").1
+    }
+
+    /// Waits until the request of `digest` has a verdict; returns the verdict object.
+    fn verdict(&self, digest: &str) -> Value {
+        wait_for(&format!("the verdict of {digest}"), || {
+            let (code, v) = get_json(self.addr, &format!("/v1/verdicts/{digest}"));
+            (code == 200).then_some(v)
+        })
+    }
+
+    fn metric(&self, name_and_labels: &str) -> f64 {
+        let (_, text) = http(self.addr, "GET", "/metrics", b"");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then the exit status.
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = i32::try_from(self.child.id()).unwrap();
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn sqlite_url(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("audit.db").display())
+}
+
+/// The PostgreSQL URL tests/run.sh exported, or `None` (a visible skip). A URL that is set
+/// but unreachable fails the test.
+fn postgres_url(test: &str) -> Option<String> {
+    match std::env::var("ENGY_TEST_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => {
+            let host = url
+                .rsplit_once('@')
+                .map(|(_, h)| h)
+                .unwrap_or(&url)
+                .split('/')
+                .next()
+                .unwrap_or("");
+            assert!(
+                TcpStream::connect(host).is_ok(),
+                "ENGY_TEST_POSTGRES_URL is set ({url}) but nothing answers at {host}"
+            );
+            Some(url)
+        }
+        _ => {
+            eprintln!("SKIP {test}: ENGY_TEST_POSTGRES_URL is not set (tests/run.sh sets it)");
+            None
+        }
+    }
+}
+
+/// A model name of this test only: tests sharing a PostgreSQL database never claim each
+/// other's jobs (a claim names the models a worker holds).
+fn model_name(test: &str) -> String {
+    format!("devnet-{test}-{}", std::process::id())
+}
+
+#[test]
+fn refused_reports_store_nothing_and_a_duplicate_is_one_job() {
+    let fx = Fixture::new();
+    let t = tempfile::tempdir().unwrap();
+    let svc = Service::start(
+        &sqlite_url(t.path()),
+        &[("devnet", &fx.checkpoint)],
+        &["--device", "none", "--max-report-bytes", "65536"],
+    );
+    let good = fx.commitment("Explain the audit?", 40, true);
+    let mut no_toploc = good.clone();
+    no_toploc.as_object_mut().unwrap().remove("toploc");
+    let mut bad_n = good.clone();
+    bad_n["toploc"]["n_tokens"] = json!("forty");
+    let padded = {
+        let mut c = good.clone();
+        c["padding"] = json!("x".repeat(70_000));
+        report("r-big", &hotkey("honest"), "devnet", &c)
+    };
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"{not json".to_vec(), 400, "body"),
+        (b"[1, 2]".to_vec(), 400, "body"),
+        (
+            br#"{"request_id": "a", "request_id": "b"}"#.to_vec(),
+            400,
+            "body",
+        ),
+        (
+            serde_json::to_vec(
+                &json!({"hotkey": &hotkey("honest"), "model": "devnet", "commitment": good}),
+            )
+            .unwrap(),
+            400,
+            "request_id",
+        ),
+        (report("r1", "not-a-hotkey", "devnet", &good), 400, "hotkey"),
+        (
+            report("r1", &hotkey("honest"), "gpt-5", &good),
+            422,
+            "model",
+        ),
+        (
+            report("r1", &hotkey("honest"), "devnet", &json!("text")),
+            400,
+            "commitment",
+        ),
+        (
+            report("r1", &hotkey("honest"), "devnet", &no_toploc),
+            400,
+            "commitment",
+        ),
+        (
+            report("r1", &hotkey("honest"), "devnet", &bad_n),
+            400,
+            "commitment.toploc.n_tokens",
+        ),
+        (padded, 413, "body"),
+    ];
+    for (body, code, field) in &cases {
+        let (got, v) = svc.post(body);
+        assert_eq!(got, *code, "{v}");
+        assert_eq!(v["field"], *field, "{v}");
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    }
+    let h = svc.health();
+    assert_eq!(h["requests"], 0, "a refused report stored something: {h}");
+    assert_eq!(
+        svc.metric("engy_audit_requests_total{outcome=\"refused\"}"),
+        cases.len() as f64
+    );
+
+    let body = report("r1", &hotkey("honest"), "devnet", &good);
+    let (code, v) = svc.post(&body);
+    assert_eq!(code, 202, "{v}");
+    assert_eq!(v["stored"], "new");
+    assert_eq!(v["digest"], digest_of(&good));
+    // The same commitment again, even under another request id: one request, one job.
+    for id in ["r1", "r1-retry"] {
+        let (code, v) = svc.post(&report(id, &hotkey("honest"), "devnet", &good));
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["stored"], "duplicate");
+    }
+    let digest = digest_of(&good);
+    let status = wait_for("the sampling decision", || {
+        let (_, s) = get_json(svc.addr, &format!("/v1/requests/{digest}"));
+        (s["sampled"] == true).then_some(s)
+    });
+    assert_eq!(status["job_state"], "queued", "{status}");
+    let h = svc.health();
+    assert_eq!(h["requests"], 1, "{h}");
+    assert_eq!(h["jobs"]["queued"], 1, "{h}");
+}
+
+/// Honest, cheating and malformed commitments audited to pass / cheat / unproven; the miner
+/// summaries and §8's gate; a cheat's evidence re-checked by `engy-audit audit` on its own.
+fn audits_to_verdicts(db: &str, model: &str) {
+    let fx = Fixture::new();
+    let mut svc = Service::start(db, &[(model, &fx.checkpoint)], &[]);
+    let honest = fx.commitment("What is a Merkle tree?", 40, true);
+    let cheat = fx.commitment("What is a Merkle tree?", 40, false);
+    let mut broken = fx.commitment("And a hash?", 40, true);
+    broken["toploc"]["n_tokens"] = json!(3);
+    let mut digests = Vec::new();
+    let (honest_key, cheat_key) = (
+        hotkey(&format!("{model}/honest")),
+        hotkey(&format!("{model}/cheat")),
+    );
+    for (i, (key, c)) in [
+        (&honest_key, &honest),
+        (&cheat_key, &cheat),
+        (&honest_key, &broken),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (code, v) = svc.post(&report(&format!("req-{i}"), key, model, c));
+        assert_eq!(code, 202, "{v}");
+        digests.push(v["digest"].as_str().unwrap().to_owned());
+    }
+    let verdicts: Vec<Value> = digests.iter().map(|d| svc.verdict(d)).collect();
+    assert_eq!(verdicts[0]["verdict"], "pass", "{}", verdicts[0]);
+    assert_eq!(verdicts[1]["verdict"], "cheat", "{}", verdicts[1]);
+    assert!(verdicts[1]["reasons"][0]
+        .as_str()
+        .is_some_and(|r| r.starts_with("toploc:")));
+    assert!(verdicts[1]["score"].as_f64().unwrap() > 0.2);
+    assert_eq!(verdicts[2]["verdict"], "unproven", "{}", verdicts[2]);
+
+    let (_, m) = get_json(svc.addr, &format!("/v1/miners/{cheat_key}"));
+    assert_eq!(
+        (m["cheat"].clone(), m["judged"].clone()),
+        (json!(1), json!(1)),
+        "{m}"
+    );
+    assert_eq!(m["cheat_rate"], 1.0);
+    assert_eq!(m["models"][model]["cheat"], 1, "{m}");
+    let (_, h) = get_json(svc.addr, &format!("/v1/miners/{honest_key}"));
+    assert_eq!(
+        (h["pass"].clone(), h["unproven"].clone()),
+        (json!(1), json!(1)),
+        "{h}"
+    );
+    assert_eq!(h["gate_fires"], false);
+    let (_, all) = get_json(svc.addr, "/v1/verdicts?since=0");
+    let listed: Vec<&str> = all["verdicts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["digest"].as_str())
+        .collect();
+    for d in &digests {
+        assert!(listed.contains(&d.as_str()), "{d} not in {all}");
+    }
+
+    // The evidence: the commitment's bytes as reported, which the auditor re-checks alone.
+    let (code, text) = http(
+        svc.addr,
+        "GET",
+        &format!("/v1/evidence/{}/commitment.json", digests[1]),
+        b"",
+    );
+    assert_eq!(code, 200);
+    {
+        use sha2::Digest as _;
+        assert_eq!(
+            hex::encode(sha2::Sha256::digest(text.as_bytes())),
+            digests[1]
+        );
+    }
+    let t = tempfile::tempdir().unwrap();
+    let file = t.path().join("commitment.json");
+    std::fs::write(&file, &text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .args(["audit", "--checkpoint"])
+        .arg(&fx.checkpoint)
+        .arg("--commitment")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "the evidence is a cheat on its own"
+    );
+    let (code, _) = http(
+        svc.addr,
+        "GET",
+        &format!("/v1/evidence/{}/commitment.json", digests[0]),
+        b"",
+    );
+    assert_eq!(code, 404, "a pass keeps no evidence");
+
+    assert_eq!(
+        svc.metric("engy_audit_audits_total{verdict=\"cheat\"}"),
+        1.0
+    );
+    assert!(svc.metric("engy_audit_audit_seconds_count") >= 3.0);
+    // SIGTERM with nothing in hand: a clean exit.
+    assert!(svc.terminate().success());
+}
+
+#[test]
+fn reports_are_audited_to_verdicts_on_sqlite() {
+    let t = tempfile::tempdir().unwrap();
+    audits_to_verdicts(&sqlite_url(t.path()), "devnet");
+}
+
+#[test]
+fn reports_are_audited_to_verdicts_on_postgres() {
+    let Some(url) = postgres_url("reports_are_audited_to_verdicts_on_postgres") else {
+        return;
+    };
+    audits_to_verdicts(&url, &model_name("verdicts"));
+}
+
+/// A worker SIGKILLed while it audits: its lease runs out, a second process takes the job
+/// and writes the one verdict.
+fn killed_worker(db: &str, model: &str) {
+    let fx = Fixture::new();
+    let mut a = Service::start(db, &[(model, &fx.checkpoint)], &["--lease-s", "2"]);
+    let c = fx.commitment("Tell me a long story about audits.", 400, true);
+    let (code, v) = a.post(&report("long", &hotkey("honest"), model, &c));
+    assert_eq!(code, 202, "{v}");
+    let digest = v["digest"].as_str().unwrap().to_owned();
+    let claimed = a.wait_line("the claim", |v| {
+        v["message"] == "audit claimed" && v["digest"] == digest.as_str()
+    });
+    a.kill();
+    let mut b = Service::start(db, &[(model, &fx.checkpoint)], &["--lease-s", "2"]);
+    let verdict = b.verdict(&digest);
+    assert_eq!(verdict["verdict"], "pass", "{verdict}");
+    assert_ne!(
+        verdict["worker"], claimed["worker"],
+        "the killed worker wrote the verdict: the audit ended before the kill"
+    );
+    let (_, status) = get_json(b.addr, &format!("/v1/requests/{digest}"));
+    assert_eq!(status["attempts"], 2, "{status}");
+    assert_eq!(b.metric("engy_audit_lease_expiries_total"), 1.0);
+    b.kill();
+}
+
+#[test]
+fn a_killed_worker_loses_its_job_to_another_on_sqlite() {
+    let t = tempfile::tempdir().unwrap();
+    killed_worker(&sqlite_url(t.path()), "devnet");
+}
+
+#[test]
+fn a_killed_worker_loses_its_job_to_another_on_postgres() {
+    let Some(url) = postgres_url("a_killed_worker_loses_its_job_to_another_on_postgres") else {
+        return;
+    };
+    killed_worker(&url, &model_name("killed"));
+}
+
+/// Two processes' workers on one queue: every job audited once.
+fn two_workers(db: &str, model: &str) {
+    let fx = Fixture::new();
+    let a = Service::start(db, &[(model, &fx.checkpoint)], &[]);
+    let b = Service::start(db, &[(model, &fx.checkpoint)], &[]);
+    let mut digests = Vec::new();
+    for i in 0..8 {
+        let c = fx.commitment(&format!("Question number {i}?"), 24, true);
+        let target = if i % 2 == 0 { &a } else { &b };
+        let (code, v) = target.post(&report(&format!("q{i}"), &hotkey("honest"), model, &c));
+        assert_eq!(code, 202, "{v}");
+        digests.push(v["digest"].as_str().unwrap().to_owned());
+    }
+    for d in &digests {
+        assert_eq!(a.verdict(d)["verdict"], "pass");
+        let (_, s) = get_json(a.addr, &format!("/v1/requests/{d}"));
+        assert_eq!(s["attempts"], 1, "audited more than once: {s}");
+    }
+    let total = a.metric("engy_audit_audits_total{verdict=\"pass\"}")
+        + b.metric("engy_audit_audits_total{verdict=\"pass\"}");
+    assert_eq!(
+        total,
+        digests.len() as f64,
+        "audits done by the two processes"
+    );
+}
+
+#[test]
+fn two_workers_share_one_queue_on_sqlite() {
+    let t = tempfile::tempdir().unwrap();
+    two_workers(&sqlite_url(t.path()), "devnet");
+}
+
+#[test]
+fn two_workers_share_one_queue_on_postgres() {
+    let Some(url) = postgres_url("two_workers_share_one_queue_on_postgres") else {
+        return;
+    };
+    two_workers(&url, &model_name("two"));
+}
+
+#[test]
+fn a_model_that_cannot_be_opened_keeps_its_jobs() {
+    let fx = Fixture::new();
+    let t = tempfile::tempdir().unwrap();
+    let missing = t.path().join("no-such-checkpoint");
+    let mut svc = Service::start(
+        &sqlite_url(t.path()),
+        &[("devnet", &fx.checkpoint), ("other", &missing)],
+        &[],
+    );
+    let error = svc.wait_line("the model error", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("model not loaded"))
+    });
+    assert_eq!(error["level"], "ERROR");
+    assert!(
+        error["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no-such-checkpoint") && e.contains("model other")),
+        "{error}"
+    );
+    let c = fx.commitment("Which model?", 24, true);
+    let (code, v) = svc.post(&report("o1", &hotkey("honest"), "other", &c));
+    assert_eq!(code, 202, "{v}");
+    let digest = v["digest"].as_str().unwrap().to_owned();
+    // A report of the loaded model, sent after it, is audited: the worker runs on.
+    let d = fx.commitment("Which model, again?", 24, true);
+    let (_, v2) = svc.post(&report("d1", &hotkey("honest"), "devnet", &d));
+    let done = svc.verdict(v2["digest"].as_str().unwrap());
+    assert_eq!(done["verdict"], "pass");
+    let (_, s) = get_json(svc.addr, &format!("/v1/requests/{digest}"));
+    assert_eq!(s["job_state"], "queued", "{s}");
+    assert!(
+        s["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("no worker of this process holds model other")),
+        "{s}"
+    );
+    let h = svc.health();
+    assert_eq!(h["status"], "degraded", "{h}");
+}
+
+/// A private PostgreSQL server (tests/postgres.sh), stopped on drop.
+struct PrivatePostgres {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl PrivatePostgres {
+    fn script() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/postgres.sh")
+    }
+
+    fn start() -> PrivatePostgres {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new("bash")
+            .arg(Self::script())
+            .args(["start", &port.to_string()])
+            .arg(dir.path().join("pg"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tests/postgres.sh start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        PrivatePostgres { dir, url }
+    }
+
+    fn restart(&self) {
+        let out = Command::new("bash")
+            .arg(Self::script())
+            .arg("restart")
+            .arg(self.dir.path().join("pg"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tests/postgres.sh restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(Self::script())
+            .arg("stop")
+            .arg(self.dir.path().join("pg"))
+            .output();
+    }
+}
+
+/// PostgreSQL restarted while reports come in and audits run: every report the service
+/// accepted gets its one verdict (reports sent while the server is down are answered 503 and
+/// sent again, as a gateway does).
+#[test]
+fn postgres_restarted_mid_run_loses_nothing() {
+    if postgres_url("postgres_restarted_mid_run_loses_nothing").is_none() {
+        return;
+    }
+    let pg = PrivatePostgres::start();
+    let fx = Fixture::new();
+    let model = model_name("restart");
+    let svc = Service::start(&pg.url, &[(&model, &fx.checkpoint)], &["--lease-s", "3"]);
+    let key = hotkey(&model);
+    let mut digests = Vec::new();
+    let mut unavailable = 0;
+    for i in 0..6 {
+        if i == 3 {
+            pg.restart();
+        }
+        let c = fx.commitment(&format!("Restart question {i}?"), 24, true);
+        let body = report(&format!("pg{i}"), &key, &model, &c);
+        let v = wait_for("the report to be accepted", || {
+            let (code, v) = svc.post(&body);
+            if code == 503 {
+                unavailable += 1;
+            }
+            (code == 202).then_some(v)
+        });
+        digests.push(v["digest"].as_str().unwrap().to_owned());
+    }
+    for d in &digests {
+        let v = svc.verdict(d);
+        assert_eq!(v["verdict"], "pass", "{v}");
+    }
+    let (_, m) = get_json(svc.addr, &format!("/v1/miners/{key}"));
+    assert_eq!(m["pass"], digests.len(), "{m}; 503 answers: {unavailable}");
+}
