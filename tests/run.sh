@@ -12,6 +12,10 @@
 #   ENGY_SUBTENSOR293_URL  a running spec 293 chain (../shared/chain293) for the runtime-change
 #                        step of the validator's chain tests; started on PORT+1 when unset
 #   ENGY_NO_CHAIN=1      do not start a chain (chain tests then print a visible skip)
+#   ENGY_TEST_POSTGRES_URL  a running PostgreSQL for the audit service's tests
+#                        (crates/engy-audit/tests/serve.rs); when unset, one is started with
+#                        tests/postgres.sh (Debian's postgresql package) on port PORT+6
+#   ENGY_NO_POSTGRES=1   do not start PostgreSQL (its tests then print a visible skip)
 #   ENGY_TF5_PYTHON      a python with torch + transformers 5.24: also run the real-shape
 #                        check of engy-model against transformers (tests/reverse/arch_real_shape.py,
 #                        docs/design/accuracy.md); skipped with a visible line otherwise
@@ -43,7 +47,15 @@ stop_chain() {
     bash "$HARNESS293/stop-subtensor.sh" "$PORT293" >&2 || true
   fi
 }
-trap stop_chain EXIT
+PG_DIR=""
+stop_postgres() {
+  if [ -n "$PG_DIR" ]; then
+    say "stopping PostgreSQL ($PG_DIR)"
+    bash "$ROOT/tests/postgres.sh" stop "$PG_DIR/pg" || true
+    rm -rf "$PG_DIR"
+  fi
+}
+trap 'stop_chain; stop_postgres' EXIT
 
 if [ -n "${ENGY_SUBTENSOR_URL:-}" ]; then
   say "using the running chain at $ENGY_SUBTENSOR_URL"
@@ -62,6 +74,19 @@ elif [ -f "$HARNESS/start-subtensor.sh" ] && command -v node >/dev/null && comma
   fi
 else
   say "no chain harness at $HARNESS (or no node/npm): chain tests will be skipped"
+fi
+
+if [ -n "${ENGY_TEST_POSTGRES_URL:-}" ]; then
+  say "using the PostgreSQL at ENGY_TEST_POSTGRES_URL"
+elif [ "${ENGY_NO_POSTGRES:-0}" = 1 ]; then
+  say "ENGY_NO_POSTGRES=1: PostgreSQL tests will be skipped"
+elif ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+  PG_DIR="$(mktemp -d)"
+  say "starting PostgreSQL on 127.0.0.1:$((PORT + 6)) (tests/postgres.sh, data in $PG_DIR)"
+  ENGY_TEST_POSTGRES_URL="$(bash tests/postgres.sh start "$((PORT + 6))" "$PG_DIR/pg")"
+  export ENGY_TEST_POSTGRES_URL
+else
+  say "no PostgreSQL under /usr/lib/postgresql (apt-get install postgresql): its tests will be skipped"
 fi
 
 # `--include-ignored` also runs the whole devnet end to end (honest proofs pass, the int4 cheat
