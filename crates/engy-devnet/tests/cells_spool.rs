@@ -33,7 +33,8 @@ tokens = hashlib.sha256(struct.pack("<%di" % len(ids), *ids)).hexdigest()
 doc = dict(scheme=fmt.SCHEME, request=req, shape=shape, n_cells=len(leaves), passes=1,
            error=None, tokens_sha256=tokens)
 tree = fmt.mth(leaves)
-doc.update(tree_root=tree.hex(), cells_root=fmt.node(fmt.shape_leaf(**shape), tree).hex())
+doc.update(tree_root=tree.hex())
+doc.update(cells_root=fmt.node(fmt.shape_leaf(**dict(shape, tokens_sha256=tokens)), tree).hex())
 want = json.dumps(doc, indent=1) + "\n"
 got = open(d + "/manifest.json").read()
 if got != want:
