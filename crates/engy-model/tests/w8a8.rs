@@ -1,0 +1,228 @@
+//! The W8A8 recompute against serves that computed as sglang serves block-FP8 checkpoints.
+//!
+//! `tests/vectors/audit-oracle-w8a8` (`$ENGY_W8A8_ORACLE_DIR`; README there) holds small
+//! block-FP8 checkpoints whose every FP8 product has whole 128×128 tiles, and commitments of
+//! serves on a GPU that quantised every FP8 product's input rows per token and per 128-group
+//! to e4m3 (`tests/reverse/w8a8_serves.py`): honest W8A8 serves, and cheats (int4 weights
+//! everywhere, or only the routed experts swapped to int4, NVFP4 or per-tensor FP8).
+//!
+//! Asserted with the auditor's default recompute ([`Recompute::Auto`], which on a block-FP8
+//! checkpoint tries bf16, then W8A8, then f32, then bf16 with eager attention): every
+//! `honest_*` commitment passes (an honest W8A8 miner is never flagged), and every 4-bit
+//! swap (`int4_g32`, `experts_int4_g32_w8a8`, `experts_nvfp4_w8a8`) is caught in every
+//! commitment. `experts_fp8_tensor_w8a8` (the routed experts re-quantised to one FP8 scale
+//! per tensor, a ~1% weight change) is measured and printed, not asserted: it is the cell
+//! audit's to catch (bench/RESULTS.md "W8A8 recompute" records the table). With
+//! `ENGY_W8A8_BEFORE=1` the test also prints what the recomputes without W8A8 (bf16, f32,
+//! bf16 with eager attention) say of the same commitments: the "before" column.
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use engy_model::arch::{quant, Fp8Activations};
+use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict};
+use engy_model::{LoadOptions, Model, Residency};
+
+fn oracle_dir() -> PathBuf {
+    match std::env::var_os("ENGY_W8A8_ORACLE_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/audit-oracle-w8a8")
+        }
+    }
+}
+
+/// The case folders (each holds a checkpoint's `config.json`), sorted.
+fn case_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    cases.sort();
+    cases
+}
+
+/// The commitments of a case (`commitments/*.json`), sorted.
+fn commitment_files(case_dir: &Path) -> Vec<PathBuf> {
+    let dir = case_dir.join("commitments");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// What a correct auditor says of `variant`: `Some(true)` pass, `Some(false)` cheat, `None`
+/// measured only.
+fn expected(variant: &str) -> Option<bool> {
+    match variant {
+        v if v.starts_with("honest_") => Some(true),
+        "int4_g32" | "experts_int4_g32_w8a8" | "experts_nvfp4_w8a8" => Some(false),
+        _ => None,
+    }
+}
+
+#[derive(Default)]
+struct Row {
+    n: usize,
+    pass: usize,
+    before_pass: usize,
+    /// Per recompute label: (min, max) over commitments of the largest batch mismatch count.
+    ranges: BTreeMap<String, (u64, u64)>,
+}
+
+impl Row {
+    fn record(&mut self, report: &AuditReport) {
+        self.n += 1;
+        for o in &report.recomputes {
+            let r = self.ranges.entry(o.label()).or_insert((u64::MAX, 0));
+            r.0 = r.0.min(o.max_exp_mismatches);
+            r.1 = r.1.max(o.max_exp_mismatches);
+        }
+    }
+}
+
+#[test]
+fn honest_w8a8_serves_pass_and_weight_swaps_are_caught() {
+    let oracle = oracle_dir();
+    let cases = case_dirs(&oracle);
+    assert!(!cases.is_empty(), "no case folders in {}", oracle.display());
+    let before = std::env::var("ENGY_W8A8_BEFORE").is_ok_and(|v| v == "1");
+    let params = AuditParams::default();
+    let mut failures = Vec::new();
+    for case_dir in &cases {
+        let case = case_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let opts = LoadOptions {
+            residency: Residency::Resident,
+            device: common::test_device(),
+            ..LoadOptions::default()
+        };
+        let model = Model::open(case_dir, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
+        let root = engy_core::identity::model_root(case_dir).unwrap();
+        let mut table: BTreeMap<String, Row> = BTreeMap::new();
+        for f in commitment_files(case_dir) {
+            let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+            let variant = stem.rsplit_once('_').map_or(stem, |(v, _)| v).to_string();
+            let value: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&f).unwrap()).unwrap();
+            let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
+                .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
+            let row = table.entry(variant.clone()).or_default();
+            row.record(&report);
+            let passed = match &report.verdict {
+                Verdict::Pass => true,
+                Verdict::Cheat => false,
+                Verdict::Unproven { reason } => {
+                    failures.push(format!("{case}/{stem}: unproven ({reason})"));
+                    continue;
+                }
+            };
+            row.pass += usize::from(passed);
+            if before {
+                // Without W8A8: the bf16, f32 and bf16-eager recomputes, one passing enough.
+                let old = [Recompute::Bf16, Recompute::F32, Recompute::Bf16Eager]
+                    .iter()
+                    .any(|&r| {
+                        audit_with(&model, &root, &value, &params, r)
+                            .is_ok_and(|r| r.verdict == Verdict::Pass)
+                    });
+                row.before_pass += usize::from(old);
+            }
+            if let Some(want) = expected(&variant) {
+                if passed != want {
+                    let tried: Vec<String> = report
+                        .recomputes
+                        .iter()
+                        .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
+                        .collect();
+                    failures.push(format!(
+                        "{case}/{stem}: {} (tried {})",
+                        if passed { "passed" } else { "flagged" },
+                        tried.join(", ")
+                    ));
+                }
+            }
+        }
+        for (variant, row) in &table {
+            let ranges: Vec<String> = row
+                .ranges
+                .iter()
+                .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
+                .collect();
+            let before = if before {
+                format!("  before: pass {}/{}", row.before_pass, row.n)
+            } else {
+                String::new()
+            };
+            println!(
+                "{case:<22} {variant:<26} pass {:>2}/{:<2}{before}  {}",
+                row.pass,
+                row.n,
+                ranges.join("  ")
+            );
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The W8A8 product of a linear layer equals, bit for bit, the product of the activations
+/// quantised by [`quant::act_quant_rows`] (groups of the checkpoint's `weight_block_size[1]`)
+/// with the exactly dequantised weight, and differs from the bf16 product of the same weights
+/// (the activations' quantisation is what a bf16 recompute misses).
+#[test]
+fn the_w8a8_product_quantises_each_input_row_per_group() {
+    let case = oracle_dir().join("qwen3_5_moe_w8a8");
+    let w = engy_model::arch::Weights::open(
+        &case,
+        None,
+        engy_model::Precision::Bf16,
+        Residency::Resident,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", case.display()));
+    let module = "model.layers.0.linear_attn.in_proj_z";
+    assert!(w.is_block_fp8(module));
+    let [out, inp] = <[usize; 2]>::try_from(w.shape(&format!("{module}.weight")).unwrap()).unwrap();
+    // Three rows: one ordinary, one with a group of zeros, one with a value far above the rest.
+    let mut xs: Vec<f32> = (0..3 * inp)
+        .map(|i| ((i * 7919 % 113) as f32 - 56.0) / 17.0)
+        .collect();
+    xs[inp..inp + 128].fill(0.0);
+    xs[2 * inp + 5] = 300.0;
+    let dev = candle_core::Device::Cpu;
+    let x = candle_core::Tensor::from_vec(xs.clone(), (3, inp), &dev).unwrap();
+    let c = engy_model::Compute::Bf16;
+    let got = w
+        .linear_as(module, &x, out, inp, c, Fp8Activations::PerTokenGroup)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let mut q = xs.clone();
+    quant::act_quant_rows(&mut q, inp, 128);
+    let wt = w
+        .projection_t_in(module, out, inp, engy_model::Compute::F32)
+        .unwrap();
+    let want = candle_core::Tensor::from_vec(q, (3, inp), &dev)
+        .unwrap()
+        .matmul(&wt)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(got, want);
+    let plain = w
+        .linear_as(module, &x, out, inp, c, Fp8Activations::Unquantised)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_ne!(
+        got, plain,
+        "quantising the activations must change the product"
+    );
+}
