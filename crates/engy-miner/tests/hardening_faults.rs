@@ -908,17 +908,7 @@ async fn a_corr_id_served_again_after_its_cancel_can_be_cancelled_again() {
             // Its leg's end stops it too.
             assert!(fx.gw.drop_conn(leg));
             wait_abort_of(&fx, &rid).await;
-            let old = leg;
-            leg = fx
-                .gw
-                .wait_for(T, |_, conns| {
-                    conns
-                        .iter()
-                        .find(|c| c.id > old && c.alive && c.hello.is_some())
-                        .map(|c| c.id)
-                })
-                .await
-                .expect("re-dialed");
+            leg = next_leg(&fx.gw, leg).await;
         }
     }
     fx.sglang.set_fault(None);
@@ -975,7 +965,7 @@ async fn serve_crash_under_load_fails_every_request_in_flight_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero() {
     let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
-    let mut m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("ENGY_DRAIN_S", "1")]);
+    let m = fx.miner(&[NO_PERIODIC_HEARTBEAT, ("ENGY_DRAIN_S", "1")]);
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     fx.sglang.push_fault(Fault::Hang);
     assert!(fx.gw.serve(leg, "stuck", chat("Never.", 8), true));
@@ -985,12 +975,7 @@ async fn sigterm_with_a_hung_serve_call_aborts_it_after_the_drain_and_exits_zero
         .await
         .expect("serve call started");
     let t0 = Instant::now();
-    let (code, log) = tokio::task::spawn_blocking(move || {
-        let c = m.terminate().and_then(|s| s.code());
-        (c, m.log_text())
-    })
-    .await
-    .unwrap();
+    let (code, log) = stop(m).await;
     assert_eq!(code, Some(0), "{log}");
     // The drain (1 s) plus closing the legs; well under the 20 s `terminate` allows.
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());

@@ -25,12 +25,6 @@ fn ok(cmd: &mut Command) -> String {
     text(&out)
 }
 
-/// A 127.0.0.1 port nothing listens on (bound, then released).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_miner_image_checks_dials_with_the_env_file_and_stops_on_sigterm() {
     let Some(image) = std::env::var("ENGY_MINER_IMAGE")
@@ -49,7 +43,11 @@ async fn the_miner_image_checks_dials_with_the_env_file_and_stops_on_sigterm() {
     // The operator's files: .env.miner at the repository root beside docker/.
     let dir = tempfile::tempdir().unwrap();
     let (gw, ckpt, serve) = (fx.gw.url(), fx.ckpt(), fx.sglang.url());
-    let metrics = format!("127.0.0.1:{}", free_port());
+    // The container (host network) cannot report a port it picked to the HEALTHCHECK, which
+    // reads ENGY_METRICS_ADDR: the port is held here for the test's life and the miner binds
+    // it (SO_REUSEADDR, engy_devnet::ports); nobody else is given it meanwhile.
+    let metrics_port = engy_devnet::ports::ReservedPort::new().unwrap();
+    let metrics = metrics_port.addr().to_string();
     let settings: Vec<(String, String)> = [
         ("GW", gw.as_str()),
         ("MINER_KEY", KEY),

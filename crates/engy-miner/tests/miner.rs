@@ -474,30 +474,12 @@ async fn dropped_or_drained_legs_reconnect_and_keep_serving() {
     let _m = fx.miner(&[]);
     let first = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     assert!(fx.gw.drop_conn(first));
-    let second = fx
-        .gw
-        .wait_for(T, |_, conns| {
-            conns
-                .iter()
-                .find(|c| c.id != first && c.alive && c.hello.is_some())
-                .map(|c| c.id)
-        })
-        .await
-        .expect("re-dialed after a drop");
+    let second = next_leg(&fx.gw, first).await;
     assert!(fx.gw.serve(second, "r1", chat("Back?", 5), false));
     assert_ok(&fx.gw.wait_response("r1", T).await.unwrap());
     // `reconnect`: the miner closes the leg itself and dials again.
     assert!(fx.gw.reconnect(second));
-    let third = fx
-        .gw
-        .wait_for(T, |_, conns| {
-            conns
-                .iter()
-                .find(|c| c.id > second && c.alive && c.hello.is_some())
-                .map(|c| c.id)
-        })
-        .await
-        .expect("re-dialed after reconnect");
+    let third = next_leg(&fx.gw, second).await;
     assert!(!fx.gw.conns().iter().find(|c| c.id == second).unwrap().alive);
     fx.gw.admit(third);
     fx.gw.deny(third, "test deny is only logged");
@@ -625,7 +607,7 @@ async fn oversized_replies_fail_that_request_not_the_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_in_flight_requests_finish_then_exits_zero() {
     let fx = Fixture::new(HIDDEN, 1, SglangConfig::default()).await;
-    let mut m = fx.miner(&[("ENGY_DRAIN_S", "30")]);
+    let m = fx.miner(&[("ENGY_DRAIN_S", "30")]);
     let leg = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     fx.sglang
         .set_fault(Some(Fault::Slow(Duration::from_millis(10))));
@@ -636,12 +618,7 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits_zero() {
         })
         .await
         .unwrap();
-    let code = tokio::task::spawn_blocking(move || {
-        let c = m.terminate().and_then(|s| s.code());
-        (c, m.log_text())
-    })
-    .await
-    .unwrap();
+    let code = stop(m).await;
     assert_eq!(code.0, Some(0), "{}", code.1);
     let resp = fx
         .gw

@@ -72,20 +72,9 @@ fn a_gw_the_miner_cannot_extend_is_refused_without_echoing_it() {
 #[tokio::test]
 async fn check_names_the_cause_of_an_unreachable_serve() {
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let serve = format!("http://127.0.0.1:{}", free_port());
-    let ckpt = fx.ckpt();
-    let gw = fx.gw.url();
-    let vars = [
-        ("GW", gw.as_str()),
-        ("MINER_KEY", KEY),
-        ("CHECKPOINT", ckpt.to_str().unwrap()),
-        ("SERVE_URL", serve.as_str()),
-    ];
-    let mut cmd = miner_cmd(&vars, &["check"]);
-    cmd.stdin(Stdio::null());
-    let out = tokio::process::Command::from(cmd).output().await.unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let closed = refused_addr();
+    let (code, stdout) = fx.check(&format!("http://{}", closed.addr()), &[]).await;
+    assert_eq!(code, Some(1), "{stdout}");
     let line = stdout
         .lines()
         .find(|l| l.starts_with("FAIL") && l.contains("/get_model_info"))
@@ -138,7 +127,8 @@ async fn sigterm_during_start_up_exits_zero() {
 async fn an_unreachable_serve_is_one_start_up_warning_and_the_miner_runs() {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let fx = Fixture::new(64, 1, SglangConfig::default()).await;
-    let dead = format!("http://127.0.0.1:{}", free_port());
+    let closed = refused_addr();
+    let dead = format!("http://{}", closed.addr());
     let good = fx.sglang.url();
     let serves = format!("{good},{dead}");
     let (ckpt, gw, lock) = (fx.ckpt(), fx.gw.url(), fx.lock());
@@ -344,18 +334,8 @@ async fn operator_text_has_no_rust_debug_output() {
 
     // `check` against a serve whose last row is one value short.
     fx.sglang.push_fault(Fault::RaggedRowWidth);
-    let (ckpt, gw, serve) = (fx.ckpt(), fx.gw.url(), fx.sglang.url());
-    let vars = [
-        ("GW", gw.as_str()),
-        ("MINER_KEY", KEY),
-        ("CHECKPOINT", ckpt.to_str().unwrap()),
-        ("SERVE_URL", serve.as_str()),
-    ];
-    let mut cmd = miner_cmd(&vars, &["check"]);
-    cmd.stdin(Stdio::null());
-    let out = tokio::process::Command::from(cmd).output().await.unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let (code, stdout) = fx.check(&fx.sglang.url(), &[]).await;
+    assert_eq!(code, Some(1), "{stdout}");
     let line = stdout
         .lines()
         .find(|l| l.starts_with("FAIL") && l.contains("hidden states"))
@@ -371,15 +351,7 @@ async fn operator_text_has_no_rust_debug_output() {
     let first = fx.gw.wait_legs(1, T).await.unwrap()[0].id;
     assert!(fx.gw.deny(first, "maintenance window"));
     assert!(fx.gw.close(first, 1001, "restarting"));
-    fx.gw
-        .wait_for(T, |_, conns| {
-            conns
-                .iter()
-                .any(|c| c.id != first && c.alive && c.hello.is_some())
-                .then_some(())
-        })
-        .await
-        .expect("the miner re-dials after the close");
+    next_leg(&fx.gw, first).await; // the miner re-dials after the close
     let log = m.log_text();
     assert!(
         log.contains(r#"gateway closed the leg (code 1001, going away: "restarting")"#),

@@ -138,7 +138,8 @@ async fn bad_metrics_and_log_settings_are_refused_naming_the_variable() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("ENGY_METRICS_ADDR"));
-    let (code, out) = health(&format!("127.0.0.1:{}", free_port()));
+    let closed = refused_addr();
+    let (code, out) = health(&closed.addr().to_string());
     assert_eq!(code, Some(1), "{out}");
     assert!(out.starts_with("unhealthy:"), "{out}");
 }

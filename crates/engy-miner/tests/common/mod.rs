@@ -26,10 +26,10 @@ pub fn miner_bin() -> String {
 }
 pub const KEY: &str = "mk-test-secret-4f9a";
 
-/// A 127.0.0.1 port nothing listens on (bound, then released).
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+/// A 127.0.0.1 address nothing listens on while the returned value lives (connections are
+/// refused), held so that no other process is given it meanwhile (engy_devnet::ports).
+pub fn refused_addr() -> engy_devnet::ports::ReservedPort {
+    engy_devnet::ports::ReservedPort::new().unwrap()
 }
 
 /// The miner binary with exactly these variables (plus PATH, RUST_LOG=info), no stdin.
@@ -46,16 +46,22 @@ pub fn miner_cmd(vars: &[(&str, &str)], args: &[&str]) -> Command {
     cmd
 }
 
-/// Wait (bounded by [`T`]) until a leg other than `dropped` has a live session again.
+/// Wait (bounded by [`T`]) until a leg newer than `dropped` has a live session again.
 pub async fn wait_redialed(gw: &GatewayDouble, dropped: u64) {
+    next_leg(gw, dropped).await;
+}
+
+/// The id of a live leg with a HELLO newer than leg `after` (the double numbers legs in
+/// dial order): the one the miner dialed after `after` ended. Fails after [`T`].
+pub async fn next_leg(gw: &GatewayDouble, after: u64) -> u64 {
     gw.wait_for(T, |_, conns| {
         conns
             .iter()
-            .any(|c| c.id != dropped && c.alive && c.hello.is_some())
-            .then_some(())
+            .find(|c| c.id > after && c.alive && c.hello.is_some())
+            .map(|c| c.id)
     })
     .await
-    .expect("re-dialed");
+    .unwrap_or_else(|| panic!("no leg dialed after leg {after} within {T:?}"))
 }
 
 pub struct Fixture {
@@ -97,6 +103,25 @@ impl Fixture {
 
     pub fn lock(&self) -> PathBuf {
         self.dir.path().join("miner.lock")
+    }
+
+    /// `engy-miner check` with the fixture's gateway, key and checkpoint, `SERVE_URL=serve`
+    /// and `extra`, no stdin: (exit code, stdout).
+    pub async fn check(&self, serve: &str, extra: &[(&str, &str)]) -> (Option<i32>, String) {
+        let (gw, ckpt) = (self.gw.url(), self.ckpt());
+        let mut vars = vec![
+            ("GW", gw.as_str()),
+            ("MINER_KEY", KEY),
+            ("CHECKPOINT", ckpt.to_str().unwrap()),
+            ("SERVE_URL", serve),
+        ];
+        vars.extend_from_slice(extra);
+        let out = tokio::process::Command::from(miner_cmd(&vars, &["check"]))
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.code(), stdout)
     }
 
     /// Start the real miner with the fixture's env plus `extra`.
@@ -455,13 +480,8 @@ pub fn vm_hwm_kb(pid: u32) -> Option<u64> {
 
 /// SIGTERM the miner; it must exit 0 having had nothing in flight (no leaked slot: the
 /// drain line reports `inflight=0` and the drain never timed out) and never panicked.
-pub async fn terminate_idle(mut m: Miner) {
-    let (code, log) = tokio::task::spawn_blocking(move || {
-        let c = m.terminate().and_then(|s| s.code());
-        (c, m.log_text())
-    })
-    .await
-    .unwrap();
+pub async fn terminate_idle(m: Miner) {
+    let (code, log) = stop(m).await;
     assert_eq!(code, Some(0), "{log}");
     let drain = log
         .lines()
@@ -480,6 +500,17 @@ pub async fn frame_count(gw: &GatewayDouble) -> usize {
     gw.wait_for(T, |frames, _| Some(frames.len()))
         .await
         .unwrap_or(0)
+}
+
+/// SIGTERM the miner from async code ([`Miner::terminate`] off the runtime's threads):
+/// its exit code and whole log.
+pub async fn stop(mut m: Miner) -> (Option<i32>, String) {
+    tokio::task::spawn_blocking(move || {
+        let c = m.terminate().and_then(|s| s.code());
+        (c, m.log_text())
+    })
+    .await
+    .unwrap()
 }
 
 /// Wait (bounded by [`T`]) until the miner's log contains `needle`.
