@@ -91,6 +91,11 @@ pub struct AuditArgs {
     /// always dispatches its own top-k).
     #[arg(long)]
     pub no_routing_replay: bool,
+    /// The serve offers routing traces (it runs with --enable-return-routed-experts): a trace
+    /// that is missing, malformed, of another shape or short of any position is a cheat, not
+    /// "not replayed" (issue 39; docs/AUDITOR.md "Routing").
+    #[arg(long)]
+    pub serve_offers_routing: bool,
     /// Where the recompute runs: `cpu`, or `cuda` / `cuda:N` in a build with the `cuda`
     /// feature (docs/AUDITOR.md "On a GPU"). The verdict rules are the same on every device.
     #[arg(
@@ -301,6 +306,7 @@ fn check_args(args: &AuditArgs) -> anyhow::Result<AuditParams> {
             margin: args.routing_margin,
             max_mismatch_rate: args.max_routing_mismatch,
             replay: !args.no_routing_replay,
+            require_trace: args.serve_offers_routing,
         },
     })
 }

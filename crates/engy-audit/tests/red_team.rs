@@ -325,3 +325,62 @@ fn every_attack_is_a_cheat_and_honest_serves_pass() {
         wrong.iter().map(|r| r.attack).collect::<Vec<_>>()
     );
 }
+
+/// `engy-audit audit` on a serve that offers routing traces (`--serve-offers-routing`): a
+/// commitment without a trace, or with one that covers one position, is a cheat; before issue
+/// 39 both were "not replayed" and TOPLOC alone decided (the honest proofs pass). Without the
+/// flag the honest commitment still passes.
+#[test]
+fn a_withheld_or_short_routing_trace_is_a_cheat_when_the_serve_offers_traces() {
+    use engy_core::toploc::Params;
+    use engy_core::trace::Trace;
+    use engy_model::audit::commit_greedy;
+    use engy_model::Checkpoint;
+
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    gen_model(&dir, 3, &GenConfig::default()).unwrap();
+    let ck = Checkpoint::open(&dir, Precision::Bf16).unwrap();
+    let prompt: Vec<u32> = (5..25).collect();
+    let honest = commit_greedy(&ck.model, &ck.model_root, &prompt, 40, &[], &Params::ENGY).unwrap();
+    let audit = |name: &str, c: &serde_json::Value, extra: &[&str]| {
+        let p = write(t.path(), name, &serde_json::to_vec(c).unwrap());
+        let mut args = vec![
+            a("audit"),
+            a("--checkpoint"),
+            a(&dir),
+            a("--commitment"),
+            a(&p),
+        ];
+        args.extend(extra.iter().map(a));
+        let (code, out, err) = cells_common::text(&cells_common::engy_audit(&args));
+        eprintln!(
+            "{name} {extra:?}: exit {code} {}",
+            out.lines().next().unwrap_or(&err)
+        );
+        code
+    };
+    assert_eq!(
+        audit("no-trace.json", &honest, &[]),
+        0,
+        "honest, no trace, not required"
+    );
+    assert_eq!(
+        audit("no-trace.json", &honest, &["--serve-offers-routing"]),
+        1,
+        "a withheld trace"
+    );
+    // A trace of the model's shape over position 0 only.
+    let rs = ck.model.routing_shape().unwrap();
+    let ids: Vec<i32> = (0..rs.layers * rs.top_k)
+        .map(|i| (i % rs.top_k) as i32)
+        .collect();
+    let short = Trace::encode(0, rs.layers as u64, rs.top_k as u64, &ids, false).unwrap();
+    let mut c = honest.clone();
+    c["routing"] = serde_json::to_value(&short).unwrap();
+    assert_eq!(
+        audit("short-trace.json", &c, &["--serve-offers-routing"]),
+        1,
+        "a trace of one position"
+    );
+}

@@ -246,6 +246,10 @@ pub struct RoutingPolicy {
     /// Whether near-ties are replayed: the recompute dispatches the serve's committed experts
     /// where its own scores put them within the margin.
     pub replay: bool,
+    /// The serve offers routing traces (issue 39; docs/PROTOCOL.md §3.10): a trace that is
+    /// missing, malformed, of another shape or that does not cover every position
+    /// `[0, prompt + n − 1)` makes the verdict cheat instead of "not replayed".
+    pub require_trace: bool,
 }
 
 impl Default for RoutingPolicy {
@@ -254,6 +258,7 @@ impl Default for RoutingPolicy {
             margin: None,
             max_mismatch_rate: DEFAULT_MAX_ROUTING_MISMATCH_RATE,
             replay: true,
+            require_trace: false,
         }
     }
 }
@@ -967,7 +972,12 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
     );
     let ratio = report.passing_batches as f64 / nb;
     let routing_cheat = matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
-    report.verdict = if ratio >= p.toploc_p && !routing_cheat {
+    // A serve that offers traces and sent none, a bad one or a short one (issue 39).
+    let trace_whole = c.routing.as_ref().is_ok_and(|r| {
+        r.start == 0 && r.rows() >= c.prompt.len() + c.output.len().saturating_sub(1)
+    });
+    let trace_withheld = p.routing.require_trace && !trace_whole;
+    report.verdict = if ratio >= p.toploc_p && !routing_cheat && !trace_withheld {
         Verdict::Pass
     } else {
         Verdict::Cheat
