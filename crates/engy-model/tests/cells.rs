@@ -375,3 +375,89 @@ fn honest_bundles_pass_and_scaled_or_fp8_outputs_fail_the_statistics() {
     assert_eq!(scaled_caught, seqs.len());
     assert_eq!(fp8_caught, seqs.len());
 }
+
+/// The bound audit on the other architectures' tiny checkpoints (`tests/vectors/arch`, made by
+/// transformers): Qwen3.5-MoE (shared expert, gated) and GLM-MoE-DSA (sigmoid router with
+/// groups, the tight cell margin of 1/128, DSA). Honest bf16 and f32 serves pass; a 1.02-scaled
+/// `y` and expert-only FP8 rounding are caught.
+#[test]
+fn other_architectures_honest_pass_and_statistics_catch() {
+    let vectors = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/arch");
+    for arch in ["qwen3_5_moe", "glm_moe_dsa"] {
+        let dir = vectors.join(arch);
+        let verifier = Model::load(&dir, Precision::Bf16).unwrap();
+        let bf16 = verifier.with_compute(Compute::Bf16).unwrap();
+        let w = committed(&dir);
+        let t = tempfile::tempdir().unwrap();
+        let fp8_dir = t.path().join("fp8");
+        write_expert_cheat(
+            &dir,
+            &fp8_dir,
+            CellServe::Fp8Experts.expert_quant().unwrap(),
+        )
+        .unwrap();
+        let fp8 = Model::load_with(&fp8_dir, Precision::Bf16, Compute::Bf16).unwrap();
+        let vocab = verifier.config().vocab_size as u64;
+        let (mut honest, mut x_max, mut near, mut cells_n) = (0usize, 0f32, 0usize, 0usize);
+        let (mut y_med_max, mut scaled, mut fp8_caught, mut requests) = (0f32, 0, 0, 0);
+        for r in 0..6u64 {
+            let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ ((r + 1) * 7919);
+            let ids: Vec<u32> = (0..80)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    ((state >> 33) % vocab) as u32
+                })
+                .collect();
+            let seed = r as u8 + 1;
+            requests += 1;
+            for serve in [&bf16, &verifier] {
+                let cells = serve_cells(serve, &ids, CellServe::Honest).unwrap();
+                let rep = audit(&verifier, &w, &bundle(serve, &ids, &cells, seed), &ids);
+                assert_eq!(
+                    rep.verdict,
+                    BundleVerdict::Pass,
+                    "{arch} honest: {}",
+                    summary(&rep)
+                );
+                x_max = x_max.max(rep.recompute.as_ref().unwrap().x_err_max);
+                y_med_max = y_med_max.max(rep.stats.y_err_median);
+                near += rep.stats.near_ties;
+                cells_n += rep.stats.n;
+                honest += 1;
+            }
+            let cells = serve_cells(&bf16, &ids, CellServe::Honest).unwrap();
+            let up = rebuild(&cells, |c| {
+                let y = c
+                    .y()
+                    .iter()
+                    .map(|v| half::bf16::from_f32(v.to_f32() * 1.02));
+                Cell::new(
+                    c.position(),
+                    c.layer(),
+                    c.x().to_vec(),
+                    c.router_logits().clone(),
+                    c.expert_ids().to_vec(),
+                    y.collect(),
+                )
+                .unwrap()
+            });
+            let rep = audit(&verifier, &w, &bundle(&bf16, &ids, &up, seed), &ids);
+            scaled += usize::from(rep.verdict == BundleVerdict::Cheat);
+            let cells = serve_cells(&fp8, &ids, CellServe::Fp8Experts).unwrap();
+            let rep = audit(&verifier, &w, &bundle(&fp8, &ids, &cells, seed), &ids);
+            if r == 0 {
+                println!("{arch} fp8 experts: {}", summary(&rep));
+            }
+            fp8_caught += usize::from(rep.verdict == BundleVerdict::Cheat);
+        }
+        println!(
+            "{arch}: honest {honest} bundles pass (largest x_err {x_max:.4}, largest y median \
+             {y_med_max:.4}, near-ties {near}/{cells_n}); 1.02-scaled y caught {scaled}/{requests}; \
+             fp8 experts caught {fp8_caught}/{requests}"
+        );
+        assert_eq!(scaled, requests, "{arch}: scaled y");
+        assert_eq!(fp8_caught, requests, "{arch}: fp8 experts");
+    }
+}

@@ -53,10 +53,12 @@ use super::{CellCheck, CellRouting};
 
 /// Default [`super::CellPolicy::x_rel`]: the largest relative L2 distance between a cell's `x`
 /// and the recompute's. Measured (bench/RESULTS.md "Cells: statistics"): honest bf16 and f32
-/// serves of the devnet checkpoint bound to the recompute the plan picks, at most 0.014 over
-/// 768 challenged cells; expert-only FP8 rounding (which moves later layers' inputs) 0.029;
-/// a cell of zeros 1.0; cells copied from another request up to 1.44, another model's 1.54.
-/// 0.25 leaves the honest side an 18× margin for serves whose kernels round in another order
+/// serves bound to the closest recompute of the plan: at most 0.014 over 768 challenged cells
+/// of the devnet checkpoint, 0.045 and 0.002 over 384 each of the tiny Qwen3.5-MoE and
+/// GLM-MoE-DSA checkpoints (an f32 serve is 0.18 from the bf16 recompute there); expert-only
+/// FP8 rounding (which moves later layers' inputs) 0.03–0.15; a cell of zeros 1.0; cells
+/// copied from another request up to 1.44, another model's 1.54. 0.25 leaves the honest side
+/// a 5× margin for serves whose kernels round in another order
 /// over many more layers (issue 40: an FP8 checkpoint's W8A8 serve must be bound to a W8A8
 /// recompute in [`crate::audit::Recompute::plan`]), and the fabricated cells a 4× one.
 pub const X_REL: f32 = 0.25;
