@@ -83,10 +83,10 @@ enum Cmd {
 /// Activation dtype of a serve.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum ComputeArg {
-    /// bf16 activations (f32 accumulation), like a bf16 GPU serve: honest rows differ
-    /// slightly from the f32 auditor's.
+    /// bf16 activations (f32 accumulation), like a bf16 GPU serve: the auditor's first
+    /// recompute, in bf16, differs from it only in the order of rounding.
     Bf16,
-    /// f32 activations: honest rows equal the auditor's bit for bit.
+    /// f32 activations: honest rows equal the auditor's f32 recompute bit for bit.
     F32,
 }
 
@@ -146,7 +146,8 @@ struct RunArgs {
     /// Columns per int4 group of the cheat.
     #[arg(long, default_value_t = 32)]
     group_size: usize,
-    /// Activation dtype of the serves (the auditor always computes in f32).
+    /// Activation dtype of the serves (the auditor recomputes in bf16 first, then in f32 and
+    /// in bf16 with eager attention when bf16 does not pass).
     #[arg(long, value_enum, default_value_t = ComputeArg::Bf16)]
     serve_compute: ComputeArg,
     /// Audit: proof top-k (model spec toploc_k).
