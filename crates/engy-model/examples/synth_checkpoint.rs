@@ -32,7 +32,28 @@ const USAGE: &str =
     "usage: synth_checkpoint [--arch qwen3_5_moe|glm_moe_dsa] OUT_DIR [LAYERS] [TOKENS]";
 
 fn main() -> ExitCode {
-    let mut args = std::env::args_os().skip(1).peekable();
+    let all: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    // `--help` anywhere prints the usage (it is never an output folder: that would write
+    // gigabytes into `./--help`); any other dash word but `--arch` is refused, as is a
+    // fourth positional word.
+    if all.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}\n\nWrites a synthetic block-FP8 checkpoint with the release's shapes at LAYERS layers\n(qwen3_5_moe: default 4, about 5 GB; glm_moe_dsa: default 5, about 25 GB) and a\ncommitment of TOKENS (default 256) tokens to OUT_DIR/commitment.json.");
+        return ExitCode::SUCCESS;
+    }
+    let arch_flag = usize::from(all.first().is_some_and(|a| a == "--arch")) * 2;
+    if let Some(bad) = all
+        .iter()
+        .skip(arch_flag)
+        .find(|a| a.to_str().is_some_and(|s| s.starts_with('-')))
+    {
+        eprintln!("unknown option {bad:?} (--arch goes first)\n{USAGE}");
+        return ExitCode::from(2);
+    }
+    if all.len().saturating_sub(arch_flag) > 3 {
+        eprintln!("too many arguments\n{USAGE}");
+        return ExitCode::from(2);
+    }
+    let mut args = all.into_iter().peekable();
     let arch = if args.peek().is_some_and(|a| a == "--arch") {
         args.next();
         match args.next().and_then(|a| a.into_string().ok()) {
