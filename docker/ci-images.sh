@@ -91,7 +91,8 @@ EOF
 # Every compose file against the compose spec, every workflow against GitHub's workflow schema
 # (both schemas are built into check-jsonschema: no network).
 schemas() {
-  check-jsonschema --builtin-schema vendor.compose-spec docker/compose*.yml
+  # every compose file, under our names and the original runbook's (links)
+  check-jsonschema --builtin-schema vendor.compose-spec docker/compose*.yml docker/docker-compose*.yml
   check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
   # One workflow publishes both images (:staging and :sha-… from main; X.Y.Z, X.Y, latest from
   # tags): a second one would race it for the same tags.
@@ -231,6 +232,10 @@ say "chain up on 127.0.0.1:$PORT"
 # `--test image` picks engy-validator's and engy-miner's tests/image.rs.
 ENGY_SUBTENSOR_URL="ws://127.0.0.1:$PORT" ENGY_VALIDATOR_IMAGE="$VALIDATOR_IMAGE" \
   ENGY_MINER_IMAGE="$MINER_IMAGE" cargo test --workspace --locked --test image -- --nocapture
+
+step "runbook compose commands: the original validator file names and ours, from another directory (podman-compose)"
+cargo test -p engy-validator --locked --test compose
+cargo test -p engy-miner --locked --test docker --test docs
 
 step "tidy"
 podman image prune -f >/dev/null
