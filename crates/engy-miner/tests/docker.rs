@@ -1,6 +1,7 @@
-//! docker/compose.miner.yml is a valid compose file with what a miner box needs (issue 14
-//! item 9), and every setting an operator puts in `.env.miner` reaches the miner (issue 21
-//! item 10). Renders it with the machine's compose (`docker compose` with a daemon, else
+//! docker/compose.miner.yml is a valid compose file with what a miner box needs, every
+//! setting an operator puts in `.env.miner` is passed to the miner by name, and
+//! docker/compose.miner.cells.yml layered on it mounts one spool into the serve and the
+//! miner. Renders them with the machine's compose (`docker compose` with a daemon, else
 //! podman-compose: `engy_devnet::container`); without either the test prints why it skipped,
 //! and fails when CI=true (`.ci/run` installs podman-compose).
 use std::path::PathBuf;
