@@ -46,12 +46,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use base64::Engine as _;
-use engy_core::cells::{
-    challenge_n, BundleOpening, CellAuditBundle, CellShape, Challenge, ChallengedCell,
-};
+use engy_core::cells::{challenge_n, BundleOpening, CellAuditBundle, CellShape, Challenge};
 use engy_core::wire::{CellOpening, CellsCommitment};
 use engy_model::audit::{audit_with, AuditParams, Recompute, RoutingAudit, Verdict};
-use engy_model::cells::{verify_cell, write_expert_cheat, CellPolicy, CellServe};
+use engy_model::cells::{write_expert_cheat, BundleVerdict, CellPolicy, CellServe};
 use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Precision};
 use serde_json::{json, Value};
 
@@ -177,6 +175,9 @@ pub struct DevnetRow {
     /// Why the cell audit failed before any cell was checked (a refused challenge, a shape
     /// that is not the request's, an answer to another challenge).
     pub cells_reason: Option<String>,
+    /// The red team's attacks on this request's cell audit ([`red_team`]; the first honest
+    /// request only).
+    pub red_team: Vec<RedTeamRow>,
     /// Whether this row is what the phase expects.
     pub ok: bool,
 }
@@ -334,7 +335,7 @@ async fn phase(
     spec: &PhaseSpec,
     dir: &Path,
     work: &Path,
-    auditor: &Arc<Checkpoint>,
+    auditor: &Arc<Auditor>,
     opts: &DevnetOptions,
     progress: &Progress,
 ) -> anyhow::Result<Vec<DevnetRow>> {
@@ -478,6 +479,7 @@ async fn phase(
                 routing: None,
                 cells: None,
                 cells_reason: None,
+                red_team: Vec::new(),
                 ok: false,
             }
         } else {
@@ -486,7 +488,13 @@ async fn phase(
             let params = opts.audit;
             let c = commitment.clone();
             let report = tokio::task::spawn_blocking(move || {
-                audit_with(&ck.model, &ck.model_root, &c, &params, Recompute::Auto)
+                audit_with(
+                    &ck.ck.model,
+                    &ck.ck.model_root,
+                    &c,
+                    &params,
+                    Recompute::Auto,
+                )
             })
             .await
             .context("audit task")?
@@ -545,8 +553,22 @@ async fn phase(
                 routing,
                 cells,
                 cells_reason,
+                red_team: Vec::new(),
             }
         };
+        let mut row = row;
+        if name == "honest" && i == 0 && row.cells.is_some() {
+            progress.update(&format!("{what}: the red team's answers…"));
+            let a = Arc::clone(auditor);
+            let r2 = resp.clone();
+            row.red_team = tokio::task::spawn_blocking(move || red_team(&a, &r2))
+                .await
+                .context("red team task")?
+                .context("red team")?;
+            if row.red_team.iter().any(|t| t.caught != t.cheat) {
+                row.ok = false;
+            }
+        }
         progress.done(&format!(
             "{what}: {} tokens in {:.2} s, score {}, {}",
             row.completion_tokens,
@@ -595,6 +617,18 @@ fn save_commitment(
     Ok(())
 }
 
+/// The devnet's auditor: the checkpoint it recomputes with, and the same checkpoint's touched
+/// weights checked against its `engy-commit/v1` root (as `engy-audit cells` checks them).
+pub struct Auditor {
+    /// The checkpoint (bf16).
+    pub ck: Checkpoint,
+    /// Its units against the root of its own commitment.
+    pub weights: engy_model::cells::CommittedWeights,
+    /// The same checkpoint as the honest serve runs it (the red team's cells are made as a
+    /// serve makes them: [`DevnetOptions::serve_compute`]).
+    pub serve: engy_model::Model,
+}
+
 /// What the sampled cell audit of one request found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CellOutcome {
@@ -636,21 +670,18 @@ pub fn combined_verdict(
 }
 
 /// The request's cell shape as the auditor derives it (specs/CELLS.md §3 "A request's
-/// shape"): positions and tokens from the commitment's ids, layers and sizes from the
-/// auditor's model (its MoE layers are the layers its own cells of the request cover).
-fn request_shape(auditor: &Checkpoint, ids: &[u32], c: &CellsCommitment) -> Option<CellShape> {
-    let rs = auditor.model.routing_shape()?;
+/// shape"): positions and tokens from the commitment's ids, the MoE layers from the committed
+/// checkpoint, the sizes from the auditor's model; the logits dtype is the commitment's.
+fn request_shape(auditor: &Auditor, ids: &[u32], c: &CellsCommitment) -> Option<CellShape> {
+    let rs = auditor.ck.model.routing_shape()?;
     let dtype = c.shape.logits_dtype().ok()?;
-    let first = ids.get(..1)?;
-    let layers: Vec<u32> = engy_model::cells::serve_cells(&auditor.model, first, CellServe::Honest)
-        .ok()?
-        .iter()
-        .map(|cell| cell.layer())
+    let layers: Vec<u32> = (0..rs.layers as u32)
+        .filter(|&l| auditor.weights.is_moe_layer(l))
         .collect();
     CellShape::for_request(
         ids,
         layers,
-        auditor.model.config().hidden_size as u32,
+        auditor.ck.model.config().hidden_size as u32,
         rs.experts as u32,
         rs.top_k as u32,
         dtype,
@@ -658,148 +689,381 @@ fn request_shape(auditor: &Checkpoint, ids: &[u32], c: &CellsCommitment) -> Opti
     .ok()
 }
 
-/// The sampled cell audit of one response through the miner (module docs, docs/PROTOCOL.md
-/// §10), the auditor owning the challenge: the commitment's `cells` (root and shape, the shape
-/// checked against the request's), a seed the auditor draws only now, `open_cells` for
-/// [`CELLS_PER_REQUEST`] cells on the request's leg (`conn`); the answer, made a bundle of the
-/// auditor's seed and `n`, must answer exactly that challenge
-/// ([`CellAuditBundle::check_challenge`]), then each opening is checked against the root and
-/// `auditor`'s weights. A refusal (`cells_error`), a commitment without cells from this serve
-/// (which offers them), another root or shape fail every challenged cell. `None` never: a
-/// missing `commitment.cells` is a failed audit here.
-async fn cell_audit(
-    gateway: &GatewayDouble,
-    conn: u64,
-    resp: &Value,
-    auditor: Arc<Checkpoint>,
-) -> anyhow::Result<Option<CellOutcome>> {
-    let all_failed = |n: usize, reason: String| {
-        Ok(Some(CellOutcome {
-            failed: n,
-            challenged: n,
-            reason: Some(reason),
-        }))
-    };
-    let Some(cells) = resp.pointer("/commitment/cells") else {
-        return all_failed(
-            0,
-            "the commitment carries no cells, from a serve that offers them".into(),
-        );
-    };
-    let c: CellsCommitment =
-        serde_json::from_value(cells.clone()).context("reading commitment.cells")?;
+/// The request's token ids (prompt + output) of a `response` frame's commitment.
+fn request_ids(resp: &Value) -> anyhow::Result<Vec<u32>> {
     let commitment: engy_core::wire::Commitment =
         serde_json::from_value(resp.get("commitment").cloned().unwrap_or(Value::Null))
             .context("reading the commitment")?;
-    let ids: Vec<u32> = commitment
+    Ok(commitment
         .toploc
         .prompt_ids
         .iter()
         .chain(&commitment.output_token_ids)
         .copied()
-        .collect();
-    let want_shape = {
-        let a = Arc::clone(&auditor);
-        let (ids, c) = (ids.clone(), c.clone());
-        tokio::task::spawn_blocking(move || request_shape(&a, &ids, &c))
-            .await
-            .context("shape task")?
+        .collect())
+}
+
+/// A miner's answer to `open_cells`, as the auditor receives it.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// `cells_error` (its reason word) or no answer.
+    Declined(String),
+    /// `cells`: the root it names and its openings.
+    Opened {
+        /// The `cells` frame's `root`.
+        root: [u8; 32],
+        /// The openings, cells decoded from base64.
+        openings: Vec<BundleOpening>,
+    },
+}
+
+/// The auditor's judgement of one request's cells (blocking; [`cell_audit`] and the red team
+/// share it): `c` the commitment's `cells` (`None`: the commitment has none, from a serve
+/// that offers them), the shape checked against the request's, the answer made a bundle of
+/// the auditor's `seed` and `n` and checked to answer exactly that challenge, then every
+/// challenged cell bound to the recompute of `ids` and checked against the committed weights
+/// ([`engy_model::cells::audit_bundle_with_recompute`], as `engy-audit cells` does).
+pub fn judge(
+    auditor: &Auditor,
+    ids: &[u32],
+    c: Option<&CellsCommitment>,
+    seed: [u8; 32],
+    answer: Answer,
+) -> anyhow::Result<CellOutcome> {
+    let all_failed = |n: u64, reason: String| CellOutcome {
+        failed: n as usize,
+        challenged: n as usize,
+        reason: Some(reason),
     };
-    let Some(want_shape) = want_shape else {
+    let Some(c) = c else {
+        return Ok(all_failed(
+            CELLS_PER_REQUEST,
+            "the commitment carries no cells, from a serve that offers them".into(),
+        ));
+    };
+    let Some(want) = request_shape(auditor, ids, c) else {
         bail!("the auditor's model gives no cell shape for this request");
     };
-    if let Some(why) = c.shape.request_mismatch(&want_shape) {
-        let n = challenge_n(CELLS_PER_REQUEST, want_shape.n_cells()) as usize;
-        return all_failed(
+    let n = challenge_n(CELLS_PER_REQUEST, want.n_cells());
+    if c.scheme != engy_core::cells::SCHEME {
+        return Ok(all_failed(
+            n,
+            format!("commitment.cells is scheme {}", c.scheme),
+        ));
+    }
+    if let Some(why) = c.shape.request_mismatch(&want) {
+        return Ok(all_failed(
             n,
             format!("commitment.cells.shape is not the request's: {why}"),
-        );
+        ));
     }
-    let request_id = resp.get("request_id").cloned().unwrap_or(Value::Null);
-    let n = challenge_n(CELLS_PER_REQUEST, c.shape.n_cells());
-    // The miner has committed `cells.root`; only now does the auditor draw its seed.
+    let (root, openings) = match answer {
+        Answer::Declined(why) => {
+            return Ok(all_failed(
+                n,
+                format!("the miner declined the challenge inside the retention window: {why}"),
+            ))
+        }
+        Answer::Opened { root, openings } => (root, openings),
+    };
     let challenge = Challenge {
         cells_root: c.root.0,
         shape: c.shape.clone(),
-        seed: rand::random(),
+        seed,
         n,
     };
-    let asked_before = gateway
-        .frames()
-        .iter()
-        .filter(|f| f.kind() == "open_cells" && f.value.get("request_id") == Some(&request_id))
-        .count();
-    if !gateway.open_cells(conn, request_id.clone(), challenge.seed, n) {
-        bail!("the request's leg {conn} is gone: cannot send open_cells");
+    let bundle = CellAuditBundle {
+        cells_root: engy_core::commit::spec::Hex(root),
+        shape: c.shape.clone(),
+        seed: engy_core::commit::spec::Hex(seed),
+        n,
+        openings,
+    };
+    if let Err(e) = bundle.check_challenge(&challenge) {
+        return Ok(all_failed(
+            n,
+            format!("the answer does not answer the auditor's challenge: {e}"),
+        ));
     }
-    let answer = gateway
-        .wait_cells(&request_id, asked_before, Duration::from_secs(60))
-        .await
-        .context("no answer to open_cells within 60 s")?;
-    let (root, openings): (engy_core::commit::spec::Hex, Vec<CellOpening>) =
-        match (answer.get("root"), answer.get("openings")) {
-            (Some(r), Some(o)) if answer["type"] == "cells" => (
-                serde_json::from_value(r.clone()).context("reading the cells frame's root")?,
-                serde_json::from_value(o.clone()).context("reading the cells frame")?,
-            ),
-            _ => {
-                return all_failed(
-                    n as usize,
-                    format!(
-                        "the miner declined the challenge inside the retention window: {}",
-                        answer
-                            .get("reason")
-                            .and_then(Value::as_str)
-                            .unwrap_or("no cells")
-                    ),
-                )
+    let report = engy_model::cells::audit_bundle_with_recompute(
+        &auditor.ck.model,
+        &auditor.weights,
+        &bundle,
+        ids,
+        None,
+        &CellPolicy::default(),
+    )?;
+    let reason = (!report.stats.failures.is_empty())
+        .then(|| format!("together: {}", report.stats.failures.join("; ")));
+    Ok(CellOutcome {
+        failed: report.failed as usize
+            + usize::from(report.failed == 0 && report.verdict == BundleVerdict::Cheat),
+        challenged: report.n as usize,
+        reason,
+    })
+}
+
+/// The sampled cell audit of one response through the miner (module docs, docs/PROTOCOL.md
+/// §10), the auditor owning the challenge: a seed it draws only now, `open_cells` for
+/// [`CELLS_PER_REQUEST`] cells on the request's leg (`conn`), the answer judged by [`judge`].
+/// A missing `commitment.cells` is a failed audit here (the serve offers cells).
+async fn cell_audit(
+    gateway: &GatewayDouble,
+    conn: u64,
+    resp: &Value,
+    auditor: Arc<Auditor>,
+) -> anyhow::Result<Option<CellOutcome>> {
+    let ids = request_ids(resp)?;
+    let c: Option<CellsCommitment> = match resp.pointer("/commitment/cells") {
+        None => None,
+        Some(v) => Some(serde_json::from_value(v.clone()).context("reading commitment.cells")?),
+    };
+    // The miner has committed `cells.root`; only now does the auditor draw its seed.
+    let seed: [u8; 32] = rand::random();
+    let answer = match &c {
+        None => Answer::Declined("no cells committed".into()),
+        Some(c) => {
+            let request_id = resp.get("request_id").cloned().unwrap_or(Value::Null);
+            let n = challenge_n(CELLS_PER_REQUEST, c.shape.n_cells());
+            let asked_before = gateway
+                .frames()
+                .iter()
+                .filter(|f| {
+                    f.kind() == "open_cells" && f.value.get("request_id") == Some(&request_id)
+                })
+                .count();
+            if !gateway.open_cells(conn, request_id.clone(), seed, n) {
+                bail!("the request's leg {conn} is gone: cannot send open_cells");
             }
-        };
-    let mut bundle_openings = Vec::with_capacity(openings.len());
+            let frame = gateway
+                .wait_cells(&request_id, asked_before, Duration::from_secs(60))
+                .await;
+            opened_answer(frame.as_ref())?
+        }
+    };
+    let out = tokio::task::spawn_blocking(move || judge(&auditor, &ids, c.as_ref(), seed, answer))
+        .await
+        .context("cell audit task")??;
+    Ok(Some(out))
+}
+
+/// The [`Answer`] of a `cells` / `cells_error` frame (`None`: no answer by the deadline).
+fn opened_answer(frame: Option<&Value>) -> anyhow::Result<Answer> {
+    let Some(f) = frame else {
+        return Ok(Answer::Declined("no answer within 60 s".into()));
+    };
+    if f["type"] != "cells" {
+        return Ok(Answer::Declined(
+            f.get("reason")
+                .and_then(Value::as_str)
+                .unwrap_or("cells_error")
+                .to_string(),
+        ));
+    }
+    let root: engy_core::commit::spec::Hex =
+        serde_json::from_value(f["root"].clone()).context("reading the cells frame's root")?;
+    let openings: Vec<CellOpening> =
+        serde_json::from_value(f["openings"].clone()).context("reading the cells frame")?;
+    let mut out = Vec::with_capacity(openings.len());
     for o in openings {
         let Ok(cell) = base64::engine::general_purpose::STANDARD.decode(&o.cell) else {
-            return all_failed(n as usize, format!("opening {} is not base64", o.index));
+            return Ok(Answer::Declined(format!(
+                "opening {} is not base64",
+                o.index
+            )));
         };
-        bundle_openings.push(BundleOpening {
+        out.push(BundleOpening {
             index: o.index,
             cell,
             path: o.path,
         });
     }
-    let bundle = CellAuditBundle {
-        cells_root: root,
-        shape: c.shape.clone(),
-        seed: engy_core::commit::spec::Hex(challenge.seed),
-        n,
-        openings: bundle_openings,
-    };
-    let checked: Vec<ChallengedCell> = match bundle.check_challenge(&challenge) {
-        Ok(c) => c,
-        Err(e) => {
-            return all_failed(
-                n as usize,
-                format!("the answer does not answer the auditor's challenge: {e}"),
-            )
-        }
-    };
-    tokio::task::spawn_blocking(move || {
-        let policy = CellPolicy::default();
-        let mut failed = 0;
-        for c in &checked {
-            let pass = match &c.opened {
-                Ok(cell) => verify_cell(&auditor.model, cell, &policy)?.pass(),
-                Err(_) => false,
-            };
-            failed += usize::from(!pass);
-        }
-        Ok(Some(CellOutcome {
-            failed,
-            challenged: checked.len(),
-            reason: None,
-        }))
+    Ok(Answer::Opened {
+        root: root.0,
+        openings: out,
     })
-    .await
-    .context("cell audit task")?
+}
+
+/// One attack of the red team and what the auditor made of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedTeamRow {
+    /// The attack.
+    pub attack: &'static str,
+    /// Whether it is a cheat (the honest control is not).
+    pub cheat: bool,
+    /// Whether the audit failed it.
+    pub caught: bool,
+    /// The failed cells or the reason.
+    pub why: String,
+}
+
+/// The red team (issue 39): the answers a cheating miner could give for the request of
+/// `resp` (its commitment's cells and its `open_cells` answer), each judged by the devnet's
+/// auditor exactly as the miner's real answers are ([`judge`]), beside the honest answer.
+///
+/// # Errors
+/// The recompute's own failures.
+pub fn red_team(auditor: &Auditor, resp: &Value) -> anyhow::Result<Vec<RedTeamRow>> {
+    use engy_core::cells::{Cell, CellTree, RouterLogits};
+    use engy_core::commit::spec::Hex;
+    use half::bf16;
+    let ids = request_ids(resp)?;
+    let c: CellsCommitment = serde_json::from_value(
+        resp.pointer("/commitment/cells")
+            .cloned()
+            .context("the request has no cells")?,
+    )?;
+    let model = &auditor.serve;
+    let shape = request_shape(auditor, &ids, &c).context("no shape")?;
+    let commit = |t: &CellTree| CellsCommitment {
+        scheme: engy_core::cells::SCHEME.into(),
+        root: Hex(t.root()),
+        shape: t.shape().clone(),
+    };
+    let n = challenge_n(CELLS_PER_REQUEST, shape.n_cells());
+    let open = |t: &CellTree, cells: &[Cell], seed: [u8; 32]| -> anyhow::Result<Answer> {
+        let b = CellAuditBundle::open(t, &seed, n.min(t.shape().n_cells()), |i| {
+            Ok(cells[i as usize].encode())
+        })?;
+        Ok(Answer::Opened {
+            root: b.cells_root.0,
+            openings: b.openings,
+        })
+    };
+    let tree_of = |shape: &CellShape, cells: &[Cell]| CellTree::from_cells(shape.clone(), cells);
+    let honest = engy_model::cells::serve_cells(model, &ids, CellServe::Honest)?;
+    let ht = tree_of(&shape, &honest)?;
+    let seed: [u8; 32] = rand::random();
+    let mut rows = Vec::new();
+    let mut row = |attack: &'static str,
+                   cheat: bool,
+                   c: Option<&CellsCommitment>,
+                   answer: Answer|
+     -> anyhow::Result<()> {
+        let o = judge(auditor, &ids, c, seed, answer)?;
+        rows.push(RedTeamRow {
+            attack,
+            cheat,
+            caught: o.failed > 0,
+            why: o
+                .reason
+                .unwrap_or_else(|| format!("{}/{} cells failed", o.failed, o.challenged)),
+        });
+        Ok(())
+    };
+    row(
+        "honest answer (control)",
+        false,
+        Some(&c),
+        open(&ht, &honest, seed)?,
+    )?;
+    let zeros: Vec<Cell> = honest
+        .iter()
+        .map(|x| {
+            let h = x.hidden() as usize;
+            Cell::new(
+                x.position(),
+                x.layer(),
+                vec![bf16::ZERO; h],
+                RouterLogits::Bf16(vec![bf16::ZERO; x.n_experts() as usize]),
+                (0..x.top_k()).collect(),
+                vec![bf16::ZERO; h],
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let zt = tree_of(&shape, &zeros)?;
+    row(
+        "zero cells",
+        true,
+        Some(&commit(&zt)),
+        open(&zt, &zeros, seed)?,
+    )?;
+    let other: Vec<u32> = ids.iter().rev().copied().collect();
+    let copied = engy_model::cells::serve_cells(model, &other, CellServe::Honest)?;
+    let ct = tree_of(&shape, &copied)?;
+    row(
+        "copied cells (another request)",
+        true,
+        Some(&commit(&ct)),
+        open(&ct, &copied, seed)?,
+    )?;
+    let oshape = CellShape::for_request(
+        &other,
+        shape.layers().to_vec(),
+        shape.hidden(),
+        shape.n_experts(),
+        shape.top_k(),
+        shape.logits_dtype()?,
+    )?;
+    let ot = tree_of(&oshape, &copied)?;
+    row(
+        "copied commitment (other tokens)",
+        true,
+        Some(&commit(&ot)),
+        open(&ot, &copied, seed)?,
+    )?;
+    row(
+        "n = 0 (nothing opened)",
+        true,
+        Some(&c),
+        Answer::Opened {
+            root: c.root.0,
+            openings: Vec::new(),
+        },
+    )?;
+    row("chosen seed", true, Some(&c), open(&ht, &honest, [1; 32])?)?;
+    let per = shape.layers().len();
+    let sshape = CellShape::for_request(
+        &ids[..1],
+        shape.layers().to_vec(),
+        shape.hidden(),
+        shape.n_experts(),
+        shape.top_k(),
+        shape.logits_dtype()?,
+    )?;
+    let st = tree_of(&sshape, &honest[..per])?;
+    row(
+        "shrunk shape (one position)",
+        true,
+        Some(&commit(&st)),
+        open(&st, &honest, seed)?,
+    )?;
+    row(
+        "declined (unknown_request)",
+        true,
+        Some(&c),
+        Answer::Declined("unknown_request".into()),
+    )?;
+    row(
+        "commitment without cells",
+        true,
+        None,
+        Answer::Declined("no cells".into()),
+    )?;
+    let scaled: Vec<Cell> = honest
+        .iter()
+        .map(|x| {
+            Cell::new(
+                x.position(),
+                x.layer(),
+                x.x().to_vec(),
+                x.router_logits().clone(),
+                x.expert_ids().to_vec(),
+                x.y()
+                    .iter()
+                    .map(|v| bf16::from_f32(v.to_f32() * 1.02))
+                    .collect(),
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let yt = tree_of(&shape, &scaled)?;
+    row(
+        "y scaled by 1.02",
+        true,
+        Some(&commit(&yt)),
+        open(&yt, &scaled, seed)?,
+    )?;
+    Ok(rows)
 }
 
 /// Runs the devnet and returns every row (print them with [`render_table`]).
@@ -843,10 +1107,30 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
         dir.display(),
         t0.elapsed().as_secs_f64()
     ));
-    let auditor = Arc::new(
-        Checkpoint::open(&dir, Precision::Bf16).context("loading the auditor's checkpoint")?,
-    );
-    progress.done(&format!("model_root {}", auditor.model_root));
+    let ck = Checkpoint::open(&dir, Precision::Bf16).context("loading the auditor's checkpoint")?;
+    let weights = {
+        let d = dir.clone();
+        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let c = engy_core::commit::commit_checkpoint(
+                &d,
+                &engy_core::commit::CommitOptions::default(),
+                &engy_core::commit::Progress::default(),
+            )?;
+            let spec = engy_core::commit::SpecFile::from_commitment(&c, 0.0);
+            Ok(engy_model::cells::CommittedWeights::open(
+                &d,
+                c.model_root,
+                engy_model::cells::Openings::Spec(Box::new(spec)),
+            )?)
+        })
+        .await
+        .context("commit task")?
+        .context("committing the devnet checkpoint for the cell audit")?
+    };
+    let serve = engy_model::Model::load_with(&dir, Precision::Bf16, opts.serve_compute)
+        .context("loading the red team's serve")?;
+    let auditor = Arc::new(Auditor { ck, weights, serve });
+    progress.done(&format!("model_root {}", auditor.ck.model_root));
     let phases = [
         PhaseSpec {
             name: "honest",
@@ -988,6 +1272,42 @@ pub fn render_table(rows: &[DevnetRow]) -> String {
         "routing: honest {}/{} tokens agree (near-ties {})\n",
         honest_routing.0, honest_routing.2, honest_routing.1
     ));
+    let attacks: Vec<&RedTeamRow> = rows.iter().flat_map(|r| &r.red_team).collect();
+    if !attacks.is_empty() {
+        let honest_n = rows.iter().filter(|r| r.phase == "honest").count();
+        let flagged = rows
+            .iter()
+            .filter(|r| r.phase == "honest" && r.verdict != "pass")
+            .count();
+        s.push_str(&format!(
+            "red team (the cell audit; honest requests flagged: {flagged}/{honest_n})\n"
+        ));
+        for (phase, _) in [("int4 cheat", ()), (FP8_EXPERTS, ()), (FABRICATED, ())] {
+            let of: Vec<&DevnetRow> = rows.iter().filter(|r| r.phase == phase).collect();
+            let caught = of
+                .iter()
+                .filter(|r| r.cells.is_some_and(|(f, _)| f > 0))
+                .count();
+            s.push_str(&format!(
+                "  {:<36} caught {caught}/{} requests (the serve)\n",
+                format!("{phase} serve"),
+                of.len()
+            ));
+        }
+        for a in attacks {
+            s.push_str(&format!(
+                "  {:<36} {} 1/1 ({})\n",
+                a.attack,
+                match (a.cheat, a.caught) {
+                    (true, true) => "caught",
+                    (true, false) => "MISSED",
+                    (false, false) => "passes",
+                    (false, true) => "FLAGGED",
+                },
+                a.why
+            ));
+        }
+    }
     for phase in ["honest", "int4 cheat", FP8_EXPERTS, FABRICATED] {
         let (failed, opened) = rows
             .iter()
