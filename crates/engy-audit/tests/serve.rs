@@ -122,8 +122,12 @@ impl Fixture {
     /// prompt carries this process's id and start time, so that runs against one PostgreSQL
     /// database never report the same commitment twice.
     fn commitment(&self, text: &str, tokens: usize, honest: bool) -> Value {
+        self.commitment_exact(&format!("{text} (run {})", run_nonce()), tokens, honest)
+    }
+
+    /// [`Fixture::commitment`] without the run's nonce: the same bytes in every run.
+    fn commitment_exact(&self, text: &str, tokens: usize, honest: bool) -> Value {
         let ck = if honest { &self.honest } else { &self.cheat };
-        let text = format!("{text} (run {})", run_nonce());
         let prompt = ck
             .tokenizer
             .encode(
@@ -188,14 +192,10 @@ impl Service {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_engy-audit"));
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0", "--db", db])
-            .args([
-                "--fixed-beacon",
-                BEACON,
-                "--sample-rate",
-                "1",
-                "--floor",
-                "0",
-            ])
+            .args(["--fixed-beacon", BEACON])
+            // Every report audited unless a test's flags say otherwise.
+            .env("ENGY_AUDIT_SAMPLE_RATE", "1")
+            .env("ENGY_AUDIT_FLOOR", "0")
             .args(["--log-format", "json"]);
         for (name, dir) in models {
             cmd.arg("--model").arg(format!("{name}={}", dir.display()));
@@ -760,4 +760,138 @@ fn postgres_restarted_mid_run_loses_nothing() {
     }
     let (_, m) = get_json(svc.addr, &format!("/v1/miners/{key}"));
     assert_eq!(m["pass"], digests.len(), "{m}; 503 answers: {unavailable}");
+}
+
+/// `u64le(seed[0..8]) / 2^64`, the number the rate compares (docs/PROTOCOL.md §11.2),
+/// computed here from the spec's formula and the fixed beacon.
+fn seed_of(digest: &str) -> [u8; 32] {
+    let beacon = engy_core::commit::parse_digest(BEACON).unwrap();
+    let d = engy_core::commit::parse_digest(digest).unwrap();
+    engy_core::cells::production_seed(&beacon, &d)
+}
+
+fn uniform(seed: &[u8; 32]) -> f64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&seed[..8]);
+    u64::from_le_bytes(b) as f64 / 18_446_744_073_709_551_616.0
+}
+
+/// The rate samples exactly the requests whose production seed falls under it, and the
+/// floor tops a miner up at the window's end with its requests of lowest seed, not its first
+/// ones: a miner that serves its first K requests of a window honestly and cheats on the
+/// rest is audited on requests it could not pick.
+#[test]
+fn sampling_follows_the_production_seed_and_the_floor_is_unpredictable() {
+    let fx = Fixture::new();
+    let t = tempfile::tempdir().unwrap();
+    let svc = Service::start(
+        &sqlite_url(t.path()),
+        &[("devnet", &fx.checkpoint)],
+        &[
+            "--device",
+            "none",
+            "--sample-rate",
+            "0.3",
+            "--floor",
+            "7",
+            "--window-s",
+            "2",
+        ],
+    );
+    let key = hotkey("sampled");
+    let mut digests = Vec::new();
+    for i in 0..10 {
+        // The same commitments in every run (a private database): the seeds, and so the
+        // case below (some sampled by the rate, some by the floor), are fixed.
+        let c = fx.commitment_exact(&format!("Sampling question {i}?"), 8, true);
+        let (code, v) = svc.post(&report(&format!("s{i}"), &key, "devnet", &c));
+        assert_eq!(code, 202, "{v}");
+        digests.push(v["digest"].as_str().unwrap().to_owned());
+    }
+    let status = |d: &str| get_json(svc.addr, &format!("/v1/requests/{d}")).1;
+    // Every decision is the rate's, until the window has ended.
+    let first: Vec<Value> = digests
+        .iter()
+        .map(|d| {
+            wait_for("the decision", || {
+                Some(status(d)).filter(|s| !s["sampled"].is_null())
+            })
+        })
+        .collect();
+    let by_rate: Vec<bool> = digests.iter().map(|d| uniform(&seed_of(d)) < 0.3).collect();
+    for ((s, rate), d) in first.iter().zip(&by_rate).zip(&digests) {
+        if *rate {
+            assert_eq!(s["sampled"], true, "{d}: {s}");
+            assert_eq!(s["sample_reason"], "rate", "{d}: {s}");
+        }
+    }
+    // After the window: at least 7 sampled, the extra ones those of lowest seed.
+    let want = by_rate.iter().filter(|r| **r).count().max(7);
+    let finals: Vec<Value> = wait_for("the floor's top-up", || {
+        let all: Vec<Value> = digests.iter().map(|d| status(d)).collect();
+        let n = all.iter().filter(|s| s["sampled"] == true).count();
+        (n >= want).then_some(all)
+    });
+    let mut unsampled_by_rate: Vec<(String, &str)> = digests
+        .iter()
+        .zip(&by_rate)
+        .filter(|(_, r)| !**r)
+        .map(|(d, _)| (hex::encode(seed_of(d)), d.as_str()))
+        .collect();
+    unsampled_by_rate.sort();
+    let floor_picks = want - by_rate.iter().filter(|r| **r).count();
+    assert!(
+        floor_picks > 0 && floor_picks < want,
+        "the fixed commitments exercise both the rate and the floor: {by_rate:?}"
+    );
+    for (i, (_, d)) in unsampled_by_rate.iter().enumerate() {
+        let s = &finals[digests.iter().position(|x| x == d).unwrap()];
+        if i < floor_picks {
+            assert_eq!(s["sampled"], true, "{s}");
+            assert_eq!(s["sample_reason"], "floor", "{s}");
+        } else {
+            assert_eq!(s["sampled"], false, "{s}");
+        }
+    }
+    assert_eq!(
+        finals.iter().filter(|s| s["sampled"] == true).count(),
+        want,
+        "{finals:?}"
+    );
+}
+
+/// SIGTERM while an audit runs and `--drain-s 0`: the job goes back to the queue (its claim
+/// not counted), the process exits 0, and the next process audits it.
+#[test]
+fn sigterm_gives_the_job_in_hand_back() {
+    let fx = Fixture::new();
+    let t = tempfile::tempdir().unwrap();
+    let db = sqlite_url(t.path());
+    let mut a = Service::start(&db, &[("devnet", &fx.checkpoint)], &["--drain-s", "0"]);
+    let c = fx.commitment("Tell me a long story about shutdowns.", 400, true);
+    let (code, v) = a.post(&report("term", &hotkey("term"), "devnet", &c));
+    assert_eq!(code, 202, "{v}");
+    let digest = v["digest"].as_str().unwrap().to_owned();
+    a.wait_line("the claim", |v| v["message"] == "audit claimed");
+    assert!(a.terminate().success(), "SIGTERM exits 0");
+    assert!(
+        a.log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("its job is back in the queue")),
+        "the job was not given back"
+    );
+    let b = Service::start(&db, &[("devnet", &fx.checkpoint)], &[]);
+    let (_, s) = get_json(b.addr, &format!("/v1/requests/{digest}"));
+    assert!(
+        s["job_state"] == "queued" || s["job_state"] == "leased",
+        "{s}"
+    );
+    assert_eq!(b.verdict(&digest)["verdict"], "pass");
+    let (_, s) = get_json(b.addr, &format!("/v1/requests/{digest}"));
+    assert_eq!(
+        s["attempts"], 1,
+        "the interrupted claim is not counted: {s}"
+    );
 }
