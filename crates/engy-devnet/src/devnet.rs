@@ -26,10 +26,13 @@
 //! §10): the double runs the engy_cells `--forward-hooks` (its cells built as the phase's
 //! [`CellServe`] builds them), the miner runs with `--cells on`, its commit pass spools them
 //! and it keeps them in its retention store. After each audit the auditor plays the sampled
-//! cell audit through the miner: it draws a seed only now, sends `open_cells` for
-//! [`CELLS_PER_REQUEST`] cells on the request's leg, checks each opening against the
-//! committed root at the indices it computed itself and each cell against the weights
-//! ([`engy_model::cells::verify_cell`]).
+//! cell audit through the miner as `engy-audit cells` does ([`judge`]): it checks the
+//! commitment's cell shape against the request, draws a seed only now, sends `open_cells` for
+//! [`CELLS_PER_REQUEST`] cells on the request's leg, requires the answer to answer exactly that
+//! challenge, and checks each cell against the recompute of the request and the checkpoint's
+//! weights, those checked against the checkpoint's own `engy-commit/v1` root
+//! ([`engy_model::cells::audit_bundle_with_recompute`]). On the first honest request the red
+//! team ([`red_team`]) judges the answers a cheating miner could give instead.
 //!
 //! It prints one table row per request, its `verdict` the audit's verdict on the request
 //! (TOPLOC, routing and cells together, naming what caught a cheat: `cheat (cells)`;
