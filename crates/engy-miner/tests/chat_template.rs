@@ -3,7 +3,6 @@
 //! for a checkpoint generated here, computed at test time by `tests/hf_chat_template.py`.
 mod common;
 
-use engy_devnet::sglang::synthetic::{write_checkpoint, CheckpointSpec};
 use engy_miner::chat::Prompter;
 use serde_json::{json, Value};
 
@@ -24,16 +23,7 @@ fn conversations() -> Value {
 #[test]
 fn prompt_ids_match_transformers_apply_chat_template() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
-    write_checkpoint(
-        &ckpt,
-        &CheckpointSpec {
-            hidden_size: 64,
-            vocab_size: 500,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let ckpt = common::checkpoint(dir.path(), 64);
     let p = Prompter::load(&ckpt).unwrap();
     let convs = conversations();
     let ours: Vec<Vec<u32>> = convs
@@ -82,16 +72,7 @@ fn prompt_ids_match_transformers_apply_chat_template() {
 #[test]
 fn template_errors_are_reported_not_panics() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
-    write_checkpoint(
-        &ckpt,
-        &CheckpointSpec {
-            hidden_size: 64,
-            vocab_size: 500,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let ckpt = common::checkpoint(dir.path(), 64);
     std::fs::write(
         ckpt.join("chat_template.jinja"),
         "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{{ m.content.strip() }}|{% endfor %}",
@@ -153,16 +134,7 @@ fn content_as_a_list_of_parts_renders_as_transformers_renders_it() {
         ),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let ckpt = dir.path().join("ckpt");
-        write_checkpoint(
-            &ckpt,
-            &CheckpointSpec {
-                hidden_size: 64,
-                vocab_size: 500,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let ckpt = common::checkpoint(dir.path(), 64);
         std::fs::write(ckpt.join("chat_template.jinja"), template).unwrap();
         let p = Prompter::load(&ckpt).unwrap();
         assert_eq!(p.render(&convs[0]).unwrap(), first, "{name}");

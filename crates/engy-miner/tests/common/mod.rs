@@ -64,6 +64,23 @@ pub async fn next_leg(gw: &GatewayDouble, after: u64) -> u64 {
     .unwrap_or_else(|| panic!("no leg dialed after leg {after} within {T:?}"))
 }
 
+/// The synthetic serve's checkpoint (engy-devnet `write_checkpoint`: config.json, the
+/// tokenizer with its ChatML template, weights) with `hidden_size` and a 500-token vocabulary,
+/// written to `dir/ckpt`; returns that path. [`Fixture::new`] serves one.
+pub fn checkpoint(dir: &Path, hidden_size: usize) -> PathBuf {
+    let ckpt = dir.join("ckpt");
+    write_checkpoint(&ckpt, &checkpoint_spec(hidden_size)).unwrap();
+    ckpt
+}
+
+fn checkpoint_spec(hidden_size: usize) -> CheckpointSpec {
+    CheckpointSpec {
+        hidden_size,
+        vocab_size: 500,
+        ..CheckpointSpec::default()
+    }
+}
+
 pub struct Fixture {
     pub dir: tempfile::TempDir,
     pub sglang: SglangDouble,
@@ -72,12 +89,7 @@ pub struct Fixture {
 
 impl Fixture {
     pub async fn new(hidden: usize, workers: usize, cfg: SglangConfig) -> Self {
-        let spec = CheckpointSpec {
-            hidden_size: hidden,
-            vocab_size: 500,
-            ..CheckpointSpec::default()
-        };
-        Self::with_spec(&spec, workers, cfg).await
+        Self::with_spec(&checkpoint_spec(hidden), workers, cfg).await
     }
 
     /// A fixture over a checkpoint of `spec` (an MoE or DSA model for the traces).
