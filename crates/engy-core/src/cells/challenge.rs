@@ -32,7 +32,7 @@ pub const MAX_CHALLENGE_CELLS: u64 = crate::wire::MAX_OPEN_CELLS;
 /// `policy_n` (at least [`MIN_CHALLENGE_CELLS`], checked by the caller): `min(policy_n,
 /// n_cells, MAX_CHALLENGE_CELLS)`, at least 1 (a shape has at least one cell).
 pub fn challenge_n(policy_n: u64, n_cells: u64) -> u64 {
-    policy_n.min(n_cells).min(MAX_CHALLENGE_CELLS).max(1)
+    policy_n.min(n_cells).clamp(1, MAX_CHALLENGE_CELLS)
 }
 
 /// The index a candidate `v` gives among `n_cells >= 1`, or `None` when rejection
