@@ -12,11 +12,12 @@ use engy_core::cells::{
     RouterLogits,
 };
 use engy_core::commit::{self, CommitOptions, Progress, SpecFile};
+use engy_model::arch::{CommittedRouting, RoutingRecord};
 use engy_model::cells::{
     audit_bundle, audit_bundle_with_recompute, serve_cells, verify_cell, write_expert_cheat,
     BundleReport, BundleVerdict, CellPolicy, CellServe, CommittedWeights, Openings,
 };
-use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision};
+use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision, Probe};
 
 fn checkpoint_dir() -> &'static Path {
     static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
@@ -287,9 +288,32 @@ fn zero_copied_and_foreign_cells_fail_the_binding_to_the_recompute() {
             );
         }
     }
-    // The honest cells of the same request pass.
-    let r = audit(&ck.model, &w, &bundle(&serve, a, &honest, 7), a);
+    // The honest cells of the same request pass, and with the serve's routing trace replayed.
+    let hb = bundle(&serve, a, &honest, 7);
+    let r = audit(&ck.model, &w, &hb, a);
     assert_eq!(r.verdict, BundleVerdict::Pass, "{}", summary(&r));
+    let mut record = RoutingRecord::new(s);
+    serve
+        .hidden_states_probed(
+            a,
+            &mut Probe {
+                routing: Some(&mut record),
+                ..Probe::default()
+            },
+        )
+        .unwrap();
+    let trace = CommittedRouting {
+        start: 0,
+        shape: s,
+        ids: record.ids(0, a.len()),
+    };
+    let r = audit_bundle_with_recompute(&ck.model, &w, &hb, a, Some(&trace), &policy).unwrap();
+    assert_eq!(r.verdict, BundleVerdict::Pass, "{}", summary(&r));
+    assert!(r.recompute.as_ref().is_some_and(|b| b.replayed_trace));
+    // Zeros stay caught with a trace.
+    let zb = bundle(&serve, a, &zeros, 7);
+    let r = audit_bundle_with_recompute(&ck.model, &w, &zb, a, Some(&trace), &policy).unwrap();
+    assert_eq!(r.failed, r.n, "{}", summary(&r));
 }
 
 #[test]

@@ -338,6 +338,29 @@ mod tests {
     }
 
     #[test]
+    fn config_sha256_is_sorted_in_and_absent_when_unbound() {
+        let v = serde_json::json!({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+            "hidden_size": 4, "moe_intermediate_size": 2, "num_experts": 2,
+            "num_experts_per_tok": 1, "vocab_size": 8, "torch_dtype": "bfloat16"});
+        let mut c = ModelConfig::from_hf(&v, None).unwrap();
+        let unbound = c.canonical_json().unwrap();
+        assert!(!unbound.contains("config_sha256"), "{unbound}");
+        c.config_sha256 = Some("ab".repeat(32));
+        let bound = c.canonical_json().unwrap();
+        assert!(
+            bound.starts_with(&format!(
+                "{{\"arch\":\"qwen3_moe\",\"config_sha256\":\"{}\",\"d_ff\"",
+                "ab".repeat(32)
+            )),
+            "{bound}"
+        );
+        c.config_sha256 = Some("AB".repeat(32));
+        assert!(c.canonical_json().is_err());
+        c.config_sha256 = Some("ab".into());
+        assert!(c.canonical_json().is_err());
+    }
+
+    #[test]
     fn classifies_qwen_glm_and_devnet_names() {
         let cases = [
             ("model.embed_tokens.weight", UnitId::Globals),
