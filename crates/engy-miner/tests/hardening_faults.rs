@@ -396,20 +396,10 @@ async fn legs_dropped_with_requests_in_flight_redial_and_abort_their_calls() {
     fx.sglang
         .set_fault(Some(Fault::Slow(Duration::from_millis(10))));
     let mut by_leg: HashMap<u64, Vec<String>> = HashMap::new();
-    for i in 0..16 {
-        let (conn, corr) = fx
-            .gw
-            .submit(chat(&format!("Question {i}?"), 200), i % 2 == 0)
-            .expect("capacity");
+    for (conn, corr) in submit_running(&fx, 16, "Question", 200).await {
         by_leg.entry(conn).or_default().push(corr);
     }
     assert!(by_leg.values().all(|v| v.len() == 4));
-    fx.sglang
-        .wait_until(T, |recs, _, live| {
-            (recs.len() == 16 && live == 16).then_some(())
-        })
-        .await
-        .expect("all 16 generating");
     // Two legs vanish without a close frame; a third is told to reconnect.
     let (dropped, kept) = legs.split_at(3);
     assert!(fx.gw.drop_conn(dropped[0].id));
@@ -477,19 +467,7 @@ async fn cancel_floods_duplicates_and_unknown_corr_ids_leave_no_stuck_slot() {
     // arrive, however slowly a loaded machine dispatches all eight.
     fx.sglang
         .set_fault(Some(Fault::Slow(Duration::from_millis(20))));
-    let reqs: Vec<(u64, String)> = (0..8)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("Flood {i}?"), 120), i % 2 == 0)
-                .expect("capacity")
-        })
-        .collect();
-    fx.sglang
-        .wait_until(T, |recs, _, live| {
-            (recs.len() == 8 && live == 8).then_some(())
-        })
-        .await
-        .expect("all 8 generating");
+    let reqs = submit_running(&fx, 8, "Flood", 120).await;
     let (cancelled, kept) = reqs.split_at(4);
     // Duplicates of real cancels interleaved with a flood of unknown and malformed ones.
     let mut sent = 0usize;
@@ -927,20 +905,11 @@ async fn serve_crash_under_load_fails_every_request_in_flight_once() {
     let legs = fx.gw.wait_legs(4, T).await.unwrap();
     fx.sglang
         .set_fault(Some(Fault::Slow(Duration::from_millis(10))));
-    let corrs: Vec<String> = (0..16)
-        .map(|i| {
-            fx.gw
-                .submit(chat(&format!("Crash {i}?"), 300), i % 2 == 0)
-                .expect("capacity")
-                .1
-        })
-        .collect();
-    fx.sglang
-        .wait_until(T, |recs, _, live| {
-            (recs.len() == 16 && live == 16).then_some(())
-        })
+    let corrs: Vec<String> = submit_running(&fx, 16, "Crash", 300)
         .await
-        .expect("all 16 generating");
+        .into_iter()
+        .map(|(_, corr)| corr)
+        .collect();
     fx.sglang.kill().await;
     for corr in &corrs {
         let resp = fx

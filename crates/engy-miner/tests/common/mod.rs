@@ -205,6 +205,32 @@ pub fn chat(text: &str, max_tokens: u64) -> Value {
            "max_tokens": max_tokens})
 }
 
+/// Submits `n` chats (`"{prefix} {i}?"`, `max_tokens` each, every other one streamed) as
+/// the gateway routes them, then waits (bounded by [`T`]) until the serve is generating all
+/// `n` at once. Returns each `(leg, corr_id)` in submission order. A slow fault set first
+/// keeps them running while the test acts on them.
+pub async fn submit_running(
+    fx: &Fixture,
+    n: usize,
+    prefix: &str,
+    max_tokens: u64,
+) -> Vec<(u64, String)> {
+    let reqs: Vec<(u64, String)> = (0..n)
+        .map(|i| {
+            fx.gw
+                .submit(chat(&format!("{prefix} {i}?"), max_tokens), i % 2 == 0)
+                .expect("capacity")
+        })
+        .collect();
+    fx.sglang
+        .wait_until(T, |recs, _, live| {
+            (recs.len() == n && live == n).then_some(())
+        })
+        .await
+        .unwrap_or_else(|| panic!("{n} calls not all generating within {T:?}"));
+    reqs
+}
+
 /// The kept rows of a served reply (§2.6.4: last row of 2-D elements, leading empties skipped).
 pub fn served_rows(rec: &GenerateRecord) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
