@@ -58,13 +58,24 @@ pub async fn run(opts: Opts) -> ExitCode {
     if let Err(e) = opts.validate() {
         return config_error(f, e);
     }
-    // One miner per node (§2.3): a second instance says so and exits 0.
-    let lock_file = match std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&opts.lock_file)
-    {
+    // One miner per node (§2.3): a second instance says so and exits 0. A lock file another
+    // user made (a miner run as root, then one in the container as 65532, both on the host's
+    // /tmp/engy_miner.singleton) is opened read-only: flock needs no write access.
+    let open = |write: bool| {
+        std::fs::OpenOptions::new()
+            .create(write)
+            .truncate(false)
+            .write(write)
+            .read(!write)
+            .open(&opts.lock_file)
+    };
+    let lock_file = match open(true).or_else(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied && opts.lock_file.is_file() {
+            open(false)
+        } else {
+            Err(e)
+        }
+    }) {
         Ok(f) => f,
         Err(e) => {
             return config_error(

@@ -72,7 +72,7 @@ fn the_miner_compose_file_is_valid_and_runs_sglang_with_hidden_states_beside_the
         "ENGY_WORKER_NAME",
         "TOPLOC_GEN_CHUNK",
         "HW_GPUS",
-        "ENGY_CELLS_SPOOL",
+        "ENGY_CELLS_RETAIN_S",
     ] {
         assert!(
             text.contains(name),
@@ -103,6 +103,7 @@ fn the_miner_compose_file_is_valid_and_runs_sglang_with_hidden_states_beside_the
     );
     for needle in [
         "engy-cells-hooks /var/spool/engy-cells",
+        "ENGY_CELLS_SPOOL",
         "--disable-radix-cache",
         "engy_sn53_cells_spool:/var/spool/engy-cells",
         "/var/spool/engy-cells",

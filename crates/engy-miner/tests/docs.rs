@@ -168,21 +168,26 @@ fn every_flag_the_runbook_types_exists() {
 #[test]
 fn the_compose_file_passes_every_setting_by_name() {
     let (by_env, _) = help_options(&help());
-    let yml = read("docker/compose.miner.yml");
-    assert!(
-        !yml.lines().any(|l| l.trim_start().starts_with("env_file")),
-        "docker/compose.miner.yml reads an env_file relative to docker/"
-    );
-    let miner = &yml[yml.find("\n  miner:").expect("a miner service")..];
-    let names: BTreeSet<String> = miner
-        .lines()
-        .skip_while(|l| l.trim() != "environment:")
-        .skip(1)
-        .take_while(|l| l.starts_with("      ") || l.trim_start().starts_with('#'))
-        .map(str::trim)
-        .filter_map(|l| l.strip_prefix("- "))
-        .map(|e| e.split('=').next().unwrap().to_owned())
-        .collect();
+    // the base file, and the cells override for ENGY_CELLS / ENGY_CELLS_SPOOL
+    let mut names = BTreeSet::new();
+    for file in ["docker/compose.miner.yml", "docker/compose.miner.cells.yml"] {
+        let yml = read(file);
+        assert!(
+            !yml.lines().any(|l| l.trim_start().starts_with("env_file")),
+            "{file} reads an env_file relative to docker/"
+        );
+        let miner = &yml[yml.find("\n  miner:").expect("a miner service")..];
+        names.extend(
+            miner
+                .lines()
+                .skip_while(|l| l.trim() != "environment:")
+                .skip(1)
+                .take_while(|l| l.starts_with("      ") || l.trim_start().starts_with('#'))
+                .map(str::trim)
+                .filter_map(|l| l.strip_prefix("- "))
+                .map(|e| e.split('=').next().unwrap().to_owned()),
+        );
+    }
     let mut want: BTreeSet<String> = by_env.keys().cloned().collect();
     want.extend(["RUST_LOG".to_owned(), "ENGY_INSTANCE_ID".to_owned()]);
     assert_eq!(

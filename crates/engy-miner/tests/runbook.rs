@@ -208,3 +208,46 @@ async fn the_healthy_log_example_is_what_the_miner_logs() {
     );
     assert!(!log.contains("?x GPU"), "{log}");
 }
+
+/// One miner per node across users: a lock file another user made (a miner run as root,
+/// then one in the container as 65532, both on the host's /tmp/engy_miner.singleton) is
+/// still taken, read-only: the second miner sees the first and exits 0 instead of failing
+/// to open it. Needs root (to run the miner as another uid); says so and skips otherwise.
+#[test]
+fn a_lock_file_of_another_user_still_keeps_one_miner_per_node() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    if !root {
+        println!("skipped: not root, cannot run the miner as another uid");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let lock = dir.path().join("engy_miner.singleton");
+    let held = std::fs::File::create(&lock).unwrap();
+    std::fs::set_permissions(&lock, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut held = fd_lock::RwLock::new(held);
+    let _guard = held.try_write().unwrap();
+    let copy = dir.path().join("engy-miner");
+    std::fs::copy(miner_bin(), &copy).unwrap();
+    let out = std::process::Command::new(&copy)
+        .env_clear()
+        .env("GW", "ws://127.0.0.1:9/gw")
+        .env("MINER_KEY", KEY)
+        .env("CHECKPOINT", "/nonexistent")
+        .env("ENGY_MINER_LOCK", &lock)
+        .uid(65532)
+        .gid(65532)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("another engy-miner instance is running"),
+        "{err}"
+    );
+}
