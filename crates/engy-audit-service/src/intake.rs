@@ -102,9 +102,30 @@ struct Checked {
     request: NewRequest,
 }
 
+/// Why a report is refused: the status, the field and the message ([`refuse`]).
+struct Refusal {
+    status: StatusCode,
+    field: String,
+    message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, field: &str, message: impl Into<String>) -> Refusal {
+        Refusal {
+            status,
+            field: field.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    fn response(self) -> Response {
+        refuse(self.status, &self.field, self.message)
+    }
+}
+
 /// Checks a report body (module docs); `Err` is the response refusing it.
-fn check(state: &AppState, body: &[u8]) -> Result<Checked, Response> {
-    let bad = |field: &str, m: String| Err(refuse(StatusCode::BAD_REQUEST, field, m));
+fn check(state: &AppState, body: &[u8]) -> Result<Checked, Refusal> {
+    let bad = |field: &str, m: String| Err(Refusal::new(StatusCode::BAD_REQUEST, field, m));
     let value: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => return bad("body", format!("the report is not JSON: {e}")),
@@ -116,15 +137,15 @@ fn check(state: &AppState, body: &[u8]) -> Result<Checked, Response> {
         Ok(m) => m,
         Err(e) => return bad("body", e.to_string()),
     };
-    let string = |field: &str| -> Result<String, Response> {
+    let string = |field: &str| -> Result<String, Refusal> {
         match obj.get(field) {
             Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-            Some(_) => Err(refuse(
+            Some(_) => Err(Refusal::new(
                 StatusCode::BAD_REQUEST,
                 field,
                 format!("{field} must be a non-empty string"),
             )),
-            None => Err(refuse(
+            None => Err(Refusal::new(
                 StatusCode::BAD_REQUEST,
                 field,
                 format!("{field} is missing"),
@@ -144,7 +165,7 @@ fn check(state: &AppState, body: &[u8]) -> Result<Checked, Response> {
     }
     let model = string("model")?;
     if !state.models.contains(&model) {
-        return Err(refuse(
+        return Err(Refusal::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "model",
             format!(
@@ -225,7 +246,7 @@ async fn post_request(State(state): State<Arc<AppState>>, body: Body) -> Respons
     };
     let mut checked = match check(&state, &bytes) {
         Ok(c) => c,
-        Err(r) => return refused(r),
+        Err(r) => return refused(r.response()),
     };
     checked.request.head_block = match state.beacon.head().await {
         Ok(h) => i64::try_from(h).unwrap_or(i64::MAX),

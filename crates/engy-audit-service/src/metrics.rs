@@ -52,12 +52,9 @@ impl Metrics {
             queue: Family::default(),
             requests: Family::default(),
             audits: Family::default(),
-            audit_seconds: Histogram::new(
-                [
-                    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-                ]
-                .into_iter(),
-            ),
+            audit_seconds: Histogram::new([
+                0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+            ]),
             verdicts: Family::default(),
             lease_expiries: Counter::default(),
             audit_errors: Counter::default(),

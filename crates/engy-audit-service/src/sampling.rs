@@ -54,12 +54,14 @@ impl Beacon for FixedBeacon {
     }
 }
 
-/// Whether `seed` samples its request at `rate`: `u64le(seed[0..8]) / 2^64 < rate`.
+/// Whether `seed` samples its request at `rate`: `u64le(seed[0..8]) / 2^64 < rate`, and
+/// always at rate 1.
 pub fn sampled_by_rate(seed: &[u8; 32], rate: f64) -> bool {
     let mut b = [0u8; 8];
     b.copy_from_slice(&seed[..8]);
     let u = u64::from_le_bytes(b) as f64 / 18_446_744_073_709_551_616.0;
-    u < rate
+    // u rounds to 1.0 for the largest values: at rate 1 every request is sampled.
+    rate >= 1.0 || u < rate
 }
 
 /// The start (ms) of the window holding `t_ms`.

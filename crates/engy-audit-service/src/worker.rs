@@ -17,7 +17,7 @@
 //! with the others and never claims that model's jobs, which stay queued until a worker
 //! that holds the model takes them.
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,7 +48,7 @@ pub type ModelStates = Arc<Mutex<BTreeMap<String, String>>>;
 ///
 /// # Errors
 /// The checkpoint or the device cannot be used (the message names both).
-pub fn open_model(name: &str, dir: &PathBuf, device: DeviceSpec) -> anyhow::Result<LoadedModel> {
+pub fn open_model(name: &str, dir: &Path, device: DeviceSpec) -> anyhow::Result<LoadedModel> {
     use anyhow::Context as _;
     let opts = LoadOptions {
         residency: Residency::Resident,
