@@ -2,11 +2,13 @@
 //! "Cells"): one opened cell — an MoE block's input `x`, the router logits, the experts used,
 //! the block's output `y` — against the checkpoint's weights.
 //!
+//! 0. **Finite**: `x` and the router logits must be finite (a NaN logit would vanish in the
+//!    largest-error fold below; the cell format refuses them too).
 //! 1. **Router logits**: the recompute `x · W_rᵀ` (f32 from the committed bf16 `x`) must equal
 //!    the committed logits within `|Δ| ≤ logits_abs + logits_rel · |ℓ̂|` per expert (a bf16
 //!    router's rounding plus GEMM accumulation order).
 //! 2. **Routing**: the committed expert set must be the architecture's own top-k of the
-//!    recomputed scores, or a near-tie within the routing margin ([`crate::arch::routing`]).
+//!    recomputed scores, or a near-tie within the cell margin ([`default_cell_margin`]).
 //! 3. **Output**: the recomputed block output — the committed experts dispatched, weighted by
 //!    the rule from the recomputed router scores, plus the shared expert — must be within a
 //!    relative L2 distance `y_rel` of the committed `y`.
@@ -16,6 +18,11 @@
 //! shared expert of that layer; every other tensor stays an unread mmapped page).
 //! [`verify_cell_committed`] first checks those tensors' bytes against the checkpoint's
 //! committed `model_root` ([`weights`]).
+//!
+//! A cell alone is only self-consistent: [`audit_bundle_with_recompute`] binds each
+//! challenged cell's `x` to the auditor's own recompute of the request ([`recompute`]) and
+//! judges the challenged cells together ([`stats`]: median `y` error, mean `y` bias, near-tie
+//! count), which is what catches a serve whose every cell is slightly off.
 //!
 //! Beside it: [`serve_cells`], the cells a serve commits, honest or cheating, and [`cheat`],
 //! the checkpoint copies of the expert-only cheats.
