@@ -57,7 +57,7 @@ struct CheckpointArgs {
     #[arg(long)]
     arch: Option<String>,
     /// Commit the whole config.json (its SHA-256 as `config_sha256`, specs/SCHEME.md "Config
-    /// leaf"); changes model_root. Give it to verify/open of a spec built with it.
+    /// leaf"); changes model_root. `verify` turns it on for a spec built with it.
     #[arg(long)]
     bind_config: bool,
     /// No progress lines on stderr.
@@ -318,9 +318,11 @@ fn readme_text(name: &str, s: &SpecFile) -> anyhow::Result<String> {
     Ok(t)
 }
 
-fn verify(a: VerifyArgs) -> anyhow::Result<ExitCode> {
+fn verify(mut a: VerifyArgs) -> anyhow::Result<ExitCode> {
     let path = spec_path(&a.spec);
     let want = SpecFile::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    // A spec that binds config.json (specs/SCHEME.md "Config leaf") is verified bound.
+    a.ckpt.bind_config |= want.config.config_sha256.is_some();
     let (c, _) = commit_with_progress(&a.ckpt)?;
     let got = SpecFile::from_commitment(&c, 0.0);
     let diff = want.diff(&got);
