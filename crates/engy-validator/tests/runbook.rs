@@ -148,7 +148,7 @@ fn the_metrics_label_values_are_the_binarys() {
             .lines()
             .find(|l| l.starts_with(&format!("| {metric}")))
             .unwrap_or_else(|| panic!("no row for {metric}"));
-        let listed: BTreeSet<String> = ticked(row.rsplit(" | ").nth(0).unwrap())
+        let listed: BTreeSet<String> = ticked(row.rsplit(" | ").next().unwrap())
             .into_iter()
             .filter(|w| !w.contains(':') && !w.contains('<'))
             .collect();
