@@ -136,6 +136,15 @@ impl Recompute {
         self.plan_for(dsa, false)
     }
 
+    /// [`Recompute::plan_for`] for `model`'s architecture and weights: a checkpoint whose
+    /// `quantization_config` names `fp8` (block FP8) also gets the W8A8 recompute under `auto`.
+    /// The TOPLOC audit and the cell binding (`cells::recompute`) plan through this one place.
+    pub fn plan_for_model(self, model: &Model) -> Vec<Numerics> {
+        let cfg = model.config();
+        let fp8 = cfg.quantization.as_ref().is_some_and(|q| q.method == "fp8");
+        self.plan_for(arch::has_dsa(cfg.kind), fp8)
+    }
+
     /// [`Recompute::plan`] for a checkpoint whose weights are (`fp8`) or are not block FP8
     /// ([`Recompute::computes_for`]).
     pub fn plan_for(self, dsa: bool, fp8: bool) -> Vec<Numerics> {
@@ -571,9 +580,7 @@ pub fn audit_with_routing(
     recompute: Recompute,
     routing: Option<CommittedRouting>,
 ) -> Result<AuditReport, ModelError> {
-    let cfg = model.config();
-    let fp8 = cfg.quantization.as_ref().is_some_and(|q| q.method == "fp8");
-    let plan = recompute.plan_for(arch::has_dsa(cfg.kind), fp8);
+    let plan = recompute.plan_for_model(model);
     audit_computes(model, model_root, commitment, params, &plan, routing)
 }
 

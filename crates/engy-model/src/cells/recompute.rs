@@ -17,7 +17,7 @@
 //! measured numbers at real shape.
 //!
 //! **Numerics.** The serve's numerics are not stated, so each recompute of
-//! [`crate::audit::Recompute::plan`] is tried in order until one puts every challenged `x`
+//! [`crate::audit::Recompute::plan_for_model`] (W8A8 too on a block-FP8 checkpoint) is tried in order until one puts every challenged `x`
 //! within a quarter of [`super::CellPolicy::x_rel`]; otherwise all are run and the closest is
 //! kept ([`RecomputeBinding`]): on the tiny Qwen3.5-MoE checkpoint an honest f32 serve is 0.18
 //! from the bf16 recompute (near-tie flips), 0 from the f32 one.
@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use engy_core::cells::Cell;
 use serde::Serialize;
 
-use crate::arch::{has_dsa, CommittedRouting, Margin, Probe, RoutingCheck};
+use crate::arch::{CommittedRouting, Margin, Probe, RoutingCheck};
 use crate::audit::{default_routing_margin, Recompute, ROUTING_MARGIN_REL};
 use crate::{Model, ModelError, Numerics};
 
@@ -139,7 +139,7 @@ pub fn bind_cells(
         .filter(|&(p, _)| p < token_ids.len())
         .collect();
     let positions = wanted.iter().map(|&(p, _)| p + 1).max().unwrap_or(0);
-    let plan = recompute.plan(has_dsa(model.config().kind));
+    let plan = recompute.plan_for_model(model);
     let mut best: Option<(Vec<Option<f32>>, RecomputeBinding)> = None;
     let mut run = 0;
     for numerics in &plan {
