@@ -319,9 +319,16 @@ mod tests {
 
     /// A request of `positions` positions × one layer of 4-wide cells (60 bytes a cell).
     fn request(positions: u32, salt: f32) -> (CellTree, Vec<u8>) {
-        let shape =
-            CellShape::new(positions, vec![1], 4, 4, 1, LogitsDtype::Bf16, [salt as u8; 32])
-                .unwrap();
+        let shape = CellShape::new(
+            positions,
+            vec![1],
+            4,
+            4,
+            1,
+            LogitsDtype::Bf16,
+            [salt as u8; 32],
+        )
+        .unwrap();
         let cells: Vec<Cell> = (0..positions)
             .map(|p| {
                 let v = |k: f32| vec![bf16::from_f32(p as f32 + k + salt); 4];
