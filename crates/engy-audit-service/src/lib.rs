@@ -1,5 +1,5 @@
 //! engy-audit-service: `engy-audit serve`, the audit service (docs/PROTOCOL.md §11,
-//! docs/AUDITOR.md "Audit service", docs/design/audit-service.md).
+//! docs/AUDIT-SERVICE.md, docs/design/audit-service.md).
 //!
 //! The gateway reports every completed request; the service decides, from a beacon the miner
 //! cannot predict, which ones to audit, audits them on workers that keep each model's weights

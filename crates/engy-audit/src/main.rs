@@ -56,7 +56,7 @@ enum Command {
     Spec(spec::SpecArgs),
     /// The audit service: takes the gateway's reports over HTTP, samples them by a chain
     /// beacon, audits them on resident workers and keeps verdicts and evidence in SQLite or
-    /// PostgreSQL (docs/AUDITOR.md "Audit service"). Runs until SIGTERM; exit 0 stopped,
+    /// PostgreSQL (docs/AUDIT-SERVICE.md). Runs until SIGTERM; exit 0 stopped,
     /// 1 failed, 3 a setting not usable.
     Serve(Box<engy_audit_service::ServeArgs>),
 }

@@ -42,7 +42,7 @@
 //!    recompute runs second, after bf16 ([`Recompute::computes_for`]): sglang multiplies such
 //!    checkpoints with every FP8 product's input rows quantised per token and per 128-group
 //!    to e4m3 (`arch::quant` "W8A8"), which moves an honest serve's rows further from a bf16
-//!    recompute than some weight swaps do (docs/AUDITOR.md "W8A8"). On an architecture with a
+//!    recompute than some weight swaps do (docs/design/w8a8.md). On an architecture with a
 //!    DSA indexer, exact ties at the `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
 //!    known (`arch::TieOrder`), so when neither recompute passes with ties taken lower index
 //!    first, both are run again with ties taken higher index first; each only when its

@@ -79,7 +79,7 @@ pub struct LoadOptions {
     pub fp8_activations: Fp8Activations,
 }
 
-/// How a product with a block-FP8 weight treats its input rows (docs/AUDITOR.md "W8A8").
+/// How a product with a block-FP8 weight treats its input rows (docs/design/w8a8.md).
 ///
 /// A bf16 serve of dequantised weights (transformers with `dequantize=True`, engy's bf16 and
 /// f32 recomputes) multiplies the activations as they are; sglang's block-FP8 linear method

@@ -48,7 +48,7 @@
 //!   order of f32 summation.
 //! * Not modelled: `scale_ue8m0` (Blackwell's DeepGEMM: scales rounded up to a power of two,
 //!   the weights requantised to them at load), and sglang's absorbed MLA (`w_kc`/`w_vc`
-//!   requantised per tensor, `per_tensor_quant_mla_fp8`); docs/AUDITOR.md "W8A8".
+//!   requantised per tensor, `per_tensor_quant_mla_fp8`); docs/design/w8a8.md.
 use half::{bf16, f16};
 use safetensors::Dtype;
 
