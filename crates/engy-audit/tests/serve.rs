@@ -795,19 +795,41 @@ fn sampling_follows_the_production_seed_and_the_floor_is_unpredictable() {
             "--floor",
             "7",
             "--window-s",
-            "2",
+            &WINDOW_S.to_string(),
         ],
     );
     let key = hotkey("sampled");
+    // The same commitments in every run (a private database): the seeds, and so the case
+    // below (some sampled by the rate, some by the floor), are fixed. They are made first, so
+    // that the ten reports are posted together, inside one window (windows start on multiples
+    // of their length on the service's clock, this machine's): the floor is per window.
+    const WINDOW_S: u64 = 6;
+    let commitments: Vec<Value> = (0..10)
+        .map(|i| fx.commitment_exact(&format!("Sampling question {i}?"), 8, true))
+        .collect();
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    let window_ms = WINDOW_S * 1000;
+    // Start in the first sixth of a window, leaving five seconds for ten local posts.
+    while now_ms() % window_ms > window_ms / 6 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let started = now_ms();
     let mut digests = Vec::new();
-    for i in 0..10 {
-        // The same commitments in every run (a private database): the seeds, and so the
-        // case below (some sampled by the rate, some by the floor), are fixed.
-        let c = fx.commitment_exact(&format!("Sampling question {i}?"), 8, true);
-        let (code, v) = svc.post(&report(&format!("s{i}"), &key, "devnet", &c));
+    for (i, c) in commitments.iter().enumerate() {
+        let (code, v) = svc.post(&report(&format!("s{i}"), &key, "devnet", c));
         assert_eq!(code, 202, "{v}");
         digests.push(v["digest"].as_str().unwrap().to_owned());
     }
+    assert_eq!(
+        started / window_ms,
+        now_ms() / window_ms,
+        "the ten reports took longer than a window to post; the case needs them in one"
+    );
     let status = |d: &str| get_json(svc.addr, &format!("/v1/requests/{d}")).1;
     // Every decision is the rate's, until the window has ended.
     let first: Vec<Value> = digests
