@@ -2,10 +2,11 @@
 """Cross-language hook test, Python half (crates/engy-core/tests/cells_hooks.rs runs it).
 
 For each architecture (transformers 5.24's Qwen3-MoE and Qwen3.5-MoE, tiny random weights,
-built in bf16 with ``from_config(..., dtype=torch.bfloat16)`` on CPU) it writes to
-``OUT/<arch>/``:
+built in bf16 with ``from_config(..., dtype=torch.bfloat16)`` on CPU; GLM-5's
+``glm_moe_dsa`` loaded in bf16 from ``--checkpoint``, by default the arch oracle's
+``tests/vectors/arch/glm_moe_dsa``) it writes to ``OUT/<arch>/``:
 
-* ``checkpoint/``: the model (``save_pretrained``), for the numeric check of the cells
+* ``checkpoint/``: the model (``save_pretrained``, or the loaded checkpoint copied), for the numeric check of the cells
   (router logits = W_r·x, y = Σ gate·expert(x) + shared) that the verifier adds;
 * ``spool/req-000001/{cells.bin,manifest.json}``: what engy_cells' hooks (applied with
   ``engy_cells.hooks.attach``, the same specs sglang's ``--forward-hooks`` gets) captured in
@@ -13,12 +14,14 @@ built in bf16 with ``from_config(..., dtype=torch.bfloat16)`` on CPU) it writes 
 * ``reference.safetensors``: what plain, independent forward hooks saw at every MoE
   block: ``layers.{l}.x``, ``.y`` (the block's input and returned output), ``.router_logits``
   and ``.expert_ids`` (the router's outputs), ``input_ids``;
-* ``case.json``: arch, the MoE layers, sequence length.
+* ``case.json``: arch, the MoE layers, sequence length, the router logits' dtype.
 
-A third case, ``sglang_shaped`` (tests/sglang_shaped.py), has sglang's module names and
-call signatures and gets the hooks from the ``--forward-hooks`` specs by sglang's
-registration rule; its checked request is a chunked prefill of two passes, and a pass that
-skips positions must leave an ``error`` in another spool's manifest.
+Two cases, ``sglang_shaped`` and ``sglang_deepseek_shaped`` (tests/sglang_shaped.py), have
+sglang's module names and call signatures (Qwen's block; the DeepSeek-style block GLM-5 is
+served with, its shared expert fused into the top-k) and get the hooks from the
+``--forward-hooks`` specs by sglang's registration rule; their checked request is a chunked
+prefill of two passes, and (Qwen) a pass that skips positions must leave an ``error`` in
+another spool's manifest.
 
 It checks in Python too: the hooks leave the model's logits unchanged, each cell's y and x are
 the bytes the block saw and returned, the manifest's root is the root of the cells.
@@ -31,6 +34,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 
 import torch
@@ -68,6 +72,11 @@ def qwen3_5_moe():
 
 
 ARCHS = {"qwen3_moe": qwen3_moe, "qwen3_5_moe": qwen3_5_moe}
+# Loaded from a checkpoint (``--checkpoint``, default the arch oracle's tiny GLM-5 case): the
+# DeepSeek-style MoE (sigmoid router with e_score_correction_bias and group limits,
+# routed_scaling_factor, a shared expert; f32 router weight and logits, as transformers keeps them).
+FROM_CHECKPOINT = {"glm_moe_dsa": os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                               "tests", "vectors", "arch", "glm_moe_dsa")}
 
 
 def randomise(model, seed):
@@ -87,18 +96,26 @@ def is_moe_block(m):
     return hasattr(m, "experts") and hasattr(m, "gate")
 
 
-def run(arch, out, seed):
-    cls, cfg = ARCHS[arch]()
-    torch.manual_seed(seed)
-    # Built in bf16 (never .to(bfloat16), which would also cast RoPE's fp32 inv_freq buffer).
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    if type(model) is not cls:
-        raise SystemExit(f"{arch}: AutoModelForCausalLM built {type(model).__name__}, not {cls.__name__}")
-    randomise(model, seed)
-    model.eval()
+def run(arch, out, seed, checkpoint=None):
     d = os.path.join(out, arch)
     os.makedirs(d, exist_ok=True)
-    model.save_pretrained(os.path.join(d, "checkpoint"))
+    torch.manual_seed(seed)
+    if arch in FROM_CHECKPOINT:
+        src = checkpoint or FROM_CHECKPOINT[arch]
+        # bf16 as the serve runs; transformers keeps the router (gate.weight,
+        # e_score_correction_bias) in f32 (_keep_in_fp32_modules_strict).
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+        shutil.copytree(src, os.path.join(d, "checkpoint"), dirs_exist_ok=True)
+        cfg = model.config
+    else:
+        cls, cfg = ARCHS[arch]()
+        # Built in bf16 (never .to(bfloat16), which would also cast RoPE's fp32 inv_freq buffer).
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        if type(model) is not cls:
+            raise SystemExit(f"{arch}: AutoModelForCausalLM built {type(model).__name__}, not {cls.__name__}")
+        randomise(model, seed)
+        model.save_pretrained(os.path.join(d, "checkpoint"))
+    model.eval()
     ids = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(seed + 7))
 
     with torch.no_grad():
@@ -129,15 +146,17 @@ def run(arch, out, seed):
     ref["input_ids"] = ids.reshape(-1).clone()
     if not torch.equal(plain, hooked):
         return report(arch, ["the hooks changed the model's output"])
-    return finish(arch, d, ref, moe_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+    n_experts = getattr(cfg, "n_routed_experts", None) or cfg.num_experts
+    return finish(arch, d, ref, moe_layers, cfg.hidden_size, n_experts, cfg.num_experts_per_tok,
                   ids.reshape(-1), passes=1)
 
 
 def finish(arch, d, ref, moe_layers, hidden, n_experts, top_k, ids, passes):
     """Saves the reference tensors and case.json, then checks the spool's latest request."""
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
+    router = ref[f"layers.{min(moe_layers)}.router_logits"].dtype
     json.dump(dict(arch=arch, moe_layers=sorted(moe_layers), n_positions=len(ids), hidden=hidden,
-                   n_experts=n_experts, top_k=top_k,
+                   n_experts=n_experts, top_k=top_k, router_dtype="f32" if router == torch.float32 else "bf16",
                    checkpoint=os.path.isfile(os.path.join(d, "checkpoint", "config.json"))),
               open(os.path.join(d, "case.json"), "w"), indent=1)
     spool = os.path.join(d, "spool")
@@ -180,14 +199,15 @@ def report(arch, fails):
     return not fails
 
 
-def run_sglang_shaped(out, seed):
-    """sglang's module names and signatures (tests/sglang_shaped.py), hooks registered from
-    the --forward-hooks specs: one 3-token request, then the checked 7-token request as a
-    chunked prefill (positions 0-3, then 4-6); then, on another spool, a pass that skips
-    positions must leave an error in the manifest."""
+def run_sglang_shaped(out, seed, style="qwen"):
+    """sglang's module names and signatures (tests/sglang_shaped.py; `style` "qwen" or
+    "deepseek", the DeepSeek-style block GLM-5 is served with, its shared expert fused into
+    the top-k), hooks registered from the --forward-hooks specs: one 3-token request, then
+    the checked 7-token request as a chunked prefill (positions 0-3, then 4-6); then (qwen),
+    on another spool, a pass that skips positions must leave an error in the manifest."""
     from sglang_shaped import CausalLMLike, register_like_sglang
-    arch = "sglang_shaped"
-    model = CausalLMLike(seed).eval()
+    arch = SHAPED[style]
+    model = CausalLMLike(seed, style=style).eval()
     cfg = model.config
     d = os.path.join(out, arch)
     os.makedirs(d, exist_ok=True)
@@ -210,9 +230,11 @@ def run_sglang_shaped(out, seed):
 
             handles += [
                 m.register_forward_hook(lambda mod, i, o, l=l: put(**{f"layers.{l}.x": i[0], f"layers.{l}.y": o})),
-                m.gate.register_forward_hook(lambda mod, i, o, l=l: put(**{f"layers.{l}.router_logits": o[0]})),
-                m.topk.register_forward_hook(
-                    lambda mod, i, o, l=l: put(**{f"layers.{l}.expert_ids": o.topk_ids.to(torch.int64)})),
+                m.gate.register_forward_hook(lambda mod, i, o, l=l: put(
+                    **{f"layers.{l}.router_logits": o if isinstance(o, torch.Tensor) else o[0]})),
+                # Routed experts only: the fused shared expert's column (id n_experts) is not one.
+                m.topk.register_forward_hook(lambda mod, i, o, l=l: put(**{f"layers.{l}.expert_ids": o.topk_ids[
+                    :, :cfg["top_k"]].to(torch.int64)})),
             ]
     specs = hooks.sglang_forward_hooks(os.path.join(d, "spool"))
     for s in specs:
@@ -229,6 +251,8 @@ def run_sglang_shaped(out, seed):
     ref = {k: torch.cat(v) for k, v in acc.items()}
     ref["input_ids"] = ids
     ok = finish(arch, d, ref, cfg["moe_layers"], cfg["hidden"], cfg["n_experts"], cfg["top_k"], ids, passes=2)
+    if style != "qwen":
+        return ok
 
     # A pass that does not continue the request (a prefix-cache hit would do this).
     gap = os.path.join(d, "spool-gap")
@@ -244,16 +268,21 @@ def run_sglang_shaped(out, seed):
     return report(arch + " (gap)", [] if "position 5" in err else ["no error for a gap in the positions"]) and ok
 
 
+SHAPED = {"qwen": "sglang_shaped", "deepseek": "sglang_deepseek_shaped"}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--arch", choices=[*ARCHS, "sglang_shaped", "all"], default="all")
+    ap.add_argument("--arch", choices=[*ARCHS, *FROM_CHECKPOINT, *SHAPED.values(), "all"], default="all")
+    ap.add_argument("--checkpoint", help="the checkpoint of a --arch loaded from one (default: the arch oracle's)")
     a = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    archs = [*ARCHS, "sglang_shaped"] if a.arch == "all" else [a.arch]
-    ok = all([run_sglang_shaped(a.out, a.seed) if arch == "sglang_shaped" else run(arch, a.out, a.seed)
-              for arch in archs])
+    archs = [*ARCHS, *FROM_CHECKPOINT, *SHAPED.values()] if a.arch == "all" else [a.arch]
+    style = {v: k for k, v in SHAPED.items()}
+    ok = all([run_sglang_shaped(a.out, a.seed, style[arch]) if arch in style
+              else run(arch, a.out, a.seed, a.checkpoint) for arch in archs])
     return 0 if ok else 1
 
 

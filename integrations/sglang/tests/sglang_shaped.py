@@ -10,6 +10,15 @@ sglang's qwen3_moe.py interfaces as integrations/sglang/README.md lists them), a
 * ``…mlp.topk``: returns a named tuple ``(topk_weights, topk_ids, router_logits)``, ids int32;
 * ``…mlp.experts``: applies the chosen experts.
 
+``style="deepseek"`` builds the DeepSeek-style block instead (sglang's ``DeepseekV2MoE``,
+which serves DeepSeek-V3 and GLM-5 ``glm_moe_dsa``): ``…mlp.gate`` an f32 ``MoEGate``
+returning the logits alone with an ``e_score_correction_bias``; ``…mlp.topk`` grouped
+sigmoid top-k (``n_group``, ``topk_group``, the bias in the choice only, weights
+renormalised, times ``routed_scaling_factor``) with the shared expert fused as an extra
+column of id ``n_experts`` (sglang's shared-experts fusion), which ``…mlp.experts`` applies
+as its expert ``n_experts``; ``…mlp.shared_experts`` the same shared expert as a module (it
+is not called when fused: the fusion replaces it).
+
 :func:`register_like_sglang` resolves ``hook_factory`` by import path, calls it once per spec
 with the spec's ``config`` and registers the hook on every module whose name matches a
 pattern with ``fnmatch`` (sglang ``hook_manager.register_forward_hooks``' documented rule).
@@ -83,6 +92,57 @@ class MoeBlockLike(nn.Module):
         return self.experts(hidden_states, self.topk(hidden_states, router_logits))
 
 
+class MoEGateLike(nn.Module):
+    """sglang's DeepSeek-style ``MoEGate``: f32 weight and correction bias, returns logits."""
+
+    def __init__(self, g, hidden, n_experts):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_experts, hidden, generator=g) / hidden ** 0.5)
+        self.e_score_correction_bias = nn.Parameter(0.05 * torch.randn(n_experts, generator=g))
+
+    def forward(self, hidden_states, forward_batch=None):
+        return F.linear(hidden_states.float(), self.weight)
+
+
+class GroupedTopKLike(nn.Module):
+    """DeepSeek-V3's grouped sigmoid top-k with the fused shared expert as one more column."""
+
+    def __init__(self, top_k, n_group, topk_group, correction_bias, scale, n_experts):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.correction_bias, self.scale, self.n_experts = correction_bias, scale, n_experts
+
+    def forward(self, hidden_states, router_logits):
+        scores = router_logits.float().sigmoid()
+        choice = scores + self.correction_bias
+        t = choice.shape[0]
+        group_scores = choice.view(t, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)
+        groups = group_scores.topk(self.topk_group, dim=-1)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
+        mask = mask.unsqueeze(-1).expand(t, self.n_group, self.n_experts // self.n_group).reshape(t, -1)
+        ids = choice.masked_fill(mask == 0, float("-inf")).topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        w = w / w.sum(-1, keepdim=True) * self.scale
+        shared = torch.full((t, 1), self.n_experts, dtype=ids.dtype)
+        return TopKOutput(torch.cat([w, torch.ones(t, 1)], -1), torch.cat([ids, shared], -1).to(torch.int32),
+                          router_logits)
+
+
+class DeepseekMoeLike(nn.Module):
+    def __init__(self, g, layer_id, hidden, n_experts, top_k, inter, n_group=2, topk_group=1, scale=2.5):
+        super().__init__()
+        self.layer_id = layer_id
+        self.gate = MoEGateLike(g, hidden, n_experts)
+        self.topk = GroupedTopKLike(top_k, n_group, topk_group, self.gate.e_score_correction_bias.data, scale,
+                                    n_experts)
+        self.experts = ExpertsLike(g, n_experts + 1, hidden, inter)  # the last: the fused shared expert
+        self.shared_experts = DenseMlpLike(g, hidden, inter)
+
+    def forward(self, hidden_states, forward_batch=None, should_allreduce_fusion=False):
+        router_logits = self.gate(hidden_states)
+        return self.experts(hidden_states, self.topk(hidden_states, router_logits))
+
+
 class DenseMlpLike(nn.Module):
     def __init__(self, g, hidden, inter):
         super().__init__()
@@ -118,11 +178,12 @@ class StackLike(nn.Module):
 
 
 class CausalLMLike(nn.Module):
-    def __init__(self, seed, vocab=64, hidden=32, n_layers=3, n_experts=6, top_k=2, inter=16):
+    def __init__(self, seed, vocab=64, hidden=32, n_layers=3, n_experts=6, top_k=2, inter=16, style="qwen"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
+        block = {"qwen": MoeBlockLike, "deepseek": DeepseekMoeLike}[style]
         layers = [LayerLike(DenseMlpLike(g, hidden, inter))]
-        layers += [LayerLike(MoeBlockLike(g, i, hidden, n_experts, top_k, inter)) for i in range(1, n_layers)]
+        layers += [LayerLike(block(g, i, hidden, n_experts, top_k, inter)) for i in range(1, n_layers)]
         self.model = StackLike(g, vocab, hidden, layers)
         self.config = dict(vocab=vocab, hidden=hidden, n_experts=n_experts, top_k=top_k,
                            moe_layers=list(range(1, n_layers)))

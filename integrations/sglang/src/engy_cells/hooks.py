@@ -3,13 +3,23 @@
 One capture state per spool directory is shared by five hook roles:
 
 * ``block``  on each MoE block (sglang/transformers ``model.layers.{i}.mlp``): ``x`` (its
-  first positional input) and ``y`` (its output). Modules without ``experts`` and
-  ``gate`` (a dense MLP matched by the same pattern) are ignored.
+  first positional input) and ``y`` (its output, shared experts and routed scaling
+  included: what the block returns). Modules without ``experts`` and ``gate`` (a dense MLP
+  matched by the same pattern, e.g. GLM-5's first ``first_k_dense_replace`` layers) are
+  ignored.
 * ``router`` on the block's router (``…mlp.gate``): the router logits (the output, or its
-  first element: sglang's ``ReplicatedLinear`` returns ``(logits, bias)``, transformers'
-  ``Qwen3MoeTopKRouter`` / ``Qwen3_5MoeTopKRouter`` return ``(logits, scores, ids)``; the
-  ids are taken from the third element when present).
-* ``topk``   on sglang's ``TopK`` module (``…mlp.topk``): ``topk_ids`` of its output.
+  first element: sglang's Qwen ``ReplicatedLinear`` returns ``(logits, bias)``, sglang's
+  DeepSeek-style ``MoEGate`` (DeepSeek-V3, GLM-5: ``glm_moe_dsa``) returns the logits alone,
+  f32 or bf16 as its GEMM gives them; transformers' ``Qwen3MoeTopKRouter`` /
+  ``Qwen3_5MoeTopKRouter`` / ``GlmMoeDsaTopkRouter`` return ``(logits, weights, ids)``; the
+  ids are taken from the third element when present). The logits are the pre-activation
+  ``W_r·x``: the sigmoid, ``e_score_correction_bias``, the group limit (``n_group``,
+  ``topk_group``) and ``routed_scaling_factor`` of a DeepSeek-style router are the
+  verifier's to apply (specs/CELLS.md), never the capture's.
+* ``topk``   on sglang's ``TopK`` module (``…mlp.topk``): ``topk_ids`` of its output. With
+  sglang's shared-experts fusion the ids carry the fused shared expert(s) as extra columns
+  with ids ``≥ n_experts`` (the router's width); those are dropped, so a cell's ids are the
+  ``top_k`` routed experts either way.
 * ``tokens`` on the token embedding (``…embed_tokens``): the pass's input ids.
 * ``pass``   on the decoder stack (``model``): the end of one forward pass; the pass's
   cells are written then.
@@ -157,6 +167,7 @@ class Capture:
             ids = self.pending_topk.pop(id(topk))
         if logits is None or ids is None:
             raise RuntimeError(f"layer {layer}: no router logits / expert ids captured (router and topk hooks)")
+        ids = _routed_ids(ids, logits.shape[-1], layer)
         hidden = x.shape[-1]
         cpu = lambda t, dt: t.detach().reshape(-1, t.shape[-1]).to("cpu", dt)  # noqa: E731
         ldt = torch.bfloat16 if logits.dtype == torch.bfloat16 else torch.float32
@@ -236,6 +247,20 @@ class Capture:
         _atomic(os.path.join(r["dir"], "manifest.json"), json.dumps(doc, indent=1) + "\n")
 
 
+def _routed_ids(ids, n_experts, layer):
+    """`ids` [T, k] without the columns of fused shared experts (ids ≥ `n_experts`, the
+    router's width: sglang's shared-experts fusion appends them to every row)."""
+    ids = ids.reshape(-1, ids.shape[-1])
+    routed = ids < n_experts
+    if bool(routed.all()):
+        return ids
+    per_row = routed.sum(dim=-1)
+    if ids.shape[0] == 0 or not bool((per_row == per_row[0]).all()) or int(per_row[0]) == 0:
+        raise RuntimeError(f"layer {layer}: expert ids at or above the router's {n_experts} experts "
+                           "are not one fixed set of fused shared-expert columns")
+    return ids[routed].reshape(ids.shape[0], int(per_row[0]))
+
+
 def _rows(t):
     """Per-row little-endian bytes of a 2-D CPU tensor (ids: python ints)."""
     if t.dtype == torch.int64:
@@ -276,8 +301,11 @@ def hook_factory(config):
 
 
 def sglang_forward_hooks(spool=None, model="model"):
-    """The ``--forward-hooks`` JSON list (Python objects) for a Qwen MoE on sglang; `model`
-    is the name of the decoder stack module (``model`` for Qwen3-MoE)."""
+    """The ``--forward-hooks`` JSON list (Python objects) for a MoE on sglang: Qwen
+    (``Qwen3MoeSparseMoeBlock``, ``Qwen3_5MoeSparseMoeBlock``) and DeepSeek-style
+    (``DeepseekV2MoE``: DeepSeek-V3, GLM-5 ``glm_moe_dsa``) blocks have the same names
+    (``model.layers.{i}.mlp`` with ``gate``, ``topk``, ``experts``); `model` is the name of
+    the decoder stack module (``model`` for both)."""
     cfg = {} if spool is None else {"spool": spool}
     factory = "engy_cells.hooks:hook_factory"
     specs = [("router", ["*layers.*.mlp.gate"]), ("topk", ["*layers.*.mlp.topk"]),
