@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arch_bf16_floor import dequantised_copy  # noqa: E402  (block FP8 and NVFP4, exactly, in f32)
+from serves_common import Serve, draw_requests  # noqa: E402
 
 
 def cheat(model, how):
@@ -83,48 +84,16 @@ def main():
     model.eval()
     if a.cheat:
         cheat(model, a.cheat)
-    g = torch.Generator().manual_seed(a.seed)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(1, vocab, (int(torch.randint(16, 41, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(a.n)]
-    news = [int(torch.randint(64, 161, (1,), generator=g)) for _ in range(a.n)]
-    steps = []
-    model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach().to(torch.float32)))
-    out = {}
-
-    def serve(batch):
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(batch):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        steps.clear()
-        n = max(news[i] for i in batch)
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-        for r, i in enumerate(batch):
-            out[f"prompt_{i}"] = torch.tensor(prompts[i], dtype=torch.int64)
-            out[f"output_{i}"] = gen[r, width:width + news[i]].to(torch.int64).contiguous()
-            out[f"rows_{i}"] = torch.stack([s[r, -1] for s in steps[:news[i]]]).contiguous()
-
+    prompts, news = draw_requests(model.config.vocab_size, a.n, a.seed)
+    sv = Serve(model, prompts, news)
     if a.batched:
-        serve(list(range(a.n)))
+        sv.generate(list(range(a.n)))
     else:
         for i in range(a.n):
-            serve([i])
+            sv.generate([i])
     if a.teacher_forced:
-        # The oracle's `*_tf` variants: the same output ids, their rows from one forward
-        # pass over prompt + output[:-1] (no KV cache), one sequence at a time.
-        for i in range(a.n):
-            p = prompts[i]
-            ids = torch.cat([out[f"prompt_{i}"], out[f"output_{i}"][:-1]]).unsqueeze(0)
-            steps.clear()
-            with torch.no_grad():
-                model(input_ids=ids, use_cache=False)
-            out[f"rows_{i}"] = steps[0][0, len(p) - 1:].contiguous()
-    save_file(out, a.out)
+        sv.teacher_forced()
+    save_file(sv.out, a.out)
     print(f"wrote {a.out}: {a.n} {a.dtype} {a.cheat or 'honest'} serves ({a.attn} attention, {a.experts} experts, "
           f"{'batched' if a.batched else 'one at a time'}{', teacher-forced rows' if a.teacher_forced else ''})")
 

@@ -16,18 +16,13 @@ commit_rows writes into commitments.
 Then serve it with tests/reverse/honest_serves.py OUT … and audit with engy-audit audit
 --checkpoint OUT. Exit 0, or 2 on a usage error.
 """
-import hashlib, json, math, os, sys, tempfile
+import json, os, sys, tempfile
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def model_root(folder):
-    h = hashlib.sha256(open(os.path.join(folder, "config.json"), "rb").read())
-    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        h.update(name.encode())
-        h.update(str(os.path.getsize(os.path.join(folder, name))).encode())
-    return h.hexdigest()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serves_common import init_weights, model_root  # noqa: E402
 
 
 def main():
@@ -42,32 +37,7 @@ def main():
         config = AutoConfig.from_pretrained(tmp)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 7)
-    hidden = config.hidden_size
-    massive = [int(x) for x in torch.randperm(hidden, generator=g)[:2]]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                p.normal_(0, 0.15, generator=g)
-            elif name == "lm_head.weight":
-                p.normal_(0, 0.05, generator=g)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.6 / math.sqrt(hidden), generator=g)
-            elif name.endswith("e_score_correction_bias"):
-                p.uniform_(-0.08, 0.08, generator=g)
-            elif "norm" in name and p.dim() == 1:
-                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
-            elif p.dim() >= 2:
-                p.normal_(0, 0.8 / math.sqrt(p.shape[-1]), generator=g)
-            elif "bias" in name:
-                p.normal_(0, 0.05, generator=g)
-        layers = model.model.layers
-        mlp = layers[0].mlp
-        if hasattr(mlp, "down_proj"):
-            mlp.down_proj.weight[massive, :] *= 20.0
-        for layer in layers[1:]:
-            layer.input_layernorm.weight[massive] = 0.08
-            layer.post_attention_layernorm.weight[massive] = 0.08
+    massive = init_weights(model, seed)
     model.to(torch.bfloat16).save_pretrained(out)
     print(f"{out}: model_root {model_root(out)} (massive channels {massive})")
 

@@ -19,7 +19,7 @@ Two commands:
   make CASE OUT SEED '{config overrides}'   (CPU; torch + transformers >= 5.17)
       A random checkpoint of CASE's architecture (tests/vectors/arch/<case>_fp8, its
       config.json and modules_to_not_convert), every dimension an FP8 product sees a multiple
-      of 128 (no partial tile), filled as tests/reverse/variant_checkpoint.py does, the
+      of 128 (no partial tile), filled as serves_common.init_weights fills it, the
       projections, shared and routed experts stored block FP8 (per-expert names, F32
       weight_scale_inv, tile scale = tile amax / 448) as the Qwen and GLM `-FP8` releases.
   serve CKPT OUT.safetensors --variant V[,V…] [--n 12] [--seed 2001]   (CUDA; on a machine without
@@ -31,13 +31,14 @@ Two commands:
 
 Exit 0, or 2 on a usage error.
 """
-import argparse, json, math, os, sys, tempfile
+import argparse, json, os, sys, tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from serves_common import Serve, draw_requests, init_weights, model_root  # noqa: E402
 
 E4M3_MAX = 448.0
 EPS = 1e-10
@@ -60,39 +61,6 @@ VARIANTS = {
 # make: a random block-FP8 checkpoint
 
 
-def init_weights(model, seed):
-    """tests/reverse/variant_checkpoint.py's fill: matrices N(0, 0.8/sqrt(fan_in)), routers
-    1.6/sqrt(hidden), embeddings 0.15, lm_head 0.05, norm gains 1 + N(0, 0.1), GLM's
-    e_score_correction_bias U(-0.08, 0.08), two massive channels."""
-    g = torch.Generator().manual_seed(seed + 7)
-    hidden = model.config.hidden_size
-    massive = [int(x) for x in torch.randperm(hidden, generator=g)[:2]]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                p.normal_(0, 0.15, generator=g)
-            elif name == "lm_head.weight":
-                p.normal_(0, 0.05, generator=g)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.6 / math.sqrt(hidden), generator=g)
-            elif name.endswith("e_score_correction_bias"):
-                p.uniform_(-0.08, 0.08, generator=g)
-            elif "norm" in name and p.dim() == 1:
-                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
-            elif p.dim() >= 2:
-                p.normal_(0, 0.8 / math.sqrt(p.shape[-1]), generator=g)
-            elif "bias" in name:
-                p.normal_(0, 0.05, generator=g)
-        layers = model.model.layers
-        mlp = layers[0].mlp
-        if hasattr(mlp, "down_proj"):
-            mlp.down_proj.weight[massive, :] *= 20.0
-        for layer in layers[1:]:
-            layer.input_layernorm.weight[massive] = 0.08
-            layer.post_attention_layernorm.weight[massive] = 0.08
-    return massive
-
-
 def quant_block(w):
     """[N, K] f32 -> (F8_E4M3 [N, K], F32 [N/128, K/128]): scale = tile amax / 448."""
     n, k = w.shape
@@ -101,15 +69,6 @@ def quant_block(w):
     s = t.abs().amax(dim=(1, 3)).clamp_min(1e-12) / E4M3_MAX
     q = (t / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(n, k), s.to(torch.float32)
-
-
-def model_root(folder):
-    import hashlib
-    h = hashlib.sha256(open(os.path.join(folder, "config.json"), "rb").read())
-    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        h.update(name.encode())
-        h.update(str(os.path.getsize(os.path.join(folder, name))).encode())
-    return h.hexdigest()
 
 
 def make(case, out, seed, overrides):
@@ -332,46 +291,16 @@ def serve(ckpt, out, variant, n, seed):
         patched = 0
     else:
         patched = patch(model, st, variant)
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(1, vocab, (int(torch.randint(16, 41, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    news = [int(torch.randint(64, 161, (1,), generator=g)) for _ in range(n)]
-    steps = []
-    model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach().to(torch.float32).cpu()))
-    res = {}
-
-    def run(batch):
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(batch):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        steps.clear()
-        m = max(news[i] for i in batch)
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=m,
-                                 min_new_tokens=m, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
-        for r, i in enumerate(batch):
-            res[f"prompt_{i}"] = torch.tensor(prompts[i], dtype=torch.int64)
-            res[f"output_{i}"] = gen[r, width:width + news[i]].to(torch.int64).contiguous()
-            res[f"rows_{i}"] = torch.stack([s[r, -1] for s in steps[:news[i]]]).contiguous()
-
+    prompts, news = draw_requests(model.config.vocab_size, n, seed)
+    sv = Serve(model, prompts, news, dev)
     if variant == "honest_w8a8":
         for i in range(n):
-            run([i])
+            sv.generate([i])
     else:
-        run(list(range(n)))
+        sv.generate(list(range(n)))
     if variant == "honest_w8a8_tf":
-        for i in range(n):
-            p = prompts[i]
-            ids = torch.cat([res[f"prompt_{i}"], res[f"output_{i}"][:-1]]).unsqueeze(0)
-            steps.clear()
-            with torch.no_grad():
-                model(input_ids=ids.to(dev), use_cache=False)
-            res[f"rows_{i}"] = steps[0][0, len(p) - 1:].contiguous()
-    save_file(res, out)
+        sv.teacher_forced()
+    save_file(sv.out, out)
     print(f"wrote {out}: {n} serves, {variant} ({patched} modules W8A8-patched)", flush=True)
 
 
