@@ -933,17 +933,122 @@ pub fn red_team(auditor: &Auditor, resp: &Value) -> anyhow::Result<Vec<RedTeamRo
             openings: b.openings,
         })
     };
-    let tree_of = |shape: &CellShape, cells: &[Cell]| CellTree::from_cells(shape.clone(), cells);
+    // A serve that commits `cells` under `shape` and opens them for `seed`: its commitment
+    // and its answer.
+    let served = |shape: &CellShape,
+                  cells: &[Cell],
+                  seed: [u8; 32]|
+     -> anyhow::Result<(Option<CellsCommitment>, Answer)> {
+        let t = CellTree::from_cells(shape.clone(), cells)?;
+        Ok((Some(commit(&t)), open(&t, cells, seed)?))
+    };
+    // The request's shape over other token ids (same layers, widths and logits dtype).
+    let shape_for = |ids: &[u32]| -> anyhow::Result<CellShape> {
+        Ok(CellShape::for_request(
+            ids,
+            shape.layers().to_vec(),
+            shape.hidden(),
+            shape.n_experts(),
+            shape.top_k(),
+            shape.logits_dtype()?,
+        )?)
+    };
     let honest = engy_model::cells::serve_cells(model, &ids, CellServe::Honest)?;
-    let ht = tree_of(&shape, &honest)?;
+    let ht = CellTree::from_cells(shape.clone(), &honest)?;
+    // Every honest cell with some of its parts replaced.
+    let remade = |f: &dyn Fn(&Cell) -> (Vec<bf16>, RouterLogits, Vec<u32>, Vec<bf16>)| {
+        honest
+            .iter()
+            .map(|x| {
+                let (xs, logits, experts, y) = f(x);
+                Ok(Cell::new(x.position(), x.layer(), xs, logits, experts, y)?)
+            })
+            .collect::<anyhow::Result<Vec<Cell>>>()
+    };
     let seed: [u8; 32] = rand::random();
-    let mut rows = Vec::new();
-    let mut row = |attack: &'static str,
-                   cheat: bool,
-                   c: Option<&CellsCommitment>,
-                   answer: Answer|
-     -> anyhow::Result<()> {
-        let o = judge(auditor, &ids, c, seed, answer)?;
+    let zeros = remade(&|x| {
+        let h = x.hidden() as usize;
+        (
+            vec![bf16::ZERO; h],
+            RouterLogits::Bf16(vec![bf16::ZERO; x.n_experts() as usize]),
+            (0..x.top_k()).collect(),
+            vec![bf16::ZERO; h],
+        )
+    })?;
+    let scaled = remade(&|x| {
+        (
+            x.x().to_vec(),
+            x.router_logits().clone(),
+            x.expert_ids().to_vec(),
+            x.y()
+                .iter()
+                .map(|v| bf16::from_f32(v.to_f32() * 1.02))
+                .collect(),
+        )
+    })?;
+    let other: Vec<u32> = ids.iter().rev().copied().collect();
+    let copied = engy_model::cells::serve_cells(model, &other, CellServe::Honest)?;
+    let per = shape.layers().len();
+    // Each attack: its name, whether it is a cheat, the commitment and the answer judged.
+    let attacks: Vec<(&'static str, bool, Option<CellsCommitment>, Answer)> = vec![
+        (
+            "honest answer (control)",
+            false,
+            Some(c.clone()),
+            open(&ht, &honest, seed)?,
+        ),
+        {
+            let (c, a) = served(&shape, &zeros, seed)?;
+            ("zero cells", true, c, a)
+        },
+        {
+            let (c, a) = served(&shape, &copied, seed)?;
+            ("copied cells (another request)", true, c, a)
+        },
+        {
+            let (c, a) = served(&shape_for(&other)?, &copied, seed)?;
+            ("copied commitment (other tokens)", true, c, a)
+        },
+        (
+            "n = 0 (nothing opened)",
+            true,
+            Some(c.clone()),
+            Answer::Opened {
+                root: c.root.0,
+                openings: Vec::new(),
+            },
+        ),
+        (
+            "chosen seed",
+            true,
+            Some(c.clone()),
+            open(&ht, &honest, [1; 32])?,
+        ),
+        {
+            let st = CellTree::from_cells(shape_for(&ids[..1])?, &honest[..per])?;
+            let a = open(&st, &honest, seed)?;
+            ("shrunk shape (one position)", true, Some(commit(&st)), a)
+        },
+        (
+            "declined (unknown_request)",
+            true,
+            Some(c.clone()),
+            Answer::Declined("unknown_request".into()),
+        ),
+        (
+            "commitment without cells",
+            true,
+            None,
+            Answer::Declined("no cells".into()),
+        ),
+        {
+            let (c, a) = served(&shape, &scaled, seed)?;
+            ("y scaled by 1.02", true, c, a)
+        },
+    ];
+    let mut rows = Vec::with_capacity(attacks.len());
+    for (attack, cheat, c, answer) in attacks {
+        let o = judge(auditor, &ids, c.as_ref(), seed, answer)?;
         rows.push(RedTeamRow {
             attack,
             cheat,
@@ -952,120 +1057,7 @@ pub fn red_team(auditor: &Auditor, resp: &Value) -> anyhow::Result<Vec<RedTeamRo
                 .reason
                 .unwrap_or_else(|| format!("{}/{} cells failed", o.failed, o.challenged)),
         });
-        Ok(())
-    };
-    row(
-        "honest answer (control)",
-        false,
-        Some(&c),
-        open(&ht, &honest, seed)?,
-    )?;
-    let zeros: Vec<Cell> = honest
-        .iter()
-        .map(|x| {
-            let h = x.hidden() as usize;
-            Cell::new(
-                x.position(),
-                x.layer(),
-                vec![bf16::ZERO; h],
-                RouterLogits::Bf16(vec![bf16::ZERO; x.n_experts() as usize]),
-                (0..x.top_k()).collect(),
-                vec![bf16::ZERO; h],
-            )
-        })
-        .collect::<Result<_, _>>()?;
-    let zt = tree_of(&shape, &zeros)?;
-    row(
-        "zero cells",
-        true,
-        Some(&commit(&zt)),
-        open(&zt, &zeros, seed)?,
-    )?;
-    let other: Vec<u32> = ids.iter().rev().copied().collect();
-    let copied = engy_model::cells::serve_cells(model, &other, CellServe::Honest)?;
-    let ct = tree_of(&shape, &copied)?;
-    row(
-        "copied cells (another request)",
-        true,
-        Some(&commit(&ct)),
-        open(&ct, &copied, seed)?,
-    )?;
-    let oshape = CellShape::for_request(
-        &other,
-        shape.layers().to_vec(),
-        shape.hidden(),
-        shape.n_experts(),
-        shape.top_k(),
-        shape.logits_dtype()?,
-    )?;
-    let ot = tree_of(&oshape, &copied)?;
-    row(
-        "copied commitment (other tokens)",
-        true,
-        Some(&commit(&ot)),
-        open(&ot, &copied, seed)?,
-    )?;
-    row(
-        "n = 0 (nothing opened)",
-        true,
-        Some(&c),
-        Answer::Opened {
-            root: c.root.0,
-            openings: Vec::new(),
-        },
-    )?;
-    row("chosen seed", true, Some(&c), open(&ht, &honest, [1; 32])?)?;
-    let per = shape.layers().len();
-    let sshape = CellShape::for_request(
-        &ids[..1],
-        shape.layers().to_vec(),
-        shape.hidden(),
-        shape.n_experts(),
-        shape.top_k(),
-        shape.logits_dtype()?,
-    )?;
-    let st = tree_of(&sshape, &honest[..per])?;
-    row(
-        "shrunk shape (one position)",
-        true,
-        Some(&commit(&st)),
-        open(&st, &honest, seed)?,
-    )?;
-    row(
-        "declined (unknown_request)",
-        true,
-        Some(&c),
-        Answer::Declined("unknown_request".into()),
-    )?;
-    row(
-        "commitment without cells",
-        true,
-        None,
-        Answer::Declined("no cells".into()),
-    )?;
-    let scaled: Vec<Cell> = honest
-        .iter()
-        .map(|x| {
-            Cell::new(
-                x.position(),
-                x.layer(),
-                x.x().to_vec(),
-                x.router_logits().clone(),
-                x.expert_ids().to_vec(),
-                x.y()
-                    .iter()
-                    .map(|v| bf16::from_f32(v.to_f32() * 1.02))
-                    .collect(),
-            )
-        })
-        .collect::<Result<_, _>>()?;
-    let yt = tree_of(&shape, &scaled)?;
-    row(
-        "y scaled by 1.02",
-        true,
-        Some(&commit(&yt)),
-        open(&yt, &scaled, seed)?,
-    )?;
+    }
     Ok(rows)
 }
 

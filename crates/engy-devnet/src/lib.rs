@@ -16,6 +16,7 @@ pub mod devnet_backend;
 pub mod gateway;
 pub mod ports;
 pub mod provider;
+pub mod runbook;
 pub mod sglang;
 
 /// Serves `app` on `listener` in a background task until the returned sender is used or

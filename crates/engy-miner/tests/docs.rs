@@ -6,6 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
 
+use engy_devnet::runbook::{self, ticked};
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -24,69 +26,19 @@ fn help() -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Variable → flag of a `--help` text: each option starts with a line whose first word is
-/// a flag; its `[env: NAME…]` follows before the next option.
+/// Variable → flag and every flag of the miner's `--help` (`engy_devnet::runbook`, the one
+/// parser the validator's runbook test uses too).
 fn help_options(help: &str) -> (BTreeMap<String, String>, BTreeSet<String>) {
-    let mut by_env = BTreeMap::new();
-    let mut flags = BTreeSet::new();
-    let mut current: Option<String> = None;
-    for line in help.lines() {
-        let t = line.trim_start();
-        // an option's first line: `--flag …` or `-x, --flag …` (a value list's `- on: …` is not)
-        if t.starts_with("--") || (t.starts_with('-') && t.get(2..4) == Some(", ")) {
-            current = t
-                .split([' ', ','])
-                .find(|w| w.starts_with("--"))
-                .map(str::to_owned);
-            if let Some(f) = &current {
-                flags.insert(f.clone());
-            }
-        }
-        if let (Some(f), Some(rest)) = (&current, t.split("[env: ").nth(1)) {
-            if let Some(end) = rest.find(['=', ']']) {
-                by_env.insert(rest[..end].to_owned(), f.clone());
-            }
-        }
-    }
-    (by_env, flags)
-}
-
-/// The backticked words of a markdown table cell.
-/// The cells of a markdown table row (an escaped `\|` stays inside its cell).
-fn cells(row: &str) -> Vec<String> {
-    let mut out = vec![String::new()];
-    let mut prev = ' ';
-    for c in row.trim().trim_matches('|').chars() {
-        if c == '|' && prev != '\\' {
-            out.push(String::new());
-        } else if let Some(last) = out.last_mut() {
-            last.push(c);
-        }
-        prev = c;
-    }
-    out.into_iter().map(|c| c.trim().to_owned()).collect()
-}
-
-fn ticked(cell: &str) -> Vec<String> {
-    cell.split('`')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_owned)
-        .collect()
+    let o = runbook::help_options(help);
+    (o.by_env, o.flags)
 }
 
 /// Rows of the table under `heading`: (variables, flag or "").
 fn config_table(doc: &str, heading: &str) -> Vec<(Vec<String>, String)> {
-    let at = doc
-        .find(heading)
-        .unwrap_or_else(|| panic!("{heading} missing"));
-    doc[at..]
-        .lines()
-        .skip_while(|l| !l.starts_with('|'))
-        .take_while(|l| l.starts_with('|'))
-        .skip(2)
-        .map(|row| {
-            let cells = cells(row);
+    runbook::table_after(doc, heading)
+        .unwrap_or_else(|| panic!("{heading} missing"))
+        .into_iter()
+        .map(|cells| {
             let vars = ticked(&cells[0])
                 .into_iter()
                 .filter(|v| v.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
