@@ -127,6 +127,14 @@ pub struct CellCheck {
     pub logits_err: f32,
     /// The routing comparison.
     pub routing: CellRouting,
+    /// For a [`CellRouting::NearTie`]: how far the committed set sits below the recomputed
+    /// top-k (the best unchosen score minus the worst chosen one,
+    /// [`crate::arch::routing::set_gap`]), in the architecture's score units (router logits
+    /// for the Qwen MoEs, `sigmoid + bias` for GLM); `None` otherwise. An honest serve's
+    /// near-ties are its router's rounding, a sliver of the margin; a serve that picks within
+    /// the margin spreads them over all of it ([`stats`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub near_tie_gap: Option<f32>,
     /// `‖y − ŷ‖ / ‖ŷ‖`.
     pub y_err: f32,
     /// `⟨y − ŷ, ŷ⟩ / ‖ŷ‖²`: the error's part along the recompute's output (a serve that scales
@@ -163,6 +171,7 @@ pub fn verify_cell(
         layer,
         logits_err: f32::INFINITY,
         routing: CellRouting::Mismatch,
+        near_tie_gap: None,
         y_err: f32::INFINITY,
         y_bias: f32::INFINITY,
         x_err: None,
@@ -219,6 +228,7 @@ pub fn verify_cell(
     check.routing = if t.agree == 1 {
         CellRouting::Agree
     } else if t.near_tie == 1 {
+        check.near_tie_gap = classify.near_tie_gaps().first().copied();
         CellRouting::NearTie
     } else {
         CellRouting::Mismatch
@@ -361,17 +371,25 @@ pub enum CellServe {
     /// Reports the previous position's block output (a plausible `y` that was never computed
     /// from this `x`).
     FabricatedY,
+    /// Systematic near-tie swaps (issue 39): wherever another expert set — one chosen expert
+    /// swapped for one unchosen — is within the cell margin of the router's top-k
+    /// ([`default_cell_margin`], as the auditor classifies it), dispatches and reports that set
+    /// instead (the one whose swapped-in expert has the lowest id: the designated cheap
+    /// experts), with the block output of the experts it ran. Each such cell alone is a
+    /// legal near-tie; only the rate betrays the serve ([`stats`]).
+    NearTieSwap,
 }
 
 impl CellServe {
     /// Every serve, honest first.
-    pub const ALL: [CellServe; 6] = [
+    pub const ALL: [CellServe; 7] = [
         CellServe::Honest,
         CellServe::Int4Experts,
         CellServe::Fp8Experts,
         CellServe::TopKReduced,
         CellServe::ExpertSwap,
         CellServe::FabricatedY,
+        CellServe::NearTieSwap,
     ];
 
     /// The checkpoint copy this serve runs ([`write_expert_cheat`]), for the expert-only
@@ -393,6 +411,7 @@ impl CellServe {
             CellServe::TopKReduced => "top-k-reduced",
             CellServe::ExpertSwap => "expert-swap",
             CellServe::FabricatedY => "fabricated-y",
+            CellServe::NearTieSwap => "near-tie-swap",
         }
     }
 }
@@ -447,6 +466,15 @@ pub fn serve_cells(model: &Model, ids: &[u32], serve: CellServe) -> Result<Vec<C
                     .get(&b.layer)
                     .cloned()
                     .unwrap_or_else(|| y.iter().map(|v| -v).collect()),
+                CellServe::NearTieSwap => {
+                    match near_tie_swap(model, shape, b.layer, pos, x, &chosen)? {
+                        Some((set, y)) => {
+                            chosen = set;
+                            y
+                        }
+                        None => y.clone(),
+                    }
+                }
                 CellServe::TopKReduced | CellServe::ExpertSwap => {
                     let mut used = chosen.clone();
                     if serve == CellServe::TopKReduced {
@@ -481,6 +509,50 @@ pub fn serve_cells(model: &Model, ids: &[u32], serve: CellServe) -> Result<Vec<C
         }
     }
     Ok(by_cell.into_values().collect())
+}
+
+/// The set [`CellServe::NearTieSwap`] takes at one row: among the sets that swap one of
+/// `chosen` for one unchosen expert and that the cell check classifies as a near-tie (margin
+/// [`default_cell_margin`]), the one whose swapped-in expert has the lowest id, with its block
+/// output; `None` when no swap is within the margin.
+fn near_tie_swap(
+    model: &Model,
+    shape: RoutingShape,
+    layer: usize,
+    position: usize,
+    x: &[f32],
+    chosen: &[u32],
+) -> Result<Option<(Vec<u32>, Vec<f32>)>, ModelError> {
+    let margin = Margin {
+        abs: default_cell_margin(model.config().kind),
+        rel: ROUTING_MARGIN_REL,
+    };
+    let xt = Tensor::from_vec(x.to_vec(), (1, x.len()), &Device::Cpu)?;
+    for e in 0..shape.experts as u32 {
+        if chosen.contains(&e) {
+            continue;
+        }
+        for out in 0..chosen.len() {
+            let mut set = chosen.to_vec();
+            set[out] = e;
+            let mut classify =
+                RoutingCheck::new(committed_cell(shape, position, layer, &set), margin, true)
+                    .dispatching_committed();
+            let y = model.arch().moe_block(
+                layer,
+                &xt,
+                position,
+                &mut Probe {
+                    check: Some(&mut classify),
+                    ..Probe::default()
+                },
+            )?;
+            if let (Some(y), 1) = (y, classify.totals().near_tie) {
+                return Ok(Some((set, y.flatten_all()?.to_vec1::<f32>()?)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// The block output of `layer` on one row `x` with the experts `used` dispatched (weighted by
