@@ -10,6 +10,7 @@ use std::process::Stdio;
 
 use common::*;
 use engy_devnet::provider::ProviderDouble;
+use engy_devnet::runbook::{self, ticked};
 
 const DEAD_CHAIN: &str = "ws://127.0.0.1:9";
 
@@ -21,7 +22,8 @@ fn doc() -> String {
     .unwrap()
 }
 
-/// Variable → flag of `engy-validator run --help`.
+/// Variable → flag of `engy-validator run --help` (`engy_devnet::runbook`, the one parser the
+/// miner's docs test uses too).
 fn run_help() -> BTreeMap<String, String> {
     let out = std::process::Command::new(bin())
         .args(["run", "--help"])
@@ -29,62 +31,16 @@ fn run_help() -> BTreeMap<String, String> {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let help = String::from_utf8_lossy(&out.stdout).into_owned();
-    let mut by_env = BTreeMap::new();
-    let mut current: Option<String> = None;
-    for line in help.lines() {
-        let t = line.trim_start();
-        // an option's first line: `--flag …` or `-x, --flag …` (a value list's `- on: …` is not)
-        if t.starts_with("--") || (t.starts_with('-') && t.get(2..4) == Some(", ")) {
-            current = t
-                .split([' ', ','])
-                .find(|w| w.starts_with("--"))
-                .map(str::to_owned);
-        }
-        if let (Some(f), Some(rest)) = (&current, t.split("[env: ").nth(1)) {
-            if let Some(end) = rest.find(['=', ']']) {
-                by_env.insert(rest[..end].to_owned(), f.clone());
-            }
-        }
-    }
-    by_env
-}
-
-/// The cells of a markdown table row (an escaped `\|` stays inside its cell).
-fn cells(row: &str) -> Vec<String> {
-    let mut out = vec![String::new()];
-    let mut prev = ' ';
-    for c in row.trim().trim_matches('|').chars() {
-        if c == '|' && prev != '\\' {
-            out.push(String::new());
-        } else if let Some(last) = out.last_mut() {
-            last.push(c);
-        }
-        prev = c;
-    }
-    out.into_iter().map(|c| c.trim().to_owned()).collect()
-}
-
-fn ticked(cell: &str) -> Vec<String> {
-    cell.split('`')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_owned)
-        .collect()
+    runbook::help_options(&String::from_utf8_lossy(&out.stdout)).by_env
 }
 
 #[test]
 fn the_configuration_table_is_run_help_plus_the_documented_rest() {
     let by_env = run_help();
-    let d = doc();
-    let table = &d[d.find("## Configuration").unwrap()..];
-    let rows: Vec<(Vec<String>, String, String)> = table
-        .lines()
-        .skip_while(|l| !l.starts_with('|'))
-        .take_while(|l| l.starts_with('|'))
-        .skip(2)
-        .map(|row| {
-            let cells = cells(row);
+    let rows: Vec<(Vec<String>, String, String)> = runbook::table_after(&doc(), "## Configuration")
+        .expect("VALIDATOR.md has a Configuration section")
+        .into_iter()
+        .map(|cells| {
             let vars = ticked(&cells[0])
                 .into_iter()
                 .filter(|v| v.starts_with("ENGY_"))
