@@ -6,7 +6,12 @@
 //! module names and call signatures (router returning `(logits, bias)`, a `TopK` module,
 //! flattened tokens, positions passed to the stack) whose hooks are registered from the
 //! `--forward-hooks` specs by sglang's rule, over a chunked prefill (two passes, one
-//! request).
+//! request). `glm_moe_dsa` is transformers' GLM-5 (`GlmMoeDsaForCausalLM`) loaded from the
+//! arch oracle's tiny checkpoint (`tests/vectors/arch/glm_moe_dsa`): a DeepSeek-style MoE
+//! whose f32 router gives f32 logits. `sglang_deepseek_shaped` has sglang's DeepSeek-style
+//! block (`DeepseekV2MoE`, the one GLM-5 is served with): a `MoEGate` returning f32 logits
+//! alone, grouped sigmoid top-k with correction bias, and the shared expert fused into the
+//! top-k as an extra column the hooks must drop.
 //!
 //! Opt-in: `ENGY_CELLS_PYTHON` names a python with torch and transformers 5.24 (`.ci/run`
 //! makes one from PyPI); without it the test prints a visible SKIP. Set
@@ -128,9 +133,17 @@ fn check_case(dir: &Path) {
             x[p],
             "{at:?}: x is not the block's input"
         );
+        // Qwen's routers are bf16; DeepSeek-style (GLM) routers keep an f32 weight.
+        let f32_router = case["router_dtype"] == "f32";
         match c.router_logits() {
-            RouterLogits::Bf16(v) => assert_eq!(le_bytes_bf16(v), logits[p], "{at:?}: logits"),
-            RouterLogits::F32(_) => panic!("{at:?}: a bf16 Qwen router gave f32 logits"),
+            RouterLogits::Bf16(v) if !f32_router => {
+                assert_eq!(le_bytes_bf16(v), logits[p], "{at:?}: logits")
+            }
+            RouterLogits::F32(v) if f32_router => {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                assert_eq!(bytes, logits[p], "{at:?}: logits")
+            }
+            other => panic!("{at:?}: router logits {other:?}, case router {f32_router}"),
         }
         let mut want: Vec<u32> = ids[p]
             .chunks_exact(8)
@@ -194,11 +207,17 @@ fn sglang_hooks_on_transformers_models_verify_in_rust() {
         String::from_utf8_lossy(&run.stderr)
     );
     let mut n = 0;
-    for arch in ["qwen3_moe", "qwen3_5_moe", "sglang_shaped"] {
+    for arch in [
+        "qwen3_moe",
+        "qwen3_5_moe",
+        "glm_moe_dsa",
+        "sglang_shaped",
+        "sglang_deepseek_shaped",
+    ] {
         check_case(&out.join(arch));
         n += 1;
     }
-    assert_eq!(n, 3);
+    assert_eq!(n, 5);
     // The pass that skipped positions: the hooks marked the request, the reader refuses it.
     let gap = spool::latest(&out.join("sglang_shaped/spool-gap")).unwrap();
     let err = spool::read_request(&gap).unwrap_err();
