@@ -2,7 +2,11 @@
 //! canonical messages and bodies byte for byte, reference-signed requests verify (and verify
 //! through `verify_signed_request`), our own signed headers verify, rejections do not.
 
+mod common;
+
 use std::path::PathBuf;
+
+use common::{hex32, json_files, read_json};
 
 use engy_core::heartbeat::{
     build_body, canonical_message, signed_headers, verify_signed_request, HEADER_HOTKEY,
@@ -13,25 +17,11 @@ use serde_json::Value;
 
 const SCHEMA: &str = "engy-sn53/heartbeat/v1";
 
-fn vectors_dir() -> PathBuf {
-    match std::env::var_os("ENGY_VECTORS_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors"),
-    }
-}
-
 fn docs() -> Vec<(PathBuf, Value)> {
-    let dir = vectors_dir().join("heartbeat");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
-    files
+    json_files("heartbeat")
         .into_iter()
         .filter_map(|p| {
-            let v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+            let v = read_json(&p);
             (v.get("schema").and_then(Value::as_str) == Some(SCHEMA)).then_some((p, v))
         })
         .collect()
@@ -39,10 +29,6 @@ fn docs() -> Vec<(PathBuf, Value)> {
 
 fn u16_of(v: &Value) -> u16 {
     u16::try_from(v.as_u64().expect("integer")).expect("fits u16")
-}
-
-fn hex32(s: &str) -> [u8; 32] {
-    hex::decode(s).unwrap().try_into().unwrap()
 }
 
 #[test]

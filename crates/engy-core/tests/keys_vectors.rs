@@ -12,7 +12,11 @@
 //!   signatures verify, and public-only / encrypted / edited / world-readable files behave:
 //!   an edited public field is reported, never used to pick the key.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+
+use common::{hex32, json_files, read_json};
 
 use engy_core::keys::{
     load_hotkey, ss58_decode, ss58_decode_prefix_42, ss58_encode, ss58_encode_with_prefix,
@@ -20,25 +24,11 @@ use engy_core::keys::{
 };
 use serde_json::Value;
 
-fn vectors_dir() -> PathBuf {
-    match std::env::var_os("ENGY_VECTORS_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors"),
-    }
-}
-
 fn docs() -> Vec<(PathBuf, Value)> {
-    let dir = vectors_dir().join("keys");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
-    files
+    json_files("keys")
         .into_iter()
         .map(|p| {
-            let v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+            let v = read_json(&p);
             (p, v)
         })
         .collect()
@@ -46,10 +36,6 @@ fn docs() -> Vec<(PathBuf, Value)> {
 
 fn schema(v: &Value) -> &str {
     v.get("schema").and_then(Value::as_str).unwrap_or("")
-}
-
-fn hex32(s: &str) -> [u8; 32] {
-    hex::decode(s).unwrap().try_into().unwrap()
 }
 
 fn message_bytes(v: &Value) -> Vec<u8> {

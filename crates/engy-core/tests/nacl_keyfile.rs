@@ -12,18 +12,18 @@
 //! `WalletError::CorruptEncrypted`, and no error text carries the password. Every decryption
 //! is one Argon2i derivation (512 MiB, seconds), so each test derives twice and no more.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
+
+use common::hex32;
 
 use engy_core::keys::{
     load_hotkey, load_hotkey_file_with_password, load_hotkey_with_password, Hotkey, LoadedHotkey,
     WalletError, WalletPassword,
 };
 use serde_json::Value;
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn password(s: &str) -> WalletPassword {
     WalletPassword::from(s.to_string())
@@ -81,13 +81,9 @@ fn assert_no_password(err: &WalletError, passwords: &[&str]) {
     }
 }
 
-fn hex32(s: &str) -> [u8; 32] {
-    hex::decode(s).unwrap().try_into().unwrap()
-}
-
 #[test]
 fn bittensor_wallet_fixture_decrypts_to_the_plain_keypair() {
-    let dir = repo_root().join("tests/vectors/keys/nacl");
+    let dir = common::workspace().join("tests/vectors/keys/nacl");
     let doc: Value =
         serde_json::from_slice(&std::fs::read(dir.join("fixture.json")).unwrap()).unwrap();
     assert_eq!(doc["schema"], "engy-sn53/nacl-keyfile/v1");
@@ -134,7 +130,7 @@ fn bittensor_wallet_encrypts_engy_decrypts() {
     let wrong = format!("{right}x");
     let tmp = tempfile::tempdir().unwrap();
     let out = Command::new("python3")
-        .arg(repo_root().join("tests/reverse/nacl_hotkey.py"))
+        .arg(common::workspace().join("tests/reverse/nacl_hotkey.py"))
         .arg(tmp.path())
         .arg("engy-nacl-reverse")
         .arg(hex::encode(seed))

@@ -5,31 +5,14 @@
 //! Each case is compared with `strict_expected` when present (the project's policy on
 //! Python quirks), else `expected`: outcome, reason word, weights and epoch index.
 
-use std::path::PathBuf;
+mod common;
 
 use base64::Engine;
+use common::{json_files, vectors_dir};
 use engy_core::payload::{verify, PayloadError};
 use serde_json::Value;
 
 const SCHEMA: &str = "engy-sn53/payload-cases/v1";
-
-fn vectors_dir() -> PathBuf {
-    match std::env::var_os("ENGY_VECTORS_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors"),
-    }
-}
-
-fn json_files(sub: &str) -> Vec<PathBuf> {
-    let dir = vectors_dir().join(sub);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read vector dir {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
-    files
-}
 
 fn body_bytes(case: &Value) -> Vec<u8> {
     if let Some(b64) = case.get("body_b64").and_then(Value::as_str) {

@@ -26,8 +26,9 @@
 //! * topk: indices in torch's order, the algorithm name, and |x| bits as torch's `abs()`
 //!   gives them (bf16 NaN → 0x7FC0).
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use engy_core::toploc::{
     bf16_bits_to_f32, build_proofs, build_proofs_base64, build_proofs_detailed, f32_to_bf16_bits,
@@ -35,13 +36,6 @@ use engy_core::toploc::{
     ProofPoly, ToplocError, VerifyResult,
 };
 use serde_json::Value;
-
-fn vectors_dir() -> PathBuf {
-    match std::env::var_os("ENGY_VECTORS_DIR") {
-        Some(dir) => PathBuf::from(dir).join("toploc"),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/toploc"),
-    }
-}
 
 /// A tensor record decoded: dtype (or the refused dtype name) and 16-bit patterns.
 struct Tensor {
@@ -627,13 +621,8 @@ fn check_topk(r: &mut Report, at: &str, case: &Value) -> Result<(), String> {
 
 #[test]
 fn toploc_golden_vectors() {
-    let dir = vectors_dir();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read vector dir {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
+    let dir = common::vectors_dir().join("toploc");
+    let files = common::json_files("toploc");
     let mut r = Report::default();
     for file in &files {
         let name = file.file_name().unwrap().to_string_lossy().to_string();
