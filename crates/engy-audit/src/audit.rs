@@ -105,6 +105,19 @@ pub struct AuditArgs {
         default_value = "cpu"
     )]
     pub device: DeviceSpec,
+    /// Audit up to N commitments in one pass over the weights: each decoder layer runs for
+    /// all of them before the next, so streamed weights (no --resident) are read and decoded
+    /// once per N commitments instead of once per commitment (docs/AUDITOR.md "Several
+    /// commitments in one run"). Every report is the one the commitment gets alone; device
+    /// memory grows with N (each commitment's activations; one layer's weights).
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_BATCH",
+        value_name = "N",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u16).range(1..=256)
+    )]
+    pub batch: u16,
 }
 
 /// `--recompute` values.
@@ -200,47 +213,64 @@ pub fn main(args: &AuditArgs) -> ExitCode {
         }
     };
     let mut codes = Vec::with_capacity(args.commitment.len());
-    for (path, text) in args.commitment.iter().zip(&texts) {
-        let outcome = match text {
-            // Reported above; with --json it still gets its line, in its turn.
-            Err(e) => Err(engy_telemetry::cli::error_line(e.as_ref())),
-            Ok(text) => audit_one(args, &model, &model_root, &params, path, text).map_err(|e| {
-                failed(path, &e);
-                engy_telemetry::cli::error_line(e.as_ref())
-            }),
-        };
-        let report = match outcome {
-            Ok(report) => report,
-            Err(error) => {
-                if several && args.json {
-                    let line = Failed {
-                        commitment: path.display().to_string(),
-                        error,
-                    };
-                    crate::emit_code("audit", &line, true, |_| String::new(), 0, 0);
-                }
-                codes.push(EXIT_ERROR);
-                continue;
-            }
-        };
-        let code = match report.verdict {
-            Verdict::Pass => EXIT_PASS,
-            Verdict::Cheat => EXIT_CHEAT,
-            Verdict::Unproven { .. } => EXIT_UNPROVEN,
-        };
-        let code = if several {
-            // Each report names its commitment: a header line in text, a field in JSON.
-            let named = Named {
-                commitment: path.display().to_string(),
-                report: &report,
-            };
-            let text =
-                |n: &Named<'_>| format!("commitment: {}\n{}", n.commitment, report_text(n.report));
-            crate::emit_code("audit", &named, args.json, text, code, EXIT_ERROR)
+    let all: Vec<usize> = (0..args.commitment.len()).collect();
+    for group in all.chunks(usize::from(args.batch.max(1))) {
+        let mut outcomes = if group.len() > 1 {
+            audit_group(args, &model, &model_root, &params, group, &texts)
         } else {
-            crate::emit_code("audit", &report, args.json, report_text, code, EXIT_ERROR)
+            Vec::new()
         };
-        codes.push(code);
+        outcomes.resize_with(group.len(), || None);
+        for (&i, batched) in group.iter().zip(outcomes) {
+            let (path, text) = (&args.commitment[i], &texts[i]);
+            let outcome = match (text, batched) {
+                // Reported above; with --json it still gets its line, in its turn.
+                (Err(e), _) => Err(engy_telemetry::cli::error_line(e.as_ref())),
+                (Ok(_), Some(Ok(report))) => Ok(report),
+                (Ok(_), Some(Err(e))) => {
+                    failed(path, &e);
+                    Err(engy_telemetry::cli::error_line(e.as_ref()))
+                }
+                (Ok(text), None) => audit_one(args, &model, &model_root, &params, path, text)
+                    .map_err(|e| {
+                        failed(path, &e);
+                        engy_telemetry::cli::error_line(e.as_ref())
+                    }),
+            };
+            let report = match outcome {
+                Ok(report) => report,
+                Err(error) => {
+                    if several && args.json {
+                        let line = Failed {
+                            commitment: path.display().to_string(),
+                            error,
+                        };
+                        crate::emit_code("audit", &line, true, |_| String::new(), 0, 0);
+                    }
+                    codes.push(EXIT_ERROR);
+                    continue;
+                }
+            };
+            let code = match report.verdict {
+                Verdict::Pass => EXIT_PASS,
+                Verdict::Cheat => EXIT_CHEAT,
+                Verdict::Unproven { .. } => EXIT_UNPROVEN,
+            };
+            let code = if several {
+                // Each report names its commitment: a header line in text, a field in JSON.
+                let named = Named {
+                    commitment: path.display().to_string(),
+                    report: &report,
+                };
+                let text = |n: &Named<'_>| {
+                    format!("commitment: {}\n{}", n.commitment, report_text(n.report))
+                };
+                crate::emit_code("audit", &named, args.json, text, code, EXIT_ERROR)
+            } else {
+                crate::emit_code("audit", &report, args.json, report_text, code, EXIT_ERROR)
+            };
+            codes.push(code);
+        }
     }
     ExitCode::from(combined_code(&codes))
 }
@@ -353,6 +383,77 @@ fn read_commitment(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
     }
 }
 
+/// The commitment file's bytes as JSON, or the unproven report when they are not UTF-8 JSON
+/// (the commitment is the miner's: the audit itself worked).
+fn parse_commitment(
+    text: &[u8],
+    params: &AuditParams,
+) -> Result<serde_json::Value, Box<AuditReport>> {
+    // A UTF-8 byte order mark is not JSON, but RFC 8259 §8.1 lets a parser ignore it.
+    let text = text.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(text);
+    serde_json::from_slice(text).map_err(|e| {
+        Box::new(AuditReport::unproven(
+            format!("the commitment file is not UTF-8 JSON: {e}"),
+            *params,
+        ))
+    })
+}
+
+/// The commitments `group` (indices into `--commitment`) audited in one pass over the
+/// weights ([`engy_model::audit::audit_many`]): one outcome per index, `None` for a file
+/// that could not be read (reported already). An error of the pass is every commitment's.
+fn audit_group(
+    args: &AuditArgs,
+    model: &Model,
+    model_root: &str,
+    params: &AuditParams,
+    group: &[usize],
+    texts: &[anyhow::Result<Vec<u8>>],
+) -> Vec<Option<anyhow::Result<AuditReport>>> {
+    let mut out: Vec<Option<anyhow::Result<AuditReport>>> = Vec::with_capacity(group.len());
+    let mut values = Vec::new();
+    let mut slots = Vec::new();
+    for &i in group {
+        match &texts[i] {
+            Err(_) => out.push(None),
+            Ok(text) => match parse_commitment(text, params) {
+                Err(report) => out.push(Some(Ok(*report))),
+                Ok(v) => {
+                    slots.push(out.len());
+                    values.push(v);
+                    out.push(None);
+                }
+            },
+        }
+    }
+    if values.is_empty() {
+        return out;
+    }
+    let started = std::time::Instant::now();
+    match engy_model::audit::audit_many(model, model_root, &values, params, args.recompute.into()) {
+        Ok(reports) => {
+            for (slot, report) in slots.iter().zip(reports) {
+                out[*slot] = Some(Ok(report));
+            }
+        }
+        Err(e) => {
+            let msg = format!("recomputing {} commitments in one pass: {e}", values.len());
+            for slot in &slots {
+                out[*slot] = Some(Err(anyhow::anyhow!(msg.clone())));
+            }
+        }
+    }
+    if args.device != DeviceSpec::Cpu {
+        eprintln!(
+            "engy-audit audit: {} commitments recomputed in one pass on {} in {:.3} s",
+            values.len(),
+            args.device,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    out
+}
+
 /// Audits the commitment file's bytes `text`, read from `path`.
 fn audit_one(
     args: &AuditArgs,
@@ -362,17 +463,9 @@ fn audit_one(
     path: &std::path::Path,
     text: &[u8],
 ) -> anyhow::Result<AuditReport> {
-    // A UTF-8 byte order mark is not JSON, but RFC 8259 §8.1 lets a parser ignore it.
-    let text = text.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(text);
-    let value: serde_json::Value = match serde_json::from_slice(text) {
+    let value = match parse_commitment(text, params) {
         Ok(v) => v,
-        // Not UTF-8 JSON at all: the commitment is unproven, the audit itself worked.
-        Err(e) => {
-            return Ok(AuditReport::unproven(
-                format!("the commitment file is not UTF-8 JSON: {e}"),
-                *params,
-            ))
-        }
+        Err(report) => return Ok(*report),
     };
     let steps_before = host_steps();
     let profile_before = engy_model::device::profile();

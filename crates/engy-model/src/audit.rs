@@ -592,31 +592,115 @@ fn audit_computes(
     plan: &[Numerics],
     routing: Option<CommittedRouting>,
 ) -> Result<AuditReport, ModelError> {
+    match checked_commitment(model, model_root, commitment, params, routing) {
+        Err(report) => Ok(*report),
+        Ok(checked) => run_plan(model, &checked, *params, plan, None),
+    }
+}
+
+/// [`audit_with`] for several commitments of one model, their first recompute in one pass
+/// over the weights ([`Model::hidden_states_probed_many`]: with streamed weights, each layer
+/// read and decoded once for all of them). Each report is exactly what [`audit_with`] gives
+/// for that commitment alone; a commitment whose first recompute does not pass runs the
+/// rest of the plan alone. Reports come back in the order of `commitments`.
+///
+/// # Errors
+/// As [`audit_with`], for any of the commitments (one recompute's error fails the batch).
+pub fn audit_many(
+    model: &Model,
+    model_root: &str,
+    commitments: &[serde_json::Value],
+    params: &AuditParams,
+    recompute: Recompute,
+) -> Result<Vec<AuditReport>, ModelError> {
+    let p = *params;
+    let plan = recompute.plan_for_model(model);
+    let prepared: Vec<Result<Checked, Box<AuditReport>>> = commitments
+        .iter()
+        .map(|c| checked_commitment(model, model_root, c, params, None))
+        .collect();
+    let Some(&first) = plan.first() else {
+        return Ok(prepared
+            .into_iter()
+            .map(|r| match r {
+                Err(report) => *report,
+                Ok(_) => AuditReport::unproven("no recompute was requested", p),
+            })
+            .collect());
+    };
+    let sibling;
+    let m = if first == model.numerics() {
+        model
+    } else {
+        sibling = model.with_numerics(first)?;
+        &sibling
+    };
+    let checked: Vec<&Checked> = prepared.iter().filter_map(|r| r.as_ref().ok()).collect();
+    let mut firsts = verify_many(m, &checked, p)?.into_iter();
+    let mut out = Vec::with_capacity(commitments.len());
+    for r in &prepared {
+        out.push(match r {
+            Err(report) => (**report).clone(),
+            Ok(c) => {
+                let Some(report) = firsts.next() else {
+                    return Err(ModelError::Config(
+                        "a batched recompute returned fewer reports than commitments".into(),
+                    ));
+                };
+                run_plan(model, c, p, &plan, Some(report))?
+            }
+        });
+    }
+    Ok(out)
+}
+
+/// The commitment parsed and checked against the model ([`check_shape`]) with the routing
+/// to check (`routing`, else the commitment's own trace), or the unproven report saying why
+/// it cannot be audited.
+fn checked_commitment(
+    model: &Model,
+    model_root: &str,
+    commitment: &serde_json::Value,
+    params: &AuditParams,
+    routing: Option<CommittedRouting>,
+) -> Result<Checked, Box<AuditReport>> {
     let p = *params;
     let value = match commitment.get("commitment") {
         Some(inner) if commitment.get("toploc").is_none() => inner,
         _ => commitment,
     };
     if value.is_null() {
-        return Ok(AuditReport::unproven("the commitment is null", p));
+        return Err(Box::new(AuditReport::unproven("the commitment is null", p)));
     }
     let c: Commitment = match serde_json::from_value(value.clone()) {
         Ok(c) => c,
         Err(e) => {
-            return Ok(AuditReport::unproven(
+            return Err(Box::new(AuditReport::unproven(
                 format!("malformed commitment: {e}"),
                 p,
-            ))
+            )))
         }
     };
     let mut checked = match check_shape(model, model_root, &c, &p) {
         Ok(checked) => checked,
-        Err(reason) => return Ok(AuditReport::unproven(reason, p)),
+        Err(reason) => return Err(Box::new(AuditReport::unproven(reason, p))),
     };
     checked.routing = match routing {
         Some(r) => fits_model(model, r),
         None => committed_routing(model, &c),
     };
+    Ok(checked)
+}
+
+/// Runs the recomputes of `plan` on `checked` until one passes (module docs, step 6);
+/// `first`: the report of `plan[0]`, when it was computed already (a batched pass).
+fn run_plan(
+    model: &Model,
+    checked: &Checked,
+    p: AuditParams,
+    plan: &[Numerics],
+    mut first: Option<AuditReport>,
+) -> Result<AuditReport, ModelError> {
     let mut best: Option<AuditReport> = None;
     let mut outcomes = Vec::with_capacity(plan.len());
     for &n in plan {
@@ -632,14 +716,19 @@ fn audit_computes(
         if redundant {
             continue;
         }
-        let sibling;
-        let m = if n == model.numerics() {
-            model
-        } else {
-            sibling = model.with_numerics(n)?;
-            &sibling
+        let report = match first.take() {
+            Some(report) => report,
+            None => {
+                let sibling;
+                let m = if n == model.numerics() {
+                    model
+                } else {
+                    sibling = model.with_numerics(n)?;
+                    &sibling
+                };
+                verify(m, checked, p)?
+            }
         };
-        let report = verify(m, &checked, p)?;
         if matches!(report.verdict, Verdict::Unproven { .. }) {
             return Ok(report);
         }
@@ -850,10 +939,67 @@ fn check_shape(
     })
 }
 
-fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, ModelError> {
+/// What a recompute pass records for one commitment besides the hidden states.
+struct PassRecord {
+    /// The routing check, when the commitment carries a trace that fits the model.
+    check: Option<RoutingCheck>,
+    attended: OwnIndexSets,
+    boundary_ties: usize,
+}
+
+/// The ids a teacher-forced recompute of `c` runs: the prompt, then every output token but the
+/// last.
+fn input_of(c: &Checked) -> Vec<u32> {
     let n = c.output.len();
     let mut input = c.prompt.clone();
     input.extend(c.output.iter().take(n.saturating_sub(1)));
+    input
+}
+
+/// A probe recording into `rec` what [`judge`] reads.
+fn probe_of<'a>(rec: &'a mut PassRecord, dsa: bool, c: &Checked) -> Probe<'a> {
+    Probe {
+        check: rec.check.as_mut(),
+        attended: (dsa && c.indexer_topk.is_some()).then_some(&mut rec.attended),
+        dsa_boundary_ties: dsa.then_some(&mut rec.boundary_ties),
+        ..Probe::default()
+    }
+}
+
+fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, ModelError> {
+    let mut rec = pass_record(model, c, p);
+    let dsa = arch::has_dsa(model.config().kind);
+    let hidden = model.hidden_states_probed(&input_of(c), &mut probe_of(&mut rec, dsa, c))?;
+    judge(model, c, p, &hidden, rec)
+}
+
+/// [`verify`] for several commitments, their recomputes in one pass over the weights.
+fn verify_many(
+    model: &Model,
+    cs: &[&Checked],
+    p: AuditParams,
+) -> Result<Vec<AuditReport>, ModelError> {
+    let dsa = arch::has_dsa(model.config().kind);
+    let inputs: Vec<Vec<u32>> = cs.iter().map(|c| input_of(c)).collect();
+    let mut recs: Vec<PassRecord> = cs.iter().map(|c| pass_record(model, c, p)).collect();
+    let hidden = {
+        let mut probes: Vec<Probe<'_>> = recs
+            .iter_mut()
+            .zip(cs)
+            .map(|(rec, c)| probe_of(rec, dsa, c))
+            .collect();
+        let seqs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+        model.hidden_states_probed_many(&seqs, &mut probes)?
+    };
+    cs.iter()
+        .zip(recs)
+        .zip(&hidden)
+        .map(|((c, rec), h)| judge(model, c, p, h, rec))
+        .collect()
+}
+
+/// The routing check a pass over `c` runs, with the policy's margin.
+fn pass_record(model: &Model, c: &Checked, p: AuditParams) -> PassRecord {
     let margin = arch::Margin {
         abs: p
             .routing
@@ -861,23 +1007,33 @@ fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, Mod
             .unwrap_or_else(|| default_routing_margin(model.config().kind)),
         rel: ROUTING_MARGIN_REL,
     };
-    let mut check = c
-        .routing
-        .as_ref()
-        .ok()
-        .map(|r| RoutingCheck::new(r.clone(), margin, p.routing.replay));
+    PassRecord {
+        check: c
+            .routing
+            .as_ref()
+            .ok()
+            .map(|r| RoutingCheck::new(r.clone(), margin, p.routing.replay)),
+        attended: OwnIndexSets::new(),
+        boundary_ties: 0,
+    }
+}
+
+/// The report of one recompute of `c` from its final hidden states (`hidden[t]`, every input
+/// position) and what the pass recorded.
+fn judge(
+    model: &Model,
+    c: &Checked,
+    p: AuditParams,
+    hidden: &[Vec<f32>],
+    rec: PassRecord,
+) -> Result<AuditReport, ModelError> {
+    let n = c.output.len();
     let dsa = arch::has_dsa(model.config().kind);
-    let mut attended = OwnIndexSets::new();
-    let mut boundary_ties = 0usize;
-    let hidden = model.hidden_states_probed(
-        &input,
-        &mut Probe {
-            check: check.as_mut(),
-            attended: (dsa && c.indexer_topk.is_some()).then_some(&mut attended),
-            dsa_boundary_ties: dsa.then_some(&mut boundary_ties),
-            ..Probe::default()
-        },
-    )?;
+    let PassRecord {
+        check,
+        attended,
+        boundary_ties,
+    } = rec;
     let index_sets = dsa.then(|| match &c.indexer_topk {
         None => IndexSetAudit::NotCompared {
             reason: "the commitment carries no indexer_topk trace".into(),

@@ -378,6 +378,47 @@ impl Model {
         })
     }
 
+    /// [`Model::hidden_states_probed`] for several sequences in one pass over the weights
+    /// ([`Architecture::forward_many`]: with streamed weights, each layer read and decoded once
+    /// for all of them). `probes[i]` belongs to `seqs[i]`; each result is exactly what
+    /// [`Model::hidden_states_probed`] gives for that sequence alone.
+    ///
+    /// # Errors
+    /// As [`Model::forward`] for any of the sequences; [`ModelError::Config`] when `probes`
+    /// and `seqs` differ in length.
+    pub fn hidden_states_probed_many(
+        &self,
+        seqs: &[&[u32]],
+        probes: &mut [Probe<'_>],
+    ) -> Result<Vec<Vec<Vec<f32>>>, ModelError> {
+        if seqs.len() != probes.len() {
+            return Err(ModelError::Config(format!(
+                "{} sequences with {} probes",
+                seqs.len(),
+                probes.len()
+            )));
+        }
+        for ids in seqs {
+            self.check_ids(ids, 0)?;
+        }
+        let mut caches: Vec<KvCache> = seqs.iter().map(|_| self.new_cache()).collect();
+        let dev = self.opts.device.device()?;
+        crate::device::phase(&dev, "forward", || {
+            let mut passes: Vec<crate::arch::SeqPass<'_, '_>> = seqs
+                .iter()
+                .zip(caches.iter_mut())
+                .zip(probes.iter_mut())
+                .map(|((ids, cache), probe)| crate::arch::SeqPass { ids, cache, probe })
+                .collect();
+            let hs = self.arch.forward_many(&mut passes)?;
+            crate::device::phase(&dev, "hidden states to the host", || {
+                hs.iter()
+                    .map(|h| Ok(h.to_vec2::<f32>()?))
+                    .collect::<Result<Vec<_>, ModelError>>()
+            })
+        })
+    }
+
     /// Teacher-forced, with every decoder layer's residual output: `(final [T, H], layers)`
     /// where `layers[l]` is `[T, H]` after layer `l` (before the final norm), for debugging
     /// against a reference's `output_hidden_states`.

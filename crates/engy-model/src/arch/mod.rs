@@ -203,6 +203,17 @@ impl Cache {
     }
 }
 
+/// One sequence of a batched pass ([`Architecture::forward_many`]): its ids at positions
+/// `cache.len ..`, its cache, and what the pass records or follows for it.
+pub struct SeqPass<'a, 'p> {
+    /// The ids (checked against the vocabulary and the position limit by the caller).
+    pub ids: &'a [u32],
+    /// The sequence's cache, advanced by the pass.
+    pub cache: &'a mut Cache,
+    /// The sequence's own probe ([`Probe`]).
+    pub probe: &'a mut Probe<'p>,
+}
+
 /// A decoder-only text model's forward pass.
 ///
 /// Implementations must be deterministic: the same ids give bit-identical rows, and (for the
@@ -228,6 +239,33 @@ pub trait Architecture: Send + Sync {
         cache: &mut Cache,
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError>;
+
+    /// [`Architecture::forward`] for several sequences in one pass over the weights: an
+    /// implementation may run decoder layer `l` for every sequence before layer `l + 1`, so
+    /// that streamed weights ([`Residency::Streaming`]) are read and decoded once per layer
+    /// for all of them ([`Weights::hold`]) instead of once per sequence. Returns each
+    /// sequence's final hidden states in the order of `seqs`, each exactly what
+    /// [`Architecture::forward`] returns for it alone (same values, same probe records):
+    /// only the order of the work changes. The default runs the sequences one after another.
+    ///
+    /// # Errors
+    /// As [`Architecture::forward`]; on error every cache is left as it was.
+    fn forward_many(&self, seqs: &mut [SeqPass<'_, '_>]) -> Result<Vec<Tensor>, ModelError> {
+        let mut out = Vec::with_capacity(seqs.len());
+        let before: Vec<Cache> = seqs.iter().map(|s| s.cache.clone()).collect();
+        for s in seqs.iter_mut() {
+            match self.forward(s.ids, s.cache, s.probe) {
+                Ok(h) => out.push(h),
+                Err(e) => {
+                    for (s, c) in seqs.iter_mut().zip(before) {
+                        *s.cache = c;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
 
     /// The shape of the model's routing trace, `None` for a model without MoE layers.
     fn routing_shape(&self) -> Option<RoutingShape>;

@@ -56,7 +56,7 @@ use super::experts;
 use super::ops::{self, linear_t};
 use super::{
     Architecture, AttentionKernel, Cache, Fp8Activations, LayerCache, LoadOptions, Probe,
-    RouteScores, RoutingShape, TextConfig, Weights,
+    RouteScores, RoutingShape, SeqPass, TextConfig, Weights,
 };
 use crate::device::phase;
 use crate::{Compute, ModelError};
@@ -701,10 +701,125 @@ impl Qwen3_5Moe {
             }
         })?;
         if let Some(shared) = shared {
+            probe.push_shared(&shared);
             out = cm.round((out + shared)?)?;
         }
         probe.push_block(li, off, h, &out);
         Ok(out)
+    }
+}
+
+/// One sequence's state between decoder layers of a pass ([`Qwen3_5Moe::layer`]).
+struct PassState {
+    /// The residual stream `[T, hidden]`.
+    x: Tensor,
+    /// The norm of `x` the next step reads (after the last layer: the final norm's output).
+    h: Tensor,
+    /// The sequence's first position.
+    off: usize,
+    /// The layers' caches made so far, in layer order.
+    new_cache: Vec<LayerCache>,
+}
+
+impl Qwen3_5Moe {
+    /// The embedding of `ids` at positions `off..` and the first layer's input norm.
+    fn begin(&self, ids: &[u32], off: usize) -> Result<PassState, ModelError> {
+        let cm = self.compute;
+        let x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
+        let first = match self.mixers.len() {
+            0 => "model.norm.weight",
+            _ => "model.layers.0.input_layernorm.weight",
+        };
+        let dev = x.device().clone();
+        let h = phase(&dev, "norms and residual adds", || {
+            Ok(ops::rms_norm_1p_in(
+                &x,
+                &self.w.tensor(first)?,
+                self.cfg.rms_norm_eps,
+                cm,
+            )?)
+        })?;
+        Ok(PassState {
+            x,
+            h,
+            off,
+            new_cache: Vec::with_capacity(self.mixers.len()),
+        })
+    }
+
+    /// Starts reading the routed experts a pass about to run layer `li` needs next (all of
+    /// layers 0 and 1 before the first, then layer `li + 1`).
+    fn prefetch_experts(&self, li: usize) {
+        let layers = self.mixers.len();
+        let first = if li == 0 { 0 } else { li + 1 };
+        for l in first..=(li + 1).min(layers.saturating_sub(1)) {
+            experts::prefetch(
+                &self.w,
+                |e| format!("model.layers.{l}.mlp.experts.{e}"),
+                self.experts,
+                self.compute,
+            );
+        }
+    }
+
+    /// Decoder layer `li` on `st`: the mixer (with `cache`'s layer `li` as its past), the
+    /// residual add with the post-attention norm, the MoE block, the residual add with the
+    /// next norm. Each residual add and the norm after it run as one step
+    /// ([`ops::add_rms_norm_1p_in`]).
+    fn layer(
+        &self,
+        li: usize,
+        st: &mut PassState,
+        cache: &Cache,
+        probe: &mut Probe<'_>,
+    ) -> Result<(), ModelError> {
+        let eps = self.cfg.rms_norm_eps;
+        let cm = self.compute;
+        let dev = st.x.device().clone();
+        let add_norm = |x: &Tensor, y: &Tensor, name: &str| {
+            phase(&dev, "norms and residual adds", || {
+                Ok(ops::add_rms_norm_1p_in(
+                    x,
+                    y,
+                    &self.w.tensor(name)?,
+                    eps,
+                    cm,
+                )?)
+            })
+        };
+        let p = format!("model.layers.{li}");
+        let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
+        let (y, lc) = match self.mixers.get(li) {
+            Some(Mixer::DeltaNet) => {
+                phase(&dev, "gated deltanet", || self.delta_net(&p, &st.h, prev))?
+            }
+            Some(Mixer::Attention) => phase(&dev, "attention", || {
+                self.attention(&p, &st.h, st.off, prev)
+            })?,
+            None => return Err(ModelError::Config(format!("no decoder layer {li}"))),
+        };
+        st.new_cache.push(lc);
+        crate::device::trace("qwen mixer output", &y);
+        let post = format!("{p}.post_attention_layernorm.weight");
+        (st.x, st.h) = add_norm(&st.x, &y, &post)?;
+        let y = phase(&dev, "moe", || self.moe(li, &p, &st.h, st.off, probe))?;
+        crate::device::trace("qwen moe output", &y);
+        let next = if li + 1 < self.mixers.len() {
+            format!("model.layers.{}.input_layernorm.weight", li + 1)
+        } else {
+            "model.norm.weight".to_string()
+        };
+        (st.x, st.h) = add_norm(&st.x, &y, &next)?;
+        probe.push_layer(&st.x);
+        Ok(())
+    }
+
+    /// The final hidden states of a pass over `n` ids; `cache` takes the layers' caches.
+    fn finish(st: PassState, n: usize, cache: &mut Cache) -> Tensor {
+        // After the last layer `h` is the final norm's output.
+        cache.layers = st.new_cache;
+        cache.len = st.off + n;
+        st.h
     }
 }
 
@@ -728,68 +843,48 @@ impl Architecture for Qwen3_5Moe {
         cache: &mut Cache,
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
-        let off = cache.len;
-        let eps = self.cfg.rms_norm_eps;
-        let cm = self.compute;
-        let mut x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
-        let layers = self.mixers.len();
-        let dev = x.device().clone();
-        let norm_w = |name: &str| self.w.tensor(name);
-        // Each residual add and the norm after it run as one step
-        // ([`ops::add_rms_norm_1p_in`]): the mixer's output with the post-attention norm, the
-        // MoE block's with the next layer's input norm (the final norm after the last).
-        let add_norm = |x: &Tensor, y: &Tensor, name: &str| {
-            phase(&dev, "norms and residual adds", || {
-                Ok(ops::add_rms_norm_1p_in(x, y, &norm_w(name)?, eps, cm)?)
-            })
-        };
-        let first = match layers {
-            0 => "model.norm.weight",
-            _ => "model.layers.0.input_layernorm.weight",
-        };
-        let mut h = phase(&dev, "norms and residual adds", || {
-            Ok(ops::rms_norm_1p_in(&x, &norm_w(first)?, eps, cm)?)
-        })?;
-        let mut new_cache = Vec::with_capacity(layers);
-        for (li, mixer) in self.mixers.iter().enumerate() {
-            let p = format!("model.layers.{li}");
+        let mut st = self.begin(ids, cache.len)?;
+        for li in 0..self.mixers.len() {
             // The next layer's routed experts are read while this one computes (on a GPU,
             // when every expert is stacked: `experts::dispatch`).
-            if ids.len() * self.top_k >= self.experts || self.w.keeps_stacks(cm) {
-                let first = if li == 0 { 0 } else { li + 1 };
-                for l in first..=(li + 1).min(layers - 1) {
-                    experts::prefetch(
-                        &self.w,
-                        |e| format!("model.layers.{l}.mlp.experts.{e}"),
-                        self.experts,
-                        cm,
-                    );
-                }
+            if ids.len() * self.top_k >= self.experts || self.w.keeps_stacks(self.compute) {
+                self.prefetch_experts(li);
             }
-            let prev = cache.layers.get(li).map(|l| l.0.as_slice()).unwrap_or(&[]);
-            let (y, lc) = match mixer {
-                Mixer::DeltaNet => phase(&dev, "gated deltanet", || self.delta_net(&p, &h, prev))?,
-                Mixer::Attention => phase(&dev, "attention", || self.attention(&p, &h, off, prev))?,
-            };
-            new_cache.push(lc);
-            crate::device::trace("qwen mixer output", &y);
-            let post = format!("{p}.post_attention_layernorm.weight");
-            (x, h) = add_norm(&x, &y, &post)?;
-            let y = phase(&dev, "moe", || self.moe(li, &p, &h, off, probe))?;
-            crate::device::trace("qwen moe output", &y);
-            let next = if li + 1 < layers {
-                format!("model.layers.{}.input_layernorm.weight", li + 1)
-            } else {
-                "model.norm.weight".to_string()
-            };
-            (x, h) = add_norm(&x, &y, &next)?;
-            probe.push_layer(&x);
+            self.layer(li, &mut st, cache, probe)?;
         }
-        // After the last layer `h` is the final norm's output.
-        let out = h;
-        cache.layers = new_cache;
-        cache.len = off + ids.len();
-        Ok(out)
+        Ok(Self::finish(st, ids.len(), cache))
+    }
+
+    fn forward_many(&self, seqs: &mut [SeqPass<'_, '_>]) -> Result<Vec<Tensor>, ModelError> {
+        // Layer by layer for every sequence, each layer's weights read and decoded once
+        // (`Weights::hold`), released before the next layer's are read.
+        struct Held<'w>(&'w Weights);
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                self.0.hold(false);
+            }
+        }
+        self.w.hold(true);
+        let _held = Held(&self.w);
+        let mut states = seqs
+            .iter()
+            .map(|s| self.begin(s.ids, s.cache.len))
+            .collect::<Result<Vec<_>, _>>()?;
+        let most = seqs.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+        for li in 0..self.mixers.len() {
+            if most * self.top_k >= self.experts || self.w.keeps_stacks(self.compute) {
+                self.prefetch_experts(li);
+            }
+            for (st, s) in states.iter_mut().zip(seqs.iter_mut()) {
+                self.layer(li, st, s.cache, s.probe)?;
+            }
+            self.w.release_held();
+        }
+        Ok(states
+            .into_iter()
+            .zip(seqs.iter_mut())
+            .map(|(st, s)| Self::finish(st, s.ids.len(), s.cache))
+            .collect())
     }
 
     fn moe_block(

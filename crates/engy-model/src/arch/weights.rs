@@ -76,6 +76,10 @@ pub struct Weights {
     precision: Precision,
     residency: Residency,
     resident: RwLock<HashMap<String, Tensor>>,
+    /// Under [`Residency::Streaming`], whether decoded tensors are kept until
+    /// [`Weights::release_held`] ([`Weights::hold`]): one layer's weights serving several
+    /// sequences of a batched pass.
+    held: std::sync::atomic::AtomicBool,
     device: Device,
     /// The E4M3 decode table on `device`, made once ([`Weights::decode_on_device`]).
     e4m3: std::sync::OnceLock<Tensor>,
@@ -228,6 +232,7 @@ impl Weights {
             precision,
             residency,
             resident: RwLock::new(HashMap::new()),
+            held: std::sync::atomic::AtomicBool::new(false),
             device: Device::Cpu,
             e4m3: std::sync::OnceLock::new(),
             prefetched: std::sync::Mutex::new(Vec::new()),
@@ -715,7 +720,7 @@ impl Weights {
     /// checkpoint. The routed experts then stack every expert of a layer
     /// ([`super::experts::dispatch`]), so the next pass reuses the stacks whatever it routes.
     pub fn keeps_stacks(&self, compute: Compute) -> bool {
-        self.residency == Residency::Resident
+        self.keeps()
             && !self.device.is_cpu()
             && compute == Compute::Bf16
             && !matches!(self.precision, Precision::Int4 { .. })
@@ -730,17 +735,53 @@ impl Weights {
                 .is_some()
     }
 
-    /// The kept tensor `key` under [`Residency::Resident`].
+    /// Whether decoded tensors are kept now: under [`Residency::Resident`], or streamed while
+    /// a [`Weights::hold`] is on.
+    fn keeps(&self) -> bool {
+        self.residency == Residency::Resident
+            || self.held.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Streamed weights kept from now until [`Weights::release_held`]: a pass that runs one
+    /// layer for several sequences before the next layer ([`super::Architecture::forward_many`])
+    /// reads and decodes each of the layer's tensors once for all of them, and holds at most
+    /// one layer (plus the few tensors outside the layers) at a time. The arithmetic is the
+    /// streamed pass's: only what is read again changes, and on a GPU a bf16 recompute stacks
+    /// every routed expert of a layer ([`Weights::keeps_stacks`]) so that each sequence finds
+    /// the stack whatever it routes. `on = false` stops keeping and releases what is held.
+    /// Under [`Residency::Resident`] everything is kept anyway and this does nothing.
+    pub fn hold(&self, on: bool) {
+        if self.residency == Residency::Resident {
+            return;
+        }
+        self.held.store(on, std::sync::atomic::Ordering::Release);
+        if !on {
+            self.release_held();
+        }
+    }
+
+    /// Drops what a [`Weights::hold`] kept (between two layers of a batched pass); the hold
+    /// stays on. Nothing under [`Residency::Resident`].
+    pub fn release_held(&self) {
+        if self.residency == Residency::Resident {
+            return;
+        }
+        if let Ok(mut m) = self.resident.write() {
+            m.clear();
+        }
+    }
+
+    /// The kept tensor `key` ([`Weights::keeps`]).
     fn kept(&self, key: &str) -> Option<Tensor> {
-        if self.residency != Residency::Resident {
+        if !self.keeps() {
             return None;
         }
         self.resident.read().ok()?.get(key).cloned()
     }
 
-    /// Keeps `t` as `key` under [`Residency::Resident`].
+    /// Keeps `t` as `key` ([`Weights::keeps`]).
     fn keep(&self, key: String, t: &Tensor) {
-        if self.residency == Residency::Resident {
+        if self.keeps() {
             if let Ok(mut m) = self.resident.write() {
                 m.insert(key, t.clone());
             }
