@@ -6,7 +6,9 @@
 #   DIR/arch_vectors      the architecture oracle test (ENGY_TEST_DEVICE=cuda)
 #   DIR/audit_oracle      the audit oracle test (ENGY_TEST_DEVICE=cuda)
 #   DIR/gpu_kernels       engy's own kernels against the unfused rules (ENGY_TEST_DEVICE=cuda)
+#   DIR/batched_pass      commitments in one pass over streamed weights get their own reports
 #   DIR/synth_checkpoint  writes the real-shape Qwen3.6 FP8 checkpoint for the benchmark
+#   DIR/wheels/           fla-core and einops, for transformers' second benchmark row
 # docs/AUDITOR.md "On a GPU" says how to run them. DIR is relative to the directory the script
 # is called from.
 #
@@ -43,7 +45,7 @@ cargo build --release --locked -p engy-model --example synth_checkpoint
 built="$(mktemp)"
 trap 'rm -f "$built"' EXIT
 cargo test --release --locked -p engy-model --features cuda \
-  --test arch_vectors --test audit_oracle --test gpu_kernels --no-run 2>&1 | tee "$built" >&2
+  --test arch_vectors --test audit_oracle --test gpu_kernels --test batched_pass --no-run 2>&1 | tee "$built" >&2
 tests="$(sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p' "$built")"
 install -m 755 "$target/release/engy-audit" "$out/engy-audit"
 install -m 755 "$target/release/examples/synth_checkpoint" "$out/synth_checkpoint"
@@ -51,4 +53,11 @@ while read -r name path; do
   [ -n "$name" ] && install -m 755 "$path" "$out/$name"
 done <<<"$tests"
 strip "$out"/* 2>/dev/null || true
+# The benchmark's second transformers row (scripts/gpu-check.sh) runs it with
+# flash-linear-attention, as its users do: pure-Python wheels, staged for a GPU machine that
+# cannot reach PyPI.
+mkdir -p "$out/wheels"
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  -d "$out/wheels" fla-core==0.6.0 einops==0.8.2 \
+  || echo "build-cuda.sh: could not fetch fla-core/einops: the benchmark's fla row is skipped" >&2
 ls -la "$out" >&2

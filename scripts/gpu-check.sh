@@ -11,7 +11,8 @@
 # failed):
 #   1. the architecture oracle on the GPU (same tolerances as on the CPU), and engy's own
 #      kernels (fused attention, the delta rule's chunk loop) against the unfused rules;
-#   2. the audit oracle and tests/vectors/honest-serves on the GPU (honest serves pass, cheats are caught);
+#   2. the audit oracle and tests/vectors/honest-serves on the GPU (honest serves pass, cheats are caught),
+#      and commitments audited in one pass over streamed weights (`--batch`) get their own reports;
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
 #   4. with ENGY_GPU_BENCH=1 (off by default: it writes a 36 GB checkpoint; ENGY_GPU_BENCH_QWEN=0
 #      skips this one): the side-by-side benchmark, a
@@ -21,6 +22,11 @@
 #      (bench/gpu/transformers_anchor.py), with time, tokens/s and peak GPU memory, and
 #      whether two processes auditing the same commitment wrote identical reports (the
 #      benchmark fails when they did not: a GPU audit is bit-reproducible, docs/AUDITOR.md);
+#      transformers both as the anchor runs it and with flash-linear-attention (`fla-core`
+#      and `einops` wheels from BIN_DIR/wheels, ENGY_GPU_WHEELS); N commitments in one pass
+#      over streamed weights (`engy-audit audit --batch N`, N in ENGY_GPU_BENCH_BATCHES,
+#      default "1 4 16"); each row with its TFLOP/s and share of the GPU's dense bf16 peak
+#      (bench/gpu/pass_cost.py);
 #   5. with ENGY_GPU_BENCH=1 (ENGY_GPU_BENCH_GLM=0 skips this one): the same on a real-shape GLM-5 FP8
 #      checkpoint of ENGY_GPU_BENCH_GLM_LAYERS (5: the release's 3 dense layers, then 2 MoE
 #      layers) at ENGY_GPU_BENCH_TOKENS tokens.
@@ -70,6 +76,12 @@ step "audit oracle and honest serves on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
   ENGY_HONEST_SERVES_DIR="$PWD/tests/vectors/honest-serves" \
   "$bin/audit_oracle" --nocapture --test-threads 1
+
+if [ -x "$bin/batched_pass" ]; then
+  step "commitments in one pass over streamed weights on cuda" \
+    env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
+    "$bin/batched_pass" --nocapture --test-threads 1
+fi
 
 devnet_verdicts() { # DIR: a devnet model and its saved commitments
   local d="$1" n=0 same=0 file want got
@@ -178,25 +190,75 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
       >/dev/null 2>"$work/$arch-engy-resident-padded.err"
     sed 's/^/   resident profiled run, ENGY_GROUPED_GEMM=0: /' "$work/$arch-engy-resident-padded.err"
   fi
+  # Weights streamed, N commitments of the model in one pass over the layers (each layer read
+  # and decoded once for all of them): audits per weight pass and seconds per audit.
+  local batch_rows="$work/$arch-batch.tsv" n
+  : >"$batch_rows"
+  for n in ${ENGY_GPU_BENCH_BATCHES:-1 4 16}; do
+    local many=()
+    for _ in $(seq "$n"); do many+=(--commitment "$ck/commitment.json"); done
+    t0=$(date +%s.%N)
+    peak_mem "${audit[@]}" "${many[@]}" --batch "$n" >/dev/null 2>"$work/$arch-engy-batch$n.err"
+    t1=$(date +%s.%N)
+    tail -n 2 "$work/$arch-engy-batch$n.err" | sed "s/^/   streamed, $n in one pass: /"
+    printf '%s\t%s\t%s\n' "$n" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.3f", b-a}')" \
+      "$(cat "$work/peak")" >>"$batch_rows"
+  done
+  # transformers as the anchor runs it, then as its users run it with flash-linear-attention
+  # (`fla-core`, installed from the staged wheels into its own folder: nothing else changes).
   peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" 3 \
     >"$work/$arch-tf.json" 2>"$work/$arch-tf.err"
   local tf_mem; tf_mem="$(cat "$work/peak")"
   tail -n 3 "$work/$arch-tf.err"
   cat "$work/$arch-tf.json"
+  local tf_fla_mem="" tf_fla="$work/$arch-tf-fla.json"
+  rm -f "$tf_fla"
+  if [ -n "$fla_site" ]; then
+    peak_mem env PYTHONPATH="$fla_site${PYTHONPATH:+:$PYTHONPATH}" \
+      python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" 3 \
+      >"$tf_fla" 2>"$work/$arch-tf-fla.err"
+    tf_fla_mem="$(cat "$work/peak")"
+    tail -n 3 "$work/$arch-tf-fla.err"
+    cat "$tf_fla"
+  fi
+  python3 "$here/../bench/gpu/pass_cost.py" "$ck" "$tokens" >"$work/$arch-cost.json" \
+    || echo '{}' >"$work/$arch-cost.json"
   python3 - "$label" "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/$arch-tf.json" "$tf_mem" \
-    "$res_s" "$res_mem" <<'PY'
-import json, sys
-label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem, res_s, res_mem = sys.argv[1:]
+    "$res_s" "$res_mem" "$tf_fla" "$tf_fla_mem" "$work/$arch-cost.json" "$batch_rows" <<'PY'
+import json, os, sys
+(label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem, res_s, res_mem, fla_path, fla_mem,
+ cost_path, batch_path) = sys.argv[1:]
 tf = json.load(open(tf_path))
+cost = json.load(open(cost_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
 rows = [("engy-audit --device cuda (bf16 recompute, weights streamed)", num(engy_s), num(engy_mem)),
         ("engy-audit --device cuda --resident (bf16 recompute, median of audits 2 to 4, weights resident)", num(res_s), num(res_mem)),
-        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']}, median of 3 passes, weights resident)", tf["seconds"], num(tf_mem))]
+        (f"transformers {tf['transformers']} (bf16, torch {tf['torch']}, median of 3 passes, weights resident, fla {tf.get('fla')})", tf["seconds"], num(tf_mem))]
+if os.path.exists(fla_path):
+    fla = json.load(open(fla_path))
+    rows.append((f"transformers {fla['transformers']} + fla-core {fla.get('fla')} (same)", fla["seconds"], num(fla_mem)))
+flops, peak = cost.get("flops"), cost.get("peak_tflops")
 print(f"   {label}, {layers} layers, {tokens} tokens, {tf['gpu']}")
-print("   | engine | wall (s) | tokens/s | peak GPU memory (GiB) |")
-print("   |---|---|---|---|")
+if flops:
+    print(f"   a pass: {flops / 1e12:.1f} TFLOP, {cost['weight_bytes'] / 1e9:.1f} GB of bf16 weights; "
+          f"floor {cost.get('floor_s', float('nan')):.3f} s at {peak} TFLOP/s and {cost.get('bandwidth_tbs')} TB/s "
+          "(bench/gpu/pass_cost.py)")
+print("   | engine | wall (s) | tokens/s | TFLOP/s | share of dense bf16 peak | peak GPU memory (GiB) |")
+print("   |---|---|---|---|---|---|")
 for name, s, mem in rows:
-    print(f"   | {name} | {s:.2f} | {int(tokens)/s:.0f} | {mem/1024:.1f} |")
+    tfs = flops / s / 1e12 if flops and s == s and s > 0 else float("nan")
+    share = f"{tfs / peak:.1%}" if peak and tfs == tfs else "?"
+    print(f"   | {name} | {s:.3f} | {int(tokens)/s:.0f} | {tfs:.1f} | {share} | {mem/1024:.1f} |")
+batch = [l.split("\t") for l in open(batch_path).read().splitlines() if l.strip()]
+if batch:
+    one = None
+    print("   | streamed, commitments in one pass | process wall (s) | seconds per audit | audits per hour | vs 1 | peak GPU memory (GiB) |")
+    print("   |---|---|---|---|---|---|")
+    for n, wall, mem in batch:
+        n, wall = int(n), float(wall)
+        per = wall / n
+        one = one or per
+        print(f"   | {n} | {wall:.2f} | {per:.2f} | {3600 / per:.0f} | {one / per:.1f}x | {num(mem)/1024:.1f} |")
 if not tf.get("finite", True):
     print("   note: transformers' last hidden states were not all finite")
 if engy_s in ("", None):
@@ -205,6 +267,21 @@ PY
   local table=$?
   [ "$table" -eq 0 ] && [ "$reproducible" -eq 1 ]
 }
+# flash-linear-attention for transformers' second row: `fla-core` and `einops` wheels staged by
+# scripts/build-cuda.sh in BIN_DIR/wheels (ENGY_GPU_WHEELS overrides), installed into a folder
+# of their own that only that row's PYTHONPATH names.
+fla_site=""
+wheels="${ENGY_GPU_WHEELS:-$bin/wheels}"
+if [ "${ENGY_GPU_BENCH:-0}" != 0 ] && compgen -G "$wheels/fla_core-*.whl" >/dev/null; then
+  fla_site="$work/fla-site"
+  if python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$fla_site" \
+    "$wheels"/*.whl; then
+    echo "== fla-core for transformers' second row: $(ls "$wheels" | tr '\n' ' ')"
+  else
+    echo "== fla-core wheels in $wheels did not install: transformers runs one way only"
+    fla_site=""
+  fi
+fi
 if [ "${ENGY_GPU_BENCH:-0}" = 0 ]; then
   echo "== benchmarks skipped (ENGY_GPU_BENCH=1 runs them: 25-36 GB of checkpoints under $work)"
 else

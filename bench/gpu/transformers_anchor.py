@@ -11,7 +11,11 @@ GPU, with transformers' own random initialisation: the time of a
 forward pass does not depend on the weights' values, and loading 35B parameters from FP8
 would measure the loader, not the pass. Prints one JSON line: tokens, seconds (the median of
 the timed passes after one warm-up), tokens/s, whether the last hidden states are all finite,
-peak GPU memory in GiB, versions.
+peak GPU memory in GiB, versions, and `fla`: the version of flash-linear-attention
+(`fla-core`) when transformers found it and uses its kernels (Qwen3.5/3.6's Gated DeltaNet and
+gated RMSNorm; without it transformers runs its reference torch code), else null.
+scripts/gpu-check.sh runs it both ways, installing `fla-core` and `einops` from wheels that
+scripts/build-cuda.sh stages.
 
 ENGY_ANCHOR_DEVICE (default `cuda`) runs it elsewhere, e.g. `cpu` to check on a small
 checkpoint that transformers builds and runs a config (peak memory is then not measured).
@@ -63,9 +67,20 @@ def main() -> None:
         if top > 0:
             profile(lambda: model.model(input_ids=ids, use_cache=False), cuda, top)
     finite = bool(torch.isfinite(out.last_hidden_state).all())
+    fla = None
+    try:
+        from transformers.utils.import_utils import is_flash_linear_attention_available
+
+        if is_flash_linear_attention_available():
+            import fla as fla_module
+
+            fla = getattr(fla_module, "__version__", "unknown")
+    except ImportError:
+        pass
     s = statistics.median(times)
     print(json.dumps({
-        "engine": "transformers",
+        "engine": "transformers" + (" + fla-core" if fla else ""),
+        "fla": fla,
         "model_type": text.model_type,
         "layers": text.num_hidden_layers,
         "parameters": params,
