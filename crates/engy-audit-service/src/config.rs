@@ -114,6 +114,39 @@ pub struct ServeArgs {
     /// Smallest fraction of passing batches (model spec `toploc_p`).
     #[arg(long, env = "ENGY_AUDIT_TOPLOC_P", default_value_t = 0.99)]
     pub toploc_p: f64,
+    /// The gateway the cell challenge goes through (`http://HOST:PORT`; docs/PROTOCOL.md
+    /// §11.3: `POST {gateway}/v1/open_cells`). Without it, commitments' cells are not judged
+    /// (TOPLOC only, the report says so).
+    #[arg(long, env = "ENGY_AUDIT_GATEWAY", value_name = "URL")]
+    pub gateway: Option<String>,
+    /// Seconds the miner has to answer `open_cells` (the gateway's `deadline_ms`); no answer
+    /// by then is the verdict `unanswered`.
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_CHALLENGE_DEADLINE_S",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub challenge_deadline_s: u64,
+    /// Cells challenged per request (the policy's `n`: at least 32, at most 256; fewer only
+    /// when the request has fewer cells).
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_CELLS_N",
+        value_name = "N",
+        default_value_t = engy_core::cells::DEFAULT_CHALLENGE_CELLS
+    )]
+    pub cells_n: u64,
+    /// The trusted spec of a model, `NAME=SPEC` (`model_spec.json.gz` or the directory `spec
+    /// build` wrote): its `model_root` is the root the cell check verifies touched weights
+    /// against. A model without one gets no cell check. Repeat, or commas in the variable.
+    #[arg(
+        long = "spec",
+        env = "ENGY_AUDIT_SPECS",
+        value_name = "NAME=SPEC",
+        value_delimiter = ','
+    )]
+    pub specs: Vec<String>,
     /// Log format: text or json.
     #[arg(
         long,
@@ -160,6 +193,14 @@ pub struct Config {
     pub beacon: BeaconConfig,
     /// The audit thresholds.
     pub params: engy_model::audit::AuditParams,
+    /// The gateway of the cell challenge (docs/PROTOCOL.md §11.3).
+    pub gateway: Option<String>,
+    /// How long the miner has to answer `open_cells`.
+    pub challenge_deadline: std::time::Duration,
+    /// Cells challenged per request (the policy's `n`).
+    pub cells_n: u64,
+    /// Model name → its trusted spec file (or directory).
+    pub specs: BTreeMap<String, PathBuf>,
 }
 
 /// A setting that is not usable; the message names the flag and its variable.
@@ -250,7 +291,56 @@ impl ServeArgs {
                 self.toploc_p
             ));
         }
+        let mut specs = BTreeMap::new();
+        for m in &self.specs {
+            let Some((name, path)) = m.split_once('=') else {
+                return bad(format!("--spec / ENGY_AUDIT_SPECS: {m:?} is not NAME=SPEC"));
+            };
+            let name = name.trim();
+            if !models.contains_key(name) {
+                return bad(format!(
+                    "--spec / ENGY_AUDIT_SPECS: {name:?} is not a model of --model / \
+                     ENGY_AUDIT_MODELS"
+                ));
+            }
+            if path.trim().is_empty()
+                || specs
+                    .insert(name.to_owned(), PathBuf::from(path.trim()))
+                    .is_some()
+            {
+                return bad(format!(
+                    "--spec / ENGY_AUDIT_SPECS: {m:?} is empty or names its model twice"
+                ));
+            }
+        }
+        if !(engy_core::cells::MIN_CHALLENGE_CELLS..=engy_core::wire::MAX_OPEN_CELLS)
+            .contains(&self.cells_n)
+        {
+            return bad(format!(
+                "--cells-n / ENGY_AUDIT_CELLS_N must be within {}..={} (specs/CELLS.md §5), got {}",
+                engy_core::cells::MIN_CHALLENGE_CELLS,
+                engy_core::wire::MAX_OPEN_CELLS,
+                self.cells_n
+            ));
+        }
+        if self.challenge_deadline_s == 0 {
+            return bad(
+                "--challenge-deadline-s / ENGY_AUDIT_CHALLENGE_DEADLINE_S must be at least 1"
+                    .into(),
+            );
+        }
+        if let Some(g) = &self.gateway {
+            if !(g.starts_with("http://") || g.starts_with("https://")) {
+                return bad(format!(
+                    "--gateway / ENGY_AUDIT_GATEWAY must be an http:// or https:// URL, got {g:?}"
+                ));
+            }
+        }
         Ok(Config {
+            gateway: self.gateway.clone(),
+            challenge_deadline: std::time::Duration::from_secs(self.challenge_deadline_s),
+            cells_n: self.cells_n,
+            specs,
             listen: self.listen,
             db: self.db.clone(),
             models,

@@ -14,12 +14,15 @@
 //!   out; [`raw`]: the commitment's bytes as the report carried them;
 //! * [`sampling`]: the rate and the floor, decided by `production_seed(beacon,
 //!   commitment_digest)`; [`beacon`]: subtensor block hashes as the beacon;
-//! * [`worker`]: claims jobs and runs the TOPLOC recompute with the routing check;
+//! * [`worker`]: claims jobs and runs the TOPLOC recompute with the routing check and, for a
+//!   commitment with cells, the cell challenge ([`challenge`]: through the gateway, judged
+//!   with `engy_model::cells` as `engy-audit cells` judges);
 //! * [`verdicts`]: per-miner counts, the cheat rate's Wilson interval and §8's gate;
 //! * [`metrics`]: the Prometheus families; [`service`]: start-up, signals, shutdown.
 #![deny(unsafe_code)]
 
 pub mod beacon;
+pub mod challenge;
 pub mod config;
 pub mod intake;
 pub mod metrics;

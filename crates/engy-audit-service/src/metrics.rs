@@ -43,6 +43,8 @@ pub struct Metrics {
     pub audit_errors: Counter,
     /// Per-miner cheat rate.
     pub miner_cheat_rate: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Cell challenges judged, by outcome (`crate::challenge::CellOutcome::label`).
+    pub challenges: Family<Labels, Counter>,
 }
 
 impl Metrics {
@@ -59,7 +61,13 @@ impl Metrics {
             lease_expiries: Counter::default(),
             audit_errors: Counter::default(),
             miner_cheat_rate: Family::default(),
+            challenges: Family::default(),
         };
+        for o in ["pass", "cheat", "unanswered", "not_judged"] {
+            let _ = m
+                .challenges
+                .get_or_create(&engy_telemetry::metrics::labels(&[("outcome", o)]));
+        }
         for s in ["queued", "leased"] {
             let _ = m
                 .queue
@@ -114,6 +122,11 @@ impl Metrics {
             "miner_cheat_rate",
             "Per miner: (cheat + unanswered) / judged verdicts (docs/PROTOCOL.md section 8)",
             m.miner_cheat_rate.clone(),
+        );
+        registry.register(
+            "challenges",
+            "Cell challenges (open_cells through the gateway) judged here, by outcome",
+            m.challenges.clone(),
         );
         m
     }

@@ -169,7 +169,10 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         let mut held = BTreeMap::new();
         for (name, dir) in &cfg.models {
             let (n, d) = (name.clone(), dir.clone());
-            let opened = tokio::task::spawn_blocking(move || open_model(&n, &d, device)).await;
+            let spec = cfg.specs.get(name).cloned();
+            let opened =
+                tokio::task::spawn_blocking(move || open_model(&n, &d, spec.as_deref(), device))
+                    .await;
             let opened: anyhow::Result<LoadedModel> =
                 opened.unwrap_or_else(|e| Err(anyhow::anyhow!("loading task ended: {e}")));
             let line = match opened {
@@ -208,6 +211,9 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             lease_ms: cfg.lease_ms,
             drain: cfg.drain,
             metrics: metrics.clone(),
+            gateway: cfg.gateway.as_deref().map(crate::challenge::Gateway::new),
+            challenge_deadline: cfg.challenge_deadline,
+            cells_n: cfg.cells_n,
         };
         workers.push(tokio::spawn(worker.run(stop_rx.clone())));
         if *stop_rx.borrow() {

@@ -174,6 +174,9 @@ pub struct Job {
     pub seed: Option<String>,
     /// Whether the commitment carries cells.
     pub has_cells: bool,
+    /// When the report arrived (ms since the epoch): the cell challenge's age is counted
+    /// from it (docs/PROTOCOL.md §10 "Retention").
+    pub received_ms: i64,
 }
 
 /// A verdict as stored and served (`GET /v1/verdicts`).
@@ -554,7 +557,7 @@ impl Store {
         let model: String = row.try_get(1)?;
         let attempts: i64 = row.try_get(2)?;
         let r = sqlx::query(
-            "SELECT request_id, hotkey, commitment, seed, has_cells FROM requests \
+            "SELECT request_id, hotkey, commitment, seed, has_cells, received_ms FROM requests \
              WHERE digest = $1",
         )
         .bind(&digest)
@@ -570,6 +573,7 @@ impl Store {
             commitment: r.try_get(2)?,
             seed: r.try_get(3)?,
             has_cells: r.try_get::<i64, _>(4)? != 0,
+            received_ms: r.try_get(5)?,
         }))
     }
 

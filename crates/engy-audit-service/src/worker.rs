@@ -24,6 +24,11 @@ use std::time::{Duration, Instant};
 use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, RoutingAudit, Verdict};
 use engy_model::{DeviceSpec, LoadOptions, Model, Residency};
 
+use engy_core::cells::RETENTION_WINDOW_S;
+use engy_core::wire::Commitment;
+use engy_model::cells::{CellPolicy, CommittedWeights};
+
+use crate::challenge::{Answer, CellOutcome, CellVerdict, Gateway, Prepared};
 use crate::metrics::Metrics;
 use crate::store::{now_ms, Evidence, Job, Store, VerdictRow};
 
@@ -39,16 +44,25 @@ pub struct LoadedModel {
     pub model: Model,
     /// Its checkpoint's `model_root` (docs/PROTOCOL.md §4).
     pub model_root: String,
+    /// Its weights checked against the trusted spec's `engy-commit/v1` root, for the cell
+    /// check (`--spec NAME=SPEC`); `None` without a spec (cells not judged).
+    pub cells: Option<CommittedWeights>,
 }
 
 /// Each configured model's state, per worker: `loaded on DEVICE` or why it is not.
 pub type ModelStates = Arc<Mutex<BTreeMap<String, String>>>;
 
-/// Opens `dir` on `device` with resident weights.
+/// Opens `dir` on `device` with resident weights and, with `spec`, its committed weights for
+/// the cell check ([`crate::challenge::open_weights`]).
 ///
 /// # Errors
-/// The checkpoint or the device cannot be used (the message names both).
-pub fn open_model(name: &str, dir: &Path, device: DeviceSpec) -> anyhow::Result<LoadedModel> {
+/// The checkpoint, the device or the spec cannot be used (the message names them).
+pub fn open_model(
+    name: &str,
+    dir: &Path,
+    spec: Option<&Path>,
+    device: DeviceSpec,
+) -> anyhow::Result<LoadedModel> {
     use anyhow::Context as _;
     let opts = LoadOptions {
         residency: Residency::Resident,
@@ -64,7 +78,18 @@ pub fn open_model(name: &str, dir: &Path, device: DeviceSpec) -> anyhow::Result<
     })?;
     let model_root = engy_core::identity::model_root(dir)
         .with_context(|| format!("model {name}: model_root of {}", dir.display()))?;
-    Ok(LoadedModel { model, model_root })
+    let cells = match spec {
+        Some(spec) => Some(
+            crate::challenge::open_weights(dir, spec)
+                .with_context(|| format!("model {name}: --spec / ENGY_AUDIT_SPECS"))?,
+        ),
+        None => None,
+    };
+    Ok(LoadedModel {
+        model,
+        model_root,
+        cells,
+    })
 }
 
 /// One worker.
@@ -83,6 +108,12 @@ pub struct Worker {
     pub drain: Duration,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The gateway of the cell challenge (docs/PROTOCOL.md §11.3), if any.
+    pub gateway: Option<Gateway>,
+    /// How long the miner has to answer `open_cells`.
+    pub challenge_deadline: Duration,
+    /// Cells challenged per request (the policy's `n`).
+    pub cells_n: u64,
 }
 
 impl Worker {
@@ -167,10 +198,8 @@ impl Worker {
                 }
             })
         };
-        let params = self.params;
-        let commitment = job.commitment.clone();
-        let mut audit =
-            tokio::task::spawn_blocking(move || run_audit(&loaded, &commitment, &params));
+        let audit = self.audit_work(loaded, &job);
+        tokio::pin!(audit);
         let drained = async {
             if !*stop.borrow() {
                 let _ = stop.changed().await;
@@ -197,12 +226,8 @@ impl Worker {
             return false;
         };
         let seconds = started.elapsed().as_secs_f64();
-        let result = match outcome {
+        let (report, cells) = match outcome {
             Ok(r) => r,
-            Err(e) => Err(anyhow::anyhow!("the audit task ended: {e}")),
-        };
-        let report = match result {
-            Ok(report) => report,
             Err(e) => {
                 self.metrics.audit_errors.inc();
                 let error = engy_telemetry::cli::error_line(e.as_ref());
@@ -217,8 +242,26 @@ impl Worker {
                 return true;
             }
         };
-        let (verdict, reasons) = verdict_of(&report);
-        let report_json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
+        let (verdict, reasons) = combined_verdict(&report, cells.as_ref());
+        if let Some(c) = &cells {
+            self.metrics
+                .challenges
+                .get_or_create(&engy_telemetry::metrics::labels(&[(
+                    "outcome",
+                    c.outcome.label(),
+                )]))
+                .inc();
+        }
+        let report_json = {
+            let mut v = serde_json::to_value(&report).unwrap_or_else(|_| serde_json::json!({}));
+            if let (Some(o), Some(c)) = (v.as_object_mut(), &cells) {
+                o.insert(
+                    "cells".into(),
+                    serde_json::to_value(c).unwrap_or(serde_json::Value::Null),
+                );
+            }
+            v.to_string()
+        };
         let row = VerdictRow {
             digest: job.digest.clone(),
             request_id: job.request_id.clone(),
@@ -235,7 +278,7 @@ impl Worker {
         let evidence = (verdict == "cheat").then(|| Evidence {
             commitment: job.commitment.clone(),
             report: report_json.clone(),
-            bundle: None,
+            bundle: cells.as_ref().and_then(|c| c.bundle_json.clone()),
         });
         match self
             .store
@@ -264,6 +307,182 @@ impl Worker {
             }
         }
         true
+    }
+}
+
+impl Worker {
+    /// The audit of one job: for a commitment with cells the challenge through the gateway
+    /// first (the retention window runs from the report), then, blocking, the TOPLOC recompute
+    /// and the cell check of the answer. `Err`: no verdict (the job is kept and retried).
+    async fn audit_work(
+        &self,
+        loaded: Arc<LoadedModel>,
+        job: &Job,
+    ) -> anyhow::Result<(AuditReport, Option<CellVerdict>)> {
+        let plan = self.cell_plan(&loaded, job).await?;
+        let (prepared, answer, age_s) = match plan {
+            CellPlan::None => (None, None, 0),
+            CellPlan::Decided(v) => (Some(Err(v)), None, 0),
+            CellPlan::Challenge(p) => {
+                let age_s =
+                    u64::try_from(now_ms().saturating_sub(job.received_ms) / 1000).unwrap_or(0);
+                if age_s > RETENTION_WINDOW_S {
+                    let v = CellVerdict::early(
+                        CellOutcome::NotJudged,
+                        format!(
+                            "audited {age_s} s after the report, past the {RETENTION_WINDOW_S} s \
+                             retention window: TOPLOC only (docs/PROTOCOL.md §11.3)"
+                        ),
+                    );
+                    (Some(Err(v)), None, age_s)
+                } else {
+                    let Some(gateway) = &self.gateway else {
+                        anyhow::bail!("no gateway for a planned challenge");
+                    };
+                    let answer = gateway
+                        .open_cells(
+                            &job.request_id,
+                            &job.hotkey,
+                            p.challenge.seed,
+                            p.challenge.n,
+                            self.challenge_deadline,
+                        )
+                        .await?;
+                    tracing::info!(
+                        digest = %job.digest, hotkey = %job.hotkey, n = p.challenge.n,
+                        answer = match &answer {
+                            Answer::Opened(_) => "cells",
+                            Answer::Refused(_) => "cells_error",
+                            Answer::Unanswered => "deadline",
+                            Answer::Malformed(_) => "malformed",
+                        },
+                        "cell challenge answered"
+                    );
+                    (Some(Ok(p)), Some(answer), age_s)
+                }
+            }
+        };
+        let params = self.params;
+        let commitment = job.commitment.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let report = run_audit(&loaded, &commitment, &params)?;
+            let cells = match (prepared, answer, loaded.cells.as_ref()) {
+                (None, _, _) => None,
+                (Some(Err(v)), _, _) => Some(v),
+                (Some(Ok(p)), Some(a), Some(w)) => Some(crate::challenge::judge(
+                    &loaded.model,
+                    w,
+                    &p,
+                    &a,
+                    age_s,
+                    &CellPolicy::default(),
+                )?),
+                (Some(Ok(_)), _, _) => anyhow::bail!("a challenge without an answer"),
+            };
+            Ok((report, cells))
+        });
+        match task.await {
+            Ok(r) => r,
+            Err(e) => Err(anyhow::anyhow!("the audit task ended: {e}")),
+        }
+    }
+
+    /// What the cell audit of `job` will be.
+    async fn cell_plan(&self, loaded: &Arc<LoadedModel>, job: &Job) -> anyhow::Result<CellPlan> {
+        if !job.has_cells {
+            return Ok(CellPlan::None);
+        }
+        let not_judged = |why: String| {
+            Ok(CellPlan::Decided(CellVerdict::early(
+                CellOutcome::NotJudged,
+                why,
+            )))
+        };
+        if self.gateway.is_none() {
+            return not_judged(
+                "the service has no gateway to challenge through (--gateway / \
+                 ENGY_AUDIT_GATEWAY)"
+                    .into(),
+            );
+        }
+        if loaded.cells.is_none() {
+            return not_judged(format!(
+                "no trusted spec for model {} (--spec / ENGY_AUDIT_SPECS)",
+                job.model
+            ));
+        }
+        let Some(seed) = job
+            .seed
+            .as_deref()
+            .and_then(|s| engy_core::commit::parse_digest(s).ok())
+        else {
+            return not_judged("the request has no seed yet".into());
+        };
+        let commitment: Commitment = match serde_json::from_str(&job.commitment) {
+            Ok(c) => c,
+            Err(e) => return not_judged(format!("the commitment is not §3.10's: {e}")),
+        };
+        let loaded = Arc::clone(loaded);
+        let cells_n = self.cells_n;
+        let prepared = tokio::task::spawn_blocking(move || {
+            let Some(w) = loaded.cells.as_ref() else {
+                return Err(crate::challenge::ChallengeError::Auditor(
+                    "no weights".into(),
+                ));
+            };
+            crate::challenge::prepare(&loaded.model, w, &commitment, seed, cells_n)
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("the challenge task ended: {e}"))??;
+        Ok(match prepared {
+            Ok(p) => CellPlan::Challenge(p),
+            Err(v) => CellPlan::Decided(v),
+        })
+    }
+}
+
+/// The cell audit a job will get.
+enum CellPlan {
+    /// The commitment has no cells.
+    None,
+    /// Decided without a challenge (not judged, or a cheat in the commitment itself).
+    Decided(CellVerdict),
+    /// Challenge the miner.
+    Challenge(Prepared),
+}
+
+/// The verdict of a TOPLOC report and a cell audit together: a cheat in either is a cheat;
+/// else an unanswered challenge is `unanswered`; else the TOPLOC verdict (a cell pass proves
+/// nothing TOPLOC left unproven). Reasons name their check (`toploc:`, `routing:`, `cells:`).
+pub fn combined_verdict(
+    r: &AuditReport,
+    cells: Option<&CellVerdict>,
+) -> (&'static str, Vec<String>) {
+    let (verdict, mut reasons) = verdict_of(r);
+    let Some(c) = cells else {
+        return (verdict, reasons);
+    };
+    let why = format!(
+        "cells: {}",
+        c.reason.as_deref().unwrap_or("challenged cells failed")
+    );
+    match c.outcome {
+        CellOutcome::Cheat => {
+            if verdict != "cheat" {
+                reasons.clear();
+            }
+            reasons.push(why);
+            ("cheat", reasons)
+        }
+        CellOutcome::Unanswered if verdict != "cheat" => {
+            reasons.push(why);
+            ("unanswered", reasons)
+        }
+        CellOutcome::Unanswered => {
+            reasons.push(why);
+            ("cheat", reasons)
+        }
+        CellOutcome::Pass | CellOutcome::NotJudged => (verdict, reasons),
     }
 }
 

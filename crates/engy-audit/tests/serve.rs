@@ -6,7 +6,8 @@
 //! nothing stored); a duplicate report (one job); a worker SIGKILLed mid-audit (the job is
 //! redone by another, one verdict); two workers on one queue (no job audited twice); a model
 //! that cannot be opened (a clear error, the job kept); PostgreSQL restarted mid-run (nothing
-//! lost).
+//! lost); the cell challenge through the gateway double (docs/PROTOCOL.md §11.3): an honest
+//! opening, a cheat's, a refusal and a miner that never answers.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -18,6 +19,8 @@ use engy_core::toploc::Params;
 use engy_model::audit::commit_greedy;
 use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
 use serde_json::{json, Value};
+
+mod cells_common;
 
 /// Every wait in these tests polls a condition under this deadline.
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -915,5 +918,308 @@ fn sigterm_gives_the_job_in_hand_back() {
     assert_eq!(
         s["attempts"], 1,
         "the interrupted claim is not counted: {s}"
+    );
+}
+
+/// How a scripted miner answers `open_cells` (docs/PROTOCOL.md §10).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Opens {
+    /// The cells it committed, honestly computed.
+    Honest,
+    /// The cells it committed, of a serve that fabricated its block outputs: the openings
+    /// verify against its root, the values do not against the weights.
+    Fabricated,
+    /// `cells_error unknown_request` inside the retention window.
+    Refuses,
+    /// Nothing.
+    Silent,
+}
+
+/// One miner: its leg to the gateway double (HELLO with its key), the cells it committed
+/// (tree and cells) by request id, and how it answers.
+async fn miner_leg(
+    url: String,
+    key: String,
+    held: std::collections::HashMap<
+        String,
+        (engy_core::cells::CellTree, Vec<engy_core::cells::Cell>),
+    >,
+    how: Opens,
+) {
+    use futures_util::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("{url}/"))
+        .await
+        .expect("the miner's leg connects");
+    let hello = json!({
+        "type": "hello", "miner_key": key, "model": "devnet", "model_root": "00",
+        "hw": {}, "versions": {}, "capacity": {"max_inflight": 1},
+        "worker_name": "w", "instance_id": "w", "worker_id": "0",
+    });
+    ws.send(Message::Text(hello.to_string().into()))
+        .await
+        .unwrap();
+    while let Some(Ok(m)) = ws.next().await {
+        let Message::Text(t) = m else { continue };
+        let v: Value = serde_json::from_str(t.as_str()).unwrap();
+        if v["type"] != "open_cells" {
+            continue;
+        }
+        let rid = v["request_id"].as_str().unwrap_or("").to_owned();
+        let answer = match (how, held.get(&rid)) {
+            (Opens::Silent, _) => continue,
+            (Opens::Refuses, _) | (_, None) => json!({
+                "type": "cells_error", "request_id": rid, "reason": "unknown_request",
+                "error": "no cells held for that request",
+            }),
+            (Opens::Honest | Opens::Fabricated, Some((tree, cells))) => {
+                let seed = engy_core::commit::parse_digest(v["seed"].as_str().unwrap()).unwrap();
+                let n = v["n"].as_u64().unwrap();
+                let b = cells_common::bundle(tree, cells, seed, n);
+                let openings = serde_json::to_value(&b).unwrap()["openings"].clone();
+                json!({"type": "cells", "request_id": rid,
+                       "root": hex::encode(tree.root()), "openings": openings})
+            }
+        };
+        ws.send(Message::Text(answer.to_string().into()))
+            .await
+            .unwrap();
+    }
+}
+
+/// The cell challenge through the gateway (docs/PROTOCOL.md §11.3), four miners, one report
+/// each, every commitment carrying cells: the service sends `open_cells` with the auditor's
+/// seed (`production_seed(beacon, digest)`) and `n`; the honest opening passes, the
+/// fabricated one is a cheat whose evidence `engy-audit cells` re-checks alone, a refusal
+/// inside the retention window is a cheat, and a miner that never answers is `unanswered`
+/// once the deadline has passed.
+#[test]
+fn the_cell_challenge_goes_through_the_gateway_and_judges_each_answer() {
+    let fx = Fixture::new();
+    let t = tempfile::tempdir().unwrap();
+    let spec = t.path().join("spec");
+    let o = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .args(["spec", "build", "--quiet", "--checkpoint"])
+        .arg(&fx.checkpoint)
+        .arg("--out")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let gw = rt
+        .block_on(engy_devnet::gateway::GatewayDouble::start(
+            engy_devnet::gateway::GatewayConfig::default(),
+        ))
+        .unwrap();
+    let mut reports = Vec::new();
+    for (i, how) in [
+        Opens::Honest,
+        Opens::Fabricated,
+        Opens::Refuses,
+        Opens::Silent,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = fx.commitment(&format!("Open your cells, miner {i}?"), 12, true);
+        let ids: Vec<u32> = c["toploc"]["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .chain(c["output_token_ids"].as_array().unwrap())
+            .map(|v| u32::try_from(v.as_u64().unwrap()).unwrap())
+            .collect();
+        let serve = if how == Opens::Fabricated {
+            engy_model::cells::CellServe::FabricatedY
+        } else {
+            engy_model::cells::CellServe::Honest
+        };
+        let (tree, cells) = cells_common::serve(&fx.honest.model, &ids, serve);
+        c["cells"] = json!({
+            "scheme": engy_core::cells::SCHEME,
+            "root": hex::encode(tree.root()),
+            "shape": serde_json::to_value(tree.shape()).unwrap(),
+        });
+        let key = format!("miner-key-{i}");
+        let hk = hotkey(&format!("cells-{how:?}"));
+        gw.register_miner(&key, &hk);
+        let rid = format!("req-{i}-{}", run_nonce());
+        let held = std::collections::HashMap::from([(rid.clone(), (tree, cells))]);
+        rt.spawn(miner_leg(gw.url(), key, held, how));
+        reports.push((how, rid, hk, c));
+    }
+    rt.block_on(gw.wait_legs(4, DEADLINE)).expect("four legs");
+
+    let svc = Service::start(
+        &sqlite_url(t.path()),
+        &[("devnet", &fx.checkpoint)],
+        &[
+            "--gateway",
+            &format!("http://{}", gw.addr()),
+            "--challenge-deadline-s",
+            "3",
+            "--spec",
+            &format!("devnet={}", spec.display()),
+        ],
+    );
+    for (_, rid, hk, c) in &reports {
+        let (code, v) = svc.post(&report(rid, hk, "devnet", c));
+        assert_eq!(code, 202, "{v}");
+    }
+    let mut verdicts = std::collections::HashMap::new();
+    for (how, rid, hk, c) in &reports {
+        let digest = digest_of(c);
+        let v = svc.verdict(&digest);
+        // The challenge the gateway carried is the auditor's: its seed, its n.
+        let sent: Vec<Value> = gw
+            .frames()
+            .iter()
+            .filter(|f| f.kind() == "open_cells" && f.value["request_id"] == json!(rid))
+            .map(|f| f.value.clone())
+            .collect();
+        assert_eq!(sent.len(), 1, "{how:?}: {sent:?}");
+        assert_eq!(sent[0]["seed"], hex::encode(seed_of(&digest)), "{how:?}");
+        assert_eq!(sent[0]["n"], 32, "{how:?}");
+        let (_, m) = get_json(svc.addr, &format!("/v1/miners/{hk}"));
+        verdicts.insert(*how, (digest, v, m));
+    }
+    let (_, honest, m) = &verdicts[&Opens::Honest];
+    assert_eq!(honest["verdict"], "pass", "{honest}");
+    assert_eq!(honest["report"]["cells"]["outcome"], "pass", "{honest}");
+    assert_eq!(m["pass"], 1, "{m}");
+
+    let (digest, cheat, m) = &verdicts[&Opens::Fabricated];
+    assert_eq!(cheat["verdict"], "cheat", "{cheat}");
+    assert_eq!(cheat["report"]["cells"]["outcome"], "cheat", "{cheat}");
+    assert!(cheat["reasons"].to_string().contains("cells:"), "{cheat}");
+    assert_eq!(m["cheat"], 1, "{m}");
+    // Anyone re-checks the cheat from the exported evidence, without the service.
+    for name in ["commitment.json", "bundle.json"] {
+        let (code, body) = http(
+            svc.addr,
+            "GET",
+            &format!("/v1/evidence/{digest}/{name}"),
+            b"",
+        );
+        assert_eq!(code, 200, "{name}: {body}");
+        std::fs::write(t.path().join(name), body).unwrap();
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .args(["cells", "--checkpoint"])
+        .arg(&fx.checkpoint)
+        .arg("--spec")
+        .arg(&spec)
+        .arg("--commitment")
+        .arg(t.path().join("commitment.json"))
+        .arg("--bundle")
+        .arg(t.path().join("bundle.json"))
+        .args(["--beacon", BEACON])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "engy-audit cells: {o:?}");
+
+    let (_, refused, m) = &verdicts[&Opens::Refuses];
+    assert_eq!(refused["verdict"], "cheat", "{refused}");
+    assert!(
+        refused["reasons"]
+            .to_string()
+            .contains("cells_error unknown_request"),
+        "{refused}"
+    );
+    assert_eq!(m["cheat"], 1, "{m}");
+
+    let (_, silent, m) = &verdicts[&Opens::Silent];
+    assert_eq!(silent["verdict"], "unanswered", "{silent}");
+    assert_eq!(
+        silent["report"]["cells"]["outcome"], "unanswered",
+        "{silent}"
+    );
+    assert!(
+        silent["reasons"].to_string().contains("by the deadline"),
+        "{silent}"
+    );
+    assert_eq!(m["unanswered"], 1, "{m}");
+    assert!(svc.metric("engy_audit_challenges_total{outcome=\"unanswered\"}") >= 1.0);
+    drop(svc);
+    drop(gw);
+}
+
+/// The `ENGY_*` names `engy-audit serve --help` documents.
+fn serve_help_env() -> std::collections::BTreeSet<String> {
+    let o = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout)
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("ENGY_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// docker/compose.audit.yml as `compose config` resolves it (podman-compose here; CI installs
+/// it with `bash docker/ci-images.sh tools`): the service reaches the compose file's
+/// PostgreSQL with the operator's password, waits for it to be healthy, and every setting it
+/// passes is one `engy-audit serve --help` documents; without the password nothing resolves.
+#[test]
+fn the_audit_compose_file_runs_the_service_on_its_postgres() {
+    let compose = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docker/compose.audit.yml");
+    let have = Command::new("podman-compose")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI=true but podman-compose is missing (bash docker/ci-images.sh tools installs it)"
+        );
+        println!("skipped: no podman-compose here (bash docker/ci-images.sh tools)");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let config = |env: &str| {
+        let f = t.path().join(".env.audit");
+        std::fs::write(&f, env).unwrap();
+        Command::new("podman-compose")
+            .arg("--env-file")
+            .arg(&f)
+            .arg("-f")
+            .arg(&compose)
+            .arg("config")
+            .current_dir(t.path())
+            .env_remove("ENGY_AUDIT_DB_PASSWORD")
+            .output()
+            .unwrap()
+    };
+    let o = config("ENGY_AUDIT_DB_PASSWORD=pw-4711\nENGY_AUDIT_MODELS=devnet=/models/m\n");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        out.contains("ENGY_AUDIT_DB: postgres://engy:pw-4711@postgres:5432/engy"),
+        "{out}"
+    );
+    assert!(out.contains("POSTGRES_PASSWORD: pw-4711"), "{out}");
+    assert!(out.contains("condition: service_healthy"), "{out}");
+    assert!(out.contains("dockerfile: docker/Dockerfile.audit"), "{out}");
+    let documented = serve_help_env();
+    let passed: Vec<String> = out
+        .lines()
+        .filter_map(|l| l.trim().split_once(':').map(|(k, _)| k.to_owned()))
+        .filter(|k| k.starts_with("ENGY_AUDIT_") && k != "ENGY_AUDIT_DB_PASSWORD")
+        .collect();
+    assert!(passed.len() >= 15, "{out}");
+    for k in &passed {
+        assert!(
+            documented.contains(k),
+            "compose passes {k}, which `engy-audit serve --help` does not name"
+        );
+    }
+    let o = config("ENGY_AUDIT_MODELS=devnet=/models/m\n");
+    assert!(
+        !o.status.success()
+            && String::from_utf8_lossy(&o.stderr).contains("set ENGY_AUDIT_DB_PASSWORD"),
+        "{o:?}"
     );
 }

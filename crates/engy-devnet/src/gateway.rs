@@ -14,6 +14,9 @@
 //!   reads the miner's with [`Frame::miner_frame`] (strict: unknown fields refused).
 //! * [`GatewayDouble::submit`] routes a chat request like the gateway does: to the live,
 //!   HELLO'd leg with the most free capacity (`capacity.max_inflight` minus outstanding).
+//! * `POST /v1/open_cells` is the audit service's call (docs/PROTOCOL.md §11.3): the double
+//!   sends `open_cells` on a live leg of the named miner (its `miner_key` registered with
+//!   [`GatewayDouble::register_miner`]) and answers with what came back by the deadline.
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -23,7 +26,7 @@ use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use engy_core::wire::{CellChallenge, GatewayFrame, OpenCells, Serve};
 use futures_util::{SinkExt, StreamExt};
@@ -144,6 +147,8 @@ struct Inner {
     next_id: Mutex<u64>,
     /// corr_id → conn for requests without a terminal response yet.
     outstanding: Mutex<HashMap<String, u64>>,
+    /// miner_key → hotkey (SS58), as the gateway's registry maps them.
+    miners: Mutex<HashMap<String, String>>,
     changed: watch::Sender<u64>,
 }
 
@@ -222,10 +227,12 @@ impl GatewayDouble {
             conns: Mutex::new(HashMap::new()),
             next_id: Mutex::new(0),
             outstanding: Mutex::new(HashMap::new()),
+            miners: Mutex::new(HashMap::new()),
             changed,
         });
         let app = Router::new()
             .route("/meta", get(meta))
+            .route("/v1/open_cells", post(open_cells_call))
             .route("/", get(ws_root))
             .route("/{worker}", get(ws_worker))
             .with_state(Arc::clone(&inner));
@@ -323,6 +330,12 @@ impl GatewayDouble {
                 .map(|f| f.value.clone())
         })
         .await
+    }
+
+    /// Registers a miner: legs whose `hello.miner_key` is `miner_key` are those of `hotkey`
+    /// (the gateway's own registry; `POST /v1/open_cells` names miners by hotkey).
+    pub fn register_miner(&self, miner_key: &str, hotkey: &str) {
+        lock(&self.inner.miners).insert(miner_key.to_owned(), hotkey.to_owned());
     }
 
     /// `open_cells {request_id, seed, n}` on `conn`: challenge the cells the miner committed
@@ -483,6 +496,113 @@ impl GatewayDouble {
         let corr = uuid::Uuid::new_v4().simple().to_string();
         self.serve(best.1, &corr, request, stream)
             .then_some((best.1, corr))
+    }
+}
+
+/// `POST /v1/open_cells` (docs/PROTOCOL.md §11.3): `{request_id, hotkey, seed, n,
+/// deadline_ms}`. Within `deadline_ms` the double waits for a live leg of `hotkey` (the leg
+/// that answered `request_id` first, else the lowest), sends `open_cells {request_id, seed,
+/// n}` on it and waits for the miner's `cells` / `cells_error` about `request_id`: `200
+/// {"cells": frame}` or `200 {"cells_error": frame}`, `504 {"error": "deadline"}` when
+/// nothing came; `400 {"error", "field"}` for a call it cannot read.
+async fn open_cells_call(State(st): State<Arc<Inner>>, body: axum::body::Bytes) -> Response {
+    let bad = |field: &str, error: String| {
+        (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({"error": error, "field": field})),
+        )
+            .into_response()
+    };
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+        return bad("body", "not JSON".into());
+    };
+    let Some(request_id) = v.get("request_id").filter(|r| !r.is_null()).cloned() else {
+        return bad("request_id", "missing".into());
+    };
+    let Some(hotkey) = v.get("hotkey").and_then(Value::as_str).map(str::to_owned) else {
+        return bad("hotkey", "missing or not a string".into());
+    };
+    let seed = match v
+        .get("seed")
+        .and_then(Value::as_str)
+        .map(engy_core::commit::parse_digest)
+    {
+        Some(Ok(s)) => s,
+        _ => return bad("seed", "not 64 hex characters".into()),
+    };
+    let Some(n) = v.get("n").and_then(Value::as_u64) else {
+        return bad("n", "not an unsigned integer".into());
+    };
+    let Some(deadline_ms) = v.get("deadline_ms").and_then(Value::as_u64) else {
+        return bad("deadline_ms", "not an unsigned integer".into());
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(deadline_ms);
+    let mut rx = st.changed.subscribe();
+    let mut sent: Option<usize> = None;
+    loop {
+        {
+            let frames = lock(&st.frames);
+            let answers = |f: &&Frame| {
+                f.dir == Dir::FromMiner
+                    && matches!(f.kind(), "cells" | "cells_error")
+                    && f.value.get("request_id") == Some(&request_id)
+            };
+            match sent {
+                Some(before) => {
+                    if let Some(f) = frames.iter().filter(answers).nth(before) {
+                        let key = f.kind().to_owned();
+                        return axum::Json(json!({ key: f.value.clone() })).into_response();
+                    }
+                }
+                None => {
+                    let before = frames.iter().filter(answers).count();
+                    let answered_on = frames
+                        .iter()
+                        .find(|f| {
+                            f.dir == Dir::FromMiner
+                                && f.kind() == "response"
+                                && f.value.get("request_id") == Some(&request_id)
+                        })
+                        .map(|f| f.conn);
+                    drop(frames);
+                    let miners = lock(&st.miners).clone();
+                    let conns = lock(&st.conns);
+                    let mut legs: Vec<u64> = conns
+                        .iter()
+                        .filter(|(_, c)| {
+                            c.alive
+                                && c.hello
+                                    .as_ref()
+                                    .and_then(|h| h.get("miner_key"))
+                                    .and_then(Value::as_str)
+                                    .and_then(|k| miners.get(k))
+                                    == Some(&hotkey)
+                        })
+                        .map(|(id, _)| *id)
+                        .collect();
+                    legs.sort_by_key(|id| (Some(*id) != answered_on, *id));
+                    if let Some(conn) = legs.first().and_then(|id| conns.get(id)) {
+                        let frame = GatewayFrame::OpenCells(OpenCells {
+                            request_id: request_id.clone(),
+                            challenge: Ok(CellChallenge { seed, n }),
+                        });
+                        if conn.tx.send(Cmd::Send(frame.to_value())).is_ok() {
+                            sent = Some(before);
+                        }
+                    }
+                }
+            }
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => {}
+            _ => {
+                return (
+                    StatusCode::GATEWAY_TIMEOUT,
+                    axum::Json(json!({"error": "deadline"})),
+                )
+                    .into_response()
+            }
+        }
     }
 }
 
