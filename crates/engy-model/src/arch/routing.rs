@@ -441,6 +441,11 @@ pub struct Probe<'a> {
     /// ([`super::dsa_kernels::rows_cutting_ties`]). Left alone by architectures without DSA.
     /// 0 after a pass means the pass with the other tie order computes the same, bit for bit.
     pub dsa_boundary_ties: Option<&'a mut usize>,
+    /// When given, each MoE block's shared-expert output `[rows, hidden]` (after its gate,
+    /// where the architecture gates it), in the order the layers ran; nothing from
+    /// architectures without a shared expert. The cell check splits `y`'s error between the
+    /// routed and the shared part with it ([`crate::cells::CellCheck::y_bias_shared`]).
+    pub shared: Option<&'a mut Vec<Tensor>>,
 }
 
 /// One MoE block's input and output over the rows of one forward call (the material of a
@@ -474,6 +479,13 @@ impl Probe<'_> {
                 k.sort_unstable();
                 a.insert((first + r, layer), k);
             }
+        }
+    }
+
+    /// Pushes a block's shared-expert output into [`Probe::shared`] when it is given.
+    pub(crate) fn push_shared(&mut self, shared: &Tensor) {
+        if let Some(v) = self.shared.as_deref_mut() {
+            v.push(shared.clone());
         }
     }
 
