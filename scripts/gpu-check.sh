@@ -194,7 +194,7 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
   # and decoded once for all of them): audits per weight pass and seconds per audit.
   local batch_rows="$work/$arch-batch.tsv" n
   : >"$batch_rows"
-  for n in ${ENGY_GPU_BENCH_BATCHES:-1 4 16}; do
+  for n in ${ENGY_GPU_BENCH_BATCHES-1 4 16}; do
     local many=()
     for _ in $(seq "$n"); do many+=(--commitment "$ck/commitment.json"); done
     t0=$(date +%s.%N)
