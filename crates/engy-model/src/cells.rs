@@ -9,6 +9,10 @@
 //!    router's rounding plus GEMM accumulation order).
 //! 2. **Routing**: the committed expert set must be the architecture's own top-k of the
 //!    recomputed scores, or a near-tie within the cell margin ([`default_cell_margin`]).
+//!    On the softmax routers (the Qwen MoEs) the committed experts must also be the top-k of
+//!    the cell's own committed logits: a serve routes from the logits it commits, so a set
+//!    taken within the margin against the router's own choice shows there (issue 39,
+//!    systematic near-tie swaps).
 //! 3. **Output**: the recomputed block output — the committed experts dispatched, weighted by
 //!    the rule from the recomputed router scores, plus the shared expert — must be within a
 //!    relative L2 distance `y_rel` of the committed `y`.
@@ -140,6 +144,16 @@ pub struct CellCheck {
     /// `⟨y − ŷ, ŷ⟩ / ‖ŷ‖²`: the error's part along the recompute's output (a serve that scales
     /// every output by `1 + s` has `s` here on every cell; rounding averages to 0).
     pub y_bias: f32,
+    /// The error `y − ŷ` fitted as `a · ŷ_routed + b · ŷ_shared` (least squares over the
+    /// auditor's own routed and shared outputs): `a`, the routed part's scaling relative to
+    /// its own norm; `None` on an architecture without a shared expert (or parts too close to
+    /// collinear to split). A serve that scales one part by `1 + s` has `s` here while the
+    /// whole-output [`CellCheck::y_bias`] sees only that part's share of `ŷ` ([`stats`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub y_bias_routed: Option<f32>,
+    /// `b` of [`CellCheck::y_bias_routed`]: the shared part's scaling relative to its own norm.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub y_bias_shared: Option<f32>,
     /// `‖x − x̂‖ / ‖x̂‖` against the recompute's MoE input at (position, layer), when the cell
     /// was bound to a recompute ([`audit_bundle_with_recompute`]).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -174,6 +188,8 @@ pub fn verify_cell(
         near_tie_gap: None,
         y_err: f32::INFINITY,
         y_bias: f32::INFINITY,
+        y_bias_routed: None,
+        y_bias_shared: None,
         x_err: None,
         failures: Vec::new(),
     };
@@ -208,6 +224,7 @@ pub fn verify_cell(
     // choice, and the check classifies the set with the real margin.
     let mut classify = RoutingCheck::new(committed, margin, true).dispatching_committed();
     let mut logits = BTreeMap::new();
+    let mut shared = Vec::new();
     let out = model.arch().moe_block(
         layer as usize,
         &x,
@@ -215,6 +232,7 @@ pub fn verify_cell(
         &mut Probe {
             check: Some(&mut classify),
             router_logits: Some(&mut logits),
+            shared: Some(&mut shared),
             ..Probe::default()
         },
     )?;
@@ -236,6 +254,13 @@ pub fn verify_cell(
     if check.routing == CellRouting::Mismatch {
         check.failures.push(format!(
             "the experts {:?} are not the router's top-{} within the margin",
+            cell.expert_ids(),
+            shape.top_k
+        ));
+    } else if let Some(gap) = own_logits_gap(model.config().kind, &theirs, cell.expert_ids()) {
+        check.failures.push(format!(
+            "the experts {:?} are not the top-{} of the cell's own router logits (an unchosen \
+             logit is {gap:.5} above a chosen one)",
             cell.expert_ids(),
             shape.top_k
         ));
@@ -267,6 +292,14 @@ pub fn verify_cell(
     }
     check.y_err = (num.sqrt() / den.sqrt().max(f64::MIN_POSITIVE)) as f32;
     check.y_bias = (dot / den.max(f64::MIN_POSITIVE)) as f32;
+    if let Some(s) = shared.first() {
+        let s = s.flatten_all()?.to_vec1::<f32>()?;
+        let y: Vec<f32> = cell.y().iter().map(|v| v.to_f32()).collect();
+        if let Some((a, b)) = part_biases(&y, &y_hat, &s) {
+            check.y_bias_routed = Some(a);
+            check.y_bias_shared = Some(b);
+        }
+    }
     if !check.y_err.is_finite() || check.y_err > policy.y_rel {
         check.failures.push(format!(
             "the block output is {:.4} (relative L2) from the recompute, more than {}",
@@ -274,6 +307,52 @@ pub fn verify_cell(
         ));
     }
     Ok(check)
+}
+
+/// The least-squares `(a, b)` of `y − ŷ ≈ a · (ŷ − s) + b · s` ([`CellCheck::y_bias_routed`]),
+/// in f64; `None` for lengths that differ, non-finite values, or parts too close to collinear
+/// (the 2×2 Gram determinant below 10⁻⁶ of its diagonal product, `s` or `ŷ − s` zero among
+/// them).
+fn part_biases(y: &[f32], y_hat: &[f32], s: &[f32]) -> Option<(f32, f32)> {
+    if y.len() != y_hat.len() || s.len() != y_hat.len() {
+        return None;
+    }
+    let (mut rr, mut rs, mut ss, mut dr, mut ds) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    for ((&y, &h), &s) in y.iter().zip(y_hat).zip(s) {
+        let (y, h, s) = (f64::from(y), f64::from(h), f64::from(s));
+        let (r, d) = (h - s, y - h);
+        rr += r * r;
+        rs += r * s;
+        ss += s * s;
+        dr += d * r;
+        ds += d * s;
+    }
+    let det = rr * ss - rs * rs;
+    if !det.is_finite() || det <= 1e-6 * rr * ss || rr == 0.0 || ss == 0.0 {
+        return None;
+    }
+    let a = (dr * ss - ds * rs) / det;
+    let b = (ds * rr - dr * rs) / det;
+    (a.is_finite() && b.is_finite()).then_some((a as f32, b as f32))
+}
+
+/// Rule 2b (issue 39, systematic near-tie swaps): on the softmax routers (the Qwen MoEs, whose
+/// top-k is the top-k of the logits), a serve routes from the very logits it commits, so its
+/// experts are the top-k of the cell's own `router_logits` (equal logits may go either way).
+/// A serve that takes another set within the margin and commits its router's true logits
+/// breaks this at every such cell; to pass it must also move the committed logits, which the
+/// logit rule bounds and the near-tie count judges ([`stats`]). Returns how far the best
+/// unchosen logit is above the worst chosen one when it is (`None`: consistent, or an
+/// architecture whose scores are not the logits alone: GLM's `sigmoid + bias`).
+fn own_logits_gap(kind: crate::arch::ArchKind, logits: &[f32], ids: &[u32]) -> Option<f32> {
+    if !matches!(
+        kind,
+        crate::arch::ArchKind::Qwen3Moe | crate::arch::ArchKind::Qwen3_5Moe
+    ) {
+        return None;
+    }
+    let gap = crate::arch::routing::set_gap(logits, ids);
+    (gap.is_finite() && gap > 0.0).then_some(gap)
 }
 
 /// The model's routing shape when `cell` fits it (sizes, layer in range), else why not.

@@ -1434,6 +1434,7 @@ impl GlmMoeDsa {
                 e
             })
             .collect();
+        probe.push_shared(&shared);
         let y = cm.round((routed + shared)?)?;
         probe.push_block(l, off, h, &y);
         Ok((y, experts))

@@ -36,11 +36,19 @@
 //! * `y_bias` = 0.006 for `n` ≥ 4 cells, `0.012 / √n` below: the largest honest bundle mean
 //!   was 0.0007 and the largest single honest cell 0.0059, so even one cell alone stays below
 //!   its limit; rounding's mean shrinks as `1/√n`. A 1.02 scaling has +0.020 on every cell.
-//! * `near_tie_rate` = 0.02, `false_flag` = 1e-6: honest serves checked across numerics showed
-//!   2 near-ties in 768 cells (0.26%); 0.02 is eight times that, and `α` = 10⁻⁶ makes a false
-//!   flag from near-ties one in a million audits (at `n` = 32 the limit is 8 near-ties), while
-//!   a serve that takes the cheaper expert at every pair within the margin reaches it whenever
-//!   a quarter of its cells have such a pair.
+//! * `near_tie_rate` = 0.01, `false_flag` = 1e-6: honest bf16 and f32 serves checked across
+//!   numerics showed 2 near-ties in 768 challenged cells of the devnet checkpoint (0.26%), and
+//!   0/2048, 2/1536 and 3/1536 on the devnet, Qwen3.5-MoE and GLM-MoE-DSA checkpoints over 64,
+//!   48 and 48 audits (`tests/cells_near_tie.rs`, 2026-12-06): 0.01 is four times the largest
+//!   rate seen. `α` = 10⁻⁶ makes a false flag from near-ties one in a million judgements: at
+//!   `n` = 32 the limit is 6 near-ties. A serve that takes a near-tied set wherever one is
+//!   within the margin ([`super::CellServe::NearTieSwap`]) does so at 4–15% of its cells on
+//!   those checkpoints; one 32-cell audit rarely holds 6 of them, so the count is also judged
+//!   over a serve's ledger of audits ([`near_ties_flagged`]), where it is always flagged after
+//!   32 (devnet) or 24 audits (Qwen3.5-MoE, GLM) and an honest ledger never is. On the
+//!   softmax routers such a serve is caught cell by cell besides, unless it forges its
+//!   committed logits (rule 2b of [`super`], `own_logits_gap`). bench/RESULTS.md "Cells:
+//!   near-tie swaps" has the rates.
 //!
 //! **Quantised checkpoints** (FP8, NVFP4): sglang serves them W8A8 (issue 40), whose activation
 //! quantisation moves `y` by a few percent against a recompute with bf16 activations, as much
@@ -70,6 +78,9 @@ pub struct StatsPolicy {
     pub y_median: f32,
     /// Largest `|mean y_bias|` of the challenged cells.
     pub y_bias: f32,
+    /// Largest `|mean|` of each part's own scaling ([`super::CellCheck::y_bias_routed`],
+    /// [`super::CellCheck::y_bias_shared`]) over the challenged cells.
+    pub y_bias_part: f32,
     /// Upper bound of an honest serve's per-cell near-tie rate (`p₀`).
     pub near_tie_rate: f64,
     /// Largest probability that an honest serve's near-tie count is flagged (`α`).
@@ -81,7 +92,8 @@ impl Default for StatsPolicy {
         Self {
             y_median: 0.012,
             y_bias: 0.006,
-            near_tie_rate: 0.02,
+            y_bias_part: 0.012,
+            near_tie_rate: 0.01,
             false_flag: 1e-6,
         }
     }
@@ -98,6 +110,13 @@ pub struct CellStats {
     pub y_err_median: f32,
     /// Mean `y_bias` over cells with a finite one.
     pub y_bias_mean: f32,
+    /// Mean [`super::CellCheck::y_bias_routed`] over the cells that have one (`None`: none
+    /// has, an architecture without a shared expert).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub y_bias_routed_mean: Option<f32>,
+    /// Mean [`super::CellCheck::y_bias_shared`] over the cells that have one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub y_bias_shared_mean: Option<f32>,
     /// Cells whose routing was a near-tie.
     pub near_ties: usize,
     /// The smallest near-tie count that is flagged ([`near_tie_limit`]).
@@ -142,11 +161,45 @@ pub fn binomial_tail(n: usize, p: f64, k: usize) -> f64 {
 /// The smallest near-tie count `k` among `n` cells with `P(Binomial(n, p₀) ≥ k) ≤ α`: a
 /// count of `k` or more is flagged, and an honest serve whose per-cell rate is at most `p₀`
 /// is flagged with probability at most `α`. `n + 1` (never flagged) when no `k ≤ n` is that
-/// unlikely.
+/// unlikely. O(n): the tail is summed once from `n` down.
 pub fn near_tie_limit(n: usize, p0: f64, alpha: f64) -> usize {
-    (1..=n)
-        .find(|&k| binomial_tail(n, p0, k) <= alpha)
-        .unwrap_or(n + 1)
+    if p0 <= 0.0 {
+        // No honest near-tie at all: the first one is flagged.
+        return 1;
+    }
+    if p0 >= 1.0 {
+        return n + 1;
+    }
+    let (lp, lq) = (p0.ln(), (1.0 - p0).ln());
+    // ln C(n, i) for every i, built up from ln C(n, 0) = 0.
+    let mut acc = 0f64;
+    let ln_c: Vec<f64> = std::iter::once(0.0)
+        .chain((1..=n).map(|i| {
+            acc += ((n - i + 1) as f64).ln() - (i as f64).ln();
+            acc
+        }))
+        .collect();
+    let mut tail = 0f64;
+    let mut limit = n + 1;
+    for k in (1..=n).rev() {
+        tail += (ln_c[k] + k as f64 * lp + (n - k) as f64 * lq).exp();
+        if tail > alpha {
+            break;
+        }
+        limit = k;
+    }
+    limit
+}
+
+/// Whether `near_ties` near-ties among `cells` judged cells reach the limit of `policy`
+/// ([`near_tie_limit`]). The per-audit statistic of [`judge_cells`] on its own `n`; the
+/// same test over a serve's ledger (the sums of [`CellStats::near_ties`] and [`CellStats::n`]
+/// over all its audits) keeps the false-flag bound `α` per judgement and gains power with
+/// every audit: a serve that takes a near-tied set at a few percent of its cells is rarely
+/// past the limit of one 32-cell audit, always past it over a few dozen (bench/RESULTS.md
+/// "Cells: near-tie swaps").
+pub fn near_ties_flagged(near_ties: usize, cells: usize, policy: &StatsPolicy) -> bool {
+    near_ties >= near_tie_limit(cells, policy.near_tie_rate, policy.false_flag)
 }
 
 /// The limit of `|mean y_bias|` over `n` cells: `y_bias`, or `2 · y_bias / √n` when that is
@@ -179,6 +232,17 @@ pub fn judge_cells(checks: &[&CellCheck], policy: &StatsPolicy, quantized: bool)
     } else {
         (biases.iter().sum::<f64>() / biases.len() as f64) as f32
     };
+    let part_mean = |f: fn(&CellCheck) -> Option<f32>| {
+        let v: Vec<f64> = checks
+            .iter()
+            .filter_map(|c| f(c))
+            .filter(|b| b.is_finite())
+            .map(f64::from)
+            .collect();
+        (!v.is_empty()).then(|| ((v.iter().sum::<f64>() / v.len() as f64) as f32, v.len()))
+    };
+    let routed = part_mean(|c| c.y_bias_routed);
+    let shared = part_mean(|c| c.y_bias_shared);
     let n = checks.len();
     let near_ties = checks
         .iter()
@@ -204,6 +268,18 @@ pub fn judge_cells(checks: &[&CellCheck], policy: &StatsPolicy, quantized: bool)
                 biases.len(),
             ));
         }
+        for (part, mean) in [("routed", routed), ("shared", shared)] {
+            let Some((mean, count)) = mean else {
+                continue;
+            };
+            let limit = self::bias_limit(policy.y_bias_part, count);
+            if mean.abs() > limit {
+                failures.push(format!(
+                    "the {part} experts' outputs are scaled by {mean:+.4} on average over \
+                     {count} cells (against their own norm), more than ±{limit:.4}"
+                ));
+            }
+        }
     }
     if near_ties >= limit {
         failures.push(format!(
@@ -217,6 +293,8 @@ pub fn judge_cells(checks: &[&CellCheck], policy: &StatsPolicy, quantized: bool)
         y_judged: !quantized,
         y_err_median: median,
         y_bias_mean: bias,
+        y_bias_routed_mean: routed.map(|(m, _)| m),
+        y_bias_shared_mean: shared.map(|(m, _)| m),
         near_ties,
         near_tie_limit: limit,
         failures,
@@ -245,5 +323,12 @@ mod tests {
         assert!(binomial_tail(32, 0.02, k - 1) > 1e-6);
         // One cell can never be unlikely enough at α = 1e-6 with p₀ = 0.02.
         assert_eq!(near_tie_limit(1, 0.02, 1e-6), 2);
+        // The O(n) sum agrees with the tail summed per k, small and ledger-sized.
+        for (n, p) in [(32, 0.01), (32, 0.02), (1024, 0.01), (5000, 0.003)] {
+            let k = near_tie_limit(n, p, 1e-6);
+            assert!(binomial_tail(n, p, k) <= 1e-6, "{n} {p} {k}");
+            assert!(binomial_tail(n, p, k - 1) > 1e-6, "{n} {p} {k}");
+        }
+        assert_eq!(near_tie_limit(0, 0.02, 1e-6), 1);
     }
 }
