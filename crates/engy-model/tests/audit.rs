@@ -1,21 +1,16 @@
 //! The auditor end to end on a generated checkpoint: honest proofs pass, int4 proofs are caught
 //! with a clearly separated score, malformed commitments are `unproven`.
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod common;
+
+use std::path::Path;
 
 use engy_core::toploc::Params;
 use engy_model::audit::{audit, commit_greedy, AuditParams, Verdict};
-use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Precision};
+use engy_model::{corpus, Checkpoint, Compute, Precision};
 
+/// One generated checkpoint shared by the tests of this binary.
 fn checkpoint_dir() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, p) = DIR.get_or_init(|| {
-        let t = tempfile::tempdir().unwrap();
-        let p = t.path().join("m");
-        gen_model(&p, 7, &GenConfig::default()).unwrap();
-        (t, p)
-    });
-    p
+    common::generated_checkpoint(7)
 }
 
 fn prompt(ck: &Checkpoint, user: &str) -> Vec<u32> {

@@ -30,13 +30,10 @@ use std::path::{Path, PathBuf};
 
 use engy_model::arch::TieOrder;
 use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict};
-use engy_model::{LoadOptions, Model, Numerics, Residency};
+use engy_model::{Model, Numerics};
 
 fn oracle_dir() -> PathBuf {
-    match std::env::var_os("ENGY_AUDIT_ORACLE_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/audit-oracle"),
-    }
+    common::vectors_or("ENGY_AUDIT_ORACLE_DIR", "audit-oracle")
 }
 
 fn checkpoint_for(oracle: &Path, case: &str) -> Option<PathBuf> {
@@ -70,65 +67,21 @@ fn expected(variant: &str) -> Option<bool> {
 struct Row {
     n: usize,
     pass: usize,
-    /// Per recompute (dtype, and the DSA tie order when it is not the first): (min, max) over
-    /// commitments of the largest batch mismatch count.
-    ranges: BTreeMap<String, (u64, u64)>,
+    /// Per recompute (dtype, and the DSA tie order when it is not the first).
+    ranges: common::MismatchRanges,
 }
 
 impl Row {
     /// Counts one commitment's recomputes into the ranges.
     fn record(&mut self, report: &AuditReport) {
         self.n += 1;
-        for o in &report.recomputes {
-            let r = self.ranges.entry(o.label()).or_insert((u64::MAX, 0));
-            r.0 = r.0.min(o.max_exp_mismatches);
-            r.1 = r.1.max(o.max_exp_mismatches);
-        }
+        self.ranges.record(report);
     }
-
-    /// `bf16 max-batch 3..23  f32 max-batch 0..9`.
-    fn ranges_text(&self) -> String {
-        let ranges: Vec<String> = self
-            .ranges
-            .iter()
-            .map(|(c, (lo, hi))| format!("{c} max-batch {lo}..{hi}"))
-            .collect();
-        ranges.join("  ")
-    }
-}
-
-/// Each recompute of `report` and its largest batch mismatch count, for a failure message.
-fn tried(report: &AuditReport) -> String {
-    let tried: Vec<String> = report
-        .recomputes
-        .iter()
-        .map(|o| format!("{} max {}", o.label(), o.max_exp_mismatches))
-        .collect();
-    tried.join(", ")
 }
 
 /// The sub-folders of `dir` (one per case), sorted.
 fn case_dirs(dir: &Path) -> Vec<PathBuf> {
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
-    cases
-}
-
-/// The commitments of a case folder (`*.json` but `meta.json`), sorted.
-fn commitment_files(case_dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(case_dir)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.extension().is_some_and(|x| x == "json") && p.file_stem().is_some_and(|s| s != "meta")
-        })
-        .collect();
-    files.sort();
-    files
+    common::sorted_paths(dir, Path::is_dir)
 }
 
 /// The case's checkpoint ([`checkpoint_for`]), opened resident on the test device, and its
@@ -136,13 +89,7 @@ fn commitment_files(case_dir: &Path) -> Vec<PathBuf> {
 fn open_case(oracle: &Path, case: &str) -> (PathBuf, Model, String) {
     let ckpt = checkpoint_for(oracle, case)
         .unwrap_or_else(|| panic!("{case}: no checkpoint folder with a config.json found"));
-    let opts = LoadOptions {
-        residency: Residency::Resident,
-        device: common::test_device(),
-        ..LoadOptions::default()
-    };
-    let model = Model::open(&ckpt, &opts).unwrap_or_else(|e| panic!("{case}: {e}"));
-    let root = engy_core::identity::model_root(&ckpt).unwrap();
+    let (model, root) = common::open_resident(&ckpt);
     (ckpt, model, root)
 }
 
@@ -170,14 +117,10 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 .get("text_config")
                 .and_then(|t| t.get("quantization_config"))
                 .is_some();
-        let files = commitment_files(case_dir);
+        let files = common::commitment_files(case_dir);
         let mut table: BTreeMap<String, Row> = BTreeMap::new();
         for f in &files {
-            let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-            // VARIANT_NN
-            let variant = stem.rsplit_once('_').map_or(stem, |(v, _)| v).to_string();
-            let value: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap();
+            let (stem, variant, value) = common::read_commitment(f);
             let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
                 .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
             audited += 1;
@@ -236,7 +179,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                         "{case}/{stem}: {} but a correct auditor says {} ({})",
                         report.verdict.label(),
                         if want { "pass" } else { "cheat" },
-                        tried(&report)
+                        common::tried(&report)
                     ));
                 }
             }
@@ -253,7 +196,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
                 "  {variant:<28} {:>2}/{:<2} pass  (expected {want:<12})  {}",
                 row.pass,
                 row.n,
-                row.ranges_text()
+                row.ranges.text()
             );
         }
         if let Some(row) = table.get("fp8_tensor").filter(|_| !quantised) {
@@ -282,10 +225,7 @@ fn honest_serves_pass_and_weight_swaps_are_caught() {
 }
 
 fn honest_serves_dir() -> PathBuf {
-    match std::env::var_os("ENGY_HONEST_SERVES_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/honest-serves"),
-    }
+    common::vectors_or("ENGY_HONEST_SERVES_DIR", "honest-serves")
 }
 
 /// Every commitment of `$ENGY_HONEST_SERVES_DIR` (default the shipped
@@ -304,11 +244,8 @@ fn honest_serves_of_other_prompts_pass() {
             .unwrap_or_default();
         let (ckpt, model, root) = open_case(&oracle_dir(), case);
         let mut table: BTreeMap<String, Row> = BTreeMap::new();
-        for f in &commitment_files(case_dir) {
-            let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-            let set = stem.rsplit_once('_').map_or(stem, |(v, _)| v).to_string();
-            let value: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap();
+        for f in &common::commitment_files(case_dir) {
+            let (stem, set, value) = common::read_commitment(f);
             let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
                 .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
             audited += 1;
@@ -317,12 +254,15 @@ fn honest_serves_of_other_prompts_pass() {
             row.pass += usize::from(report.verdict == Verdict::Pass);
             if report.verdict != Verdict::Pass {
                 let verdict = report.verdict.label();
-                failures.push(format!("{case}/{stem}: {verdict} ({})", tried(&report)));
+                failures.push(format!(
+                    "{case}/{stem}: {verdict} ({})",
+                    common::tried(&report)
+                ));
             }
         }
         println!("{case} ({}):", ckpt.display());
         for (set, row) in &table {
-            let (pass, n, ranges) = (row.pass, row.n, row.ranges_text());
+            let (pass, n, ranges) = (row.pass, row.n, row.ranges.text());
             println!("  {set:<24} {pass:>2}/{n:<2} pass  {ranges}");
         }
     }

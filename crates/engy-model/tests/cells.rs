@@ -4,8 +4,9 @@
 //! bound to the auditor's recompute of the request ([`audit_bundle_with_recompute`]): cells of
 //! zeros, cells of another request or another model fail; a uniformly scaled `y` and
 //! expert-only FP8 rounding fail the statistics; honest bf16 and f32 serves pass.
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod common;
+
+use std::path::Path;
 
 use engy_core::cells::{
     select, tokens_sha256, verify_opening, Cell, CellAuditBundle, CellShape, CellTree, LogitsDtype,
@@ -19,15 +20,9 @@ use engy_model::cells::{
 };
 use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision, Probe};
 
+/// One generated checkpoint shared by the tests of this binary.
 fn checkpoint_dir() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, p) = DIR.get_or_init(|| {
-        let t = tempfile::tempdir().unwrap();
-        let p = t.path().join("m");
-        gen_model(&p, 5, &GenConfig::default()).unwrap();
-        (t, p)
-    });
-    p
+    common::generated_checkpoint(5)
 }
 
 /// Token sequences as a serve would run them: chat prompts plus greedy continuations.
@@ -172,6 +167,22 @@ fn bundle(model: &Model, ids: &[u32], cells: &[Cell], seed: u8) -> CellAuditBund
 /// Cells of the same (position, layer) and sizes as `like`, every value rebuilt by `f`.
 fn rebuild(like: &[Cell], f: impl Fn(&Cell) -> Cell) -> Vec<Cell> {
     like.iter().map(f).collect()
+}
+
+/// `cells` with every output value `y` multiplied by `k` (rounded to bf16), the rest unchanged.
+fn y_scaled(cells: &[Cell], k: f32) -> Vec<Cell> {
+    rebuild(cells, |c| {
+        let y = c.y().iter().map(|v| half::bf16::from_f32(v.to_f32() * k));
+        Cell::new(
+            c.position(),
+            c.layer(),
+            c.x().to_vec(),
+            c.router_logits().clone(),
+            c.expert_ids().to_vec(),
+            y.collect(),
+        )
+        .unwrap()
+    })
 }
 
 fn audit(model: &Model, w: &CommittedWeights, b: &CellAuditBundle, ids: &[u32]) -> BundleReport {
@@ -355,21 +366,7 @@ fn honest_bundles_pass_and_scaled_or_fp8_outputs_fail_the_statistics() {
         }
         // Every output scaled by 1.02: each cell alone passes (y_rel 0.05).
         let honest = serve_cells(&bf16, ids, CellServe::Honest).unwrap();
-        let scaled = rebuild(&honest, |c| {
-            let y = c
-                .y()
-                .iter()
-                .map(|v| half::bf16::from_f32(v.to_f32() * 1.02));
-            Cell::new(
-                c.position(),
-                c.layer(),
-                c.x().to_vec(),
-                c.router_logits().clone(),
-                c.expert_ids().to_vec(),
-                y.collect(),
-            )
-            .unwrap()
-        });
+        let scaled = y_scaled(&honest, 1.02);
         let rep = audit(&ck.model, &w, &bundle(&bf16, ids, &scaled, seed), ids);
         scaled_cells_pass += rep.cells.iter().filter(|c| c.pass()).count();
         scaled_caught += usize::from(rep.verdict == BundleVerdict::Cheat);
@@ -406,7 +403,7 @@ fn honest_bundles_pass_and_scaled_or_fp8_outputs_fail_the_statistics() {
 /// `y` and expert-only FP8 rounding are caught.
 #[test]
 fn other_architectures_honest_pass_and_statistics_catch() {
-    let vectors = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/arch");
+    let vectors = common::vectors_dir();
     for arch in ["qwen3_5_moe", "glm_moe_dsa"] {
         let dir = vectors.join(arch);
         let verifier = Model::load(&dir, Precision::Bf16).unwrap();
@@ -452,21 +449,7 @@ fn other_architectures_honest_pass_and_statistics_catch() {
                 honest += 1;
             }
             let cells = serve_cells(&bf16, &ids, CellServe::Honest).unwrap();
-            let up = rebuild(&cells, |c| {
-                let y = c
-                    .y()
-                    .iter()
-                    .map(|v| half::bf16::from_f32(v.to_f32() * 1.02));
-                Cell::new(
-                    c.position(),
-                    c.layer(),
-                    c.x().to_vec(),
-                    c.router_logits().clone(),
-                    c.expert_ids().to_vec(),
-                    y.collect(),
-                )
-                .unwrap()
-            });
+            let up = y_scaled(&cells, 1.02);
             let rep = audit(&verifier, &w, &bundle(&bf16, &ids, &up, seed), &ids);
             scaled += usize::from(rep.verdict == BundleVerdict::Cheat);
             let cells = serve_cells(&fp8, &ids, CellServe::Fp8Experts).unwrap();

@@ -1,7 +1,8 @@
 //! The generated devnet checkpoint and its forward pass: determinism, file layout, KV-cache
 //! decoding against the teacher-forced pass, the int4 cheat, and error paths.
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod common;
+
+use std::path::Path;
 
 use engy_model::{
     corpus, gen_model, Checkpoint, Compute, GenConfig, LoadOptions, Model, ModelError, Precision,
@@ -12,14 +13,7 @@ const SEED: u64 = 53;
 
 /// One generated checkpoint shared by the tests of this binary.
 fn checkpoint_dir() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, p) = DIR.get_or_init(|| {
-        let t = tempfile::tempdir().unwrap();
-        let p = t.path().join("devnet-model");
-        gen_model(&p, SEED, &GenConfig::default()).unwrap();
-        (t, p)
-    });
-    p
+    common::generated_checkpoint(SEED)
 }
 
 fn chat_prompt(ck: &Checkpoint, user: &str) -> Vec<u32> {

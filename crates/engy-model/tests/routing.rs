@@ -1,7 +1,8 @@
 //! Routing traces on the generated devnet checkpoint (a Qwen3-MoE): what a serve records while it
 //! decodes, and the auditor's check and replay of a committed trace.
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+mod common;
+
+use std::path::Path;
 
 use engy_core::toploc::Params;
 use engy_model::arch::{CommittedRouting, Margin, RoutingCheck, RoutingRecord};
@@ -9,17 +10,11 @@ use engy_model::audit::{
     audit_with, audit_with_routing, commit_greedy, AuditParams, Recompute, RoutingAudit,
     RoutingPolicy, RoutingSummary, Verdict,
 };
-use engy_model::{corpus, gen_model, Checkpoint, GenConfig, Model, Precision, Probe};
+use engy_model::{corpus, Checkpoint, Model, Precision, Probe};
 
+/// One generated checkpoint shared by the tests of this binary.
 fn checkpoint_dir() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, p) = DIR.get_or_init(|| {
-        let t = tempfile::tempdir().unwrap();
-        let p = t.path().join("m");
-        gen_model(&p, 11, &GenConfig::default()).unwrap();
-        (t, p)
-    });
-    p
+    common::generated_checkpoint(11)
 }
 
 fn prompt(ck: &Checkpoint, i: usize) -> Vec<u32> {

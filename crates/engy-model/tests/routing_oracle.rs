@@ -22,17 +22,11 @@ use engy_model::audit::{
 use engy_model::{Compute, LoadOptions, Model, Probe};
 
 fn oracle_dir() -> PathBuf {
-    match std::env::var_os("ENGY_ROUTING_ORACLE_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/routing-oracle"),
-    }
+    common::vectors_or("ENGY_ROUTING_ORACLE_DIR", "routing-oracle")
 }
 
 fn audit_oracle_dir() -> PathBuf {
-    match std::env::var_os("ENGY_AUDIT_ORACLE_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors/audit-oracle"),
-    }
+    common::vectors_or("ENGY_AUDIT_ORACLE_DIR", "audit-oracle")
 }
 
 /// The smallest fraction of `fp8_tensor` traces routing alone must catch.
@@ -87,12 +81,7 @@ fn mismatch_rate(model: &Model, t: &Trace, compute: Compute) -> f64 {
 #[test]
 fn honest_traces_pass_and_cheat_traces_are_caught_by_routing() {
     let oracle = oracle_dir();
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&oracle)
-        .unwrap_or_else(|e| panic!("{}: {e}", oracle.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
+    let cases = common::sorted_paths(&oracle, Path::is_dir);
     assert!(!cases.is_empty(), "no case in {}", oracle.display());
     let params = AuditParams::default();
     let limit = params.routing.max_mismatch_rate;
@@ -104,12 +93,7 @@ fn honest_traces_pass_and_cheat_traces_are_caught_by_routing() {
         let dir = common::vectors_dir().join(&name);
         let model = Model::open(&dir, &LoadOptions::default()).unwrap();
         let root = engy_core::identity::model_root(&dir).unwrap();
-        let mut files: Vec<PathBuf> = std::fs::read_dir(case)
-            .unwrap()
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.to_string_lossy().ends_with(".routing.json"))
-            .collect();
-        files.sort();
+        let files = common::sorted_paths(case, |p| p.to_string_lossy().ends_with(".routing.json"));
         for variant in ["honest_bf16", "int4_g32", "fp8_tensor"] {
             let (mut n, mut caught, mut lo, mut hi) = (0, 0, f64::MAX, 0f64);
             for f in files.iter().filter(|f| {
