@@ -14,8 +14,13 @@ order:
                       the order engy's recompute takes first (`arch::TieOrder::LowerFirst`)
   --ties higher-first equal scores taken higher key index first
 
-  $ENGY_TF5_PYTHON tests/reverse/dsa_ties_serves.py --ties lower-first CASE OUT.safetensors \
-      [honest_serves.py's options]
+  $ENGY_TF5_PYTHON tests/reverse/dsa_ties_serves.py --ties lower-first [--count] CASE \
+      OUT.safetensors [honest_serves.py's options]
+
+--count prints, after the serve, how many (query row, layer) selections had more than
+`index_topk` unmasked keys, how many of them cut through a tie (a key left out scores exactly
+what the least kept key scores) and how many tied keys those rows had in all
+(docs/design/dsa-ties.md's table).
 
 Exit 0, or 2 on a usage error.
 """
@@ -49,19 +54,41 @@ def main():
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     ties = args[1]
-    if ties != "torch":
+    count = len(args) > 2 and args[2] == "--count"
+    rest = args[3:] if count else args[2:]
+    stats = {"rows": 0, "cut": 0, "tied_keys": 0}
+    chosen = _topk if ties == "torch" else ordered_topk(ties)
+
+    def counted(self, k, dim=-1, largest=True, sorted=True):
+        r = chosen(self, k, dim=dim, largest=largest, sorted=sorted)
+        kth = r.values.narrow(dim, k - 1, 1)
+        valid = self > -1e30  # masked keys are -inf or finfo.min
+        n_valid = valid.sum(dim)
+        eq = ((self == kth) & valid).sum(dim)
+        above = ((self > kth) & valid).sum(dim)
+        judged = n_valid > k
+        cut = judged & (above + eq > k)
+        stats["rows"] += int(judged.sum())
+        stats["cut"] += int(cut.sum())
+        stats["tied_keys"] += int((eq * cut).sum())
+        return r
+
+    if ties != "torch" or count:
         forward = glm.GlmMoeDsaIndexer.forward
-        chosen = ordered_topk(ties)
+        used = counted if count else chosen
 
         def indexer_forward(self, *a, **kw):
-            torch.Tensor.topk = chosen
+            torch.Tensor.topk = used
             try:
                 return forward(self, *a, **kw)
             finally:
                 torch.Tensor.topk = _topk
         glm.GlmMoeDsaIndexer.forward = indexer_forward
-    sys.argv = [sys.argv[0]] + args[2:]
+    sys.argv = [sys.argv[0]] + rest
     honest_serves.main()
+    if count:
+        print(f"indexer selections with more than index_topk keys: {stats['rows']}, cut through a tie: "
+              f"{stats['cut']}, tied keys in those: {stats['tied_keys']}")
 
 
 if __name__ == "__main__":
