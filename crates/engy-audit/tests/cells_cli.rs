@@ -16,6 +16,31 @@ fn copy_dir(src: &std::path::Path, dst: &std::path::Path) {
     }
 }
 
+/// `engy-audit cells` on `checkpoint` with the fixture's root and opening proofs (instead of
+/// its spec), the commitment file and the beacon, answered by `bundle`.
+fn with_proofs(
+    fx: &cells_common::Fixture,
+    checkpoint: &std::path::Path,
+    commitment: &std::path::Path,
+    bundle: &std::path::Path,
+) -> (i32, String, String) {
+    text(&engy_audit(&[
+        a("cells"),
+        a("--checkpoint"),
+        a(checkpoint),
+        a("--model-root"),
+        a(&fx.root),
+        a("--proofs"),
+        a(&fx.proofs),
+        a("--commitment"),
+        a(commitment),
+        a("--beacon"),
+        a(hex::encode(cells_common::BEACON)),
+        a("--bundle"),
+        a(bundle),
+    ]))
+}
+
 #[test]
 fn cells_exit_codes_follow_the_verdict() {
     let fx = fixture(9);
@@ -48,22 +73,7 @@ fn cells_exit_codes_follow_the_verdict() {
     assert_eq!(out.matches("\n  cell ").count(), n as usize, "{out}");
     assert!(out.contains("units ("), "{out}");
     // The same with opening proofs instead of the spec.
-    let o = engy_audit(&[
-        a("cells"),
-        a("--checkpoint"),
-        a(&fx.dir),
-        a("--model-root"),
-        a(&fx.root),
-        a("--proofs"),
-        a(&fx.proofs),
-        a("--commitment"),
-        a(&c_path),
-        a("--beacon"),
-        a(hex::encode(cells_common::BEACON)),
-        a("--bundle"),
-        a(&honest_path),
-    ]);
-    let (code, out, err) = text(&o);
+    let (code, out, err) = with_proofs(&fx, &fx.dir, &c_path, &honest_path);
     assert_eq!(code, 0, "{out}{err}");
     // The recorded cells_root: still a pass; another one: a cheat.
     let own = hex::encode(tree.root());
@@ -161,22 +171,7 @@ fn cells_exit_codes_follow_the_verdict() {
             }
         }
     }
-    let o = engy_audit(&[
-        a("cells"),
-        a("--checkpoint"),
-        a(&bad),
-        a("--model-root"),
-        a(&fx.root),
-        a("--proofs"),
-        a(&fx.proofs),
-        a("--commitment"),
-        a(&c_path),
-        a("--beacon"),
-        a(hex::encode(cells_common::BEACON)),
-        a("--bundle"),
-        a(&honest_path),
-    ]);
-    let (code, out, err) = text(&o);
+    let (code, out, err) = with_proofs(&fx, &bad, &c_path, &honest_path);
     assert_eq!(code, 4, "{out}{err}");
     assert!(err.contains(&name), "{err}");
     assert!(err.contains(&format!("layer {layer} expert {e}")), "{err}");
