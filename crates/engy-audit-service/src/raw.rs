@@ -2,9 +2,13 @@
 //! commitment exactly as the report carried it (specs/CELLS.md §5: `commitment_digest` is
 //! the SHA-256 of the value's bytes, not of a re-serialisation).
 //!
-//! Run only on bytes `serde_json` already parsed: the scan trusts the text to be valid JSON
-//! and only finds where each member's value starts and ends.
+//! serde_json's parser finds the values: each is read as a borrowed
+//! [`RawValue`](serde_json::value::RawValue), a slice of the input itself (`raw_value` feature),
+//! so its range is where that slice lies in the text.
 use std::ops::Range;
+
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
 
 /// Why the members could not be listed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -17,102 +21,50 @@ pub enum RawError {
     Duplicate(String),
 }
 
-/// Each top-level member's (decoded name, byte range of its value) in `text`, a valid JSON
-/// object.
+/// A JSON object's members in the order written, names decoded, values as the text's slices.
+struct Members<'a>(Vec<(String, &'a RawValue)>);
+
+impl<'de> Deserialize<'de> for Members<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Each;
+        impl<'de> Visitor<'de> for Each {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members<'de>, A::Error> {
+                let mut out = Vec::new();
+                while let Some(member) = map.next_entry::<String, &'de RawValue>()? {
+                    out.push(member);
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(Each)
+    }
+}
+
+/// Each top-level member's (decoded name, byte range of its value, without the whitespace
+/// around it) in `text`, a JSON object.
 ///
 /// # Errors
 /// [`RawError`].
 pub fn members(text: &[u8]) -> Result<Vec<(String, Range<usize>)>, RawError> {
-    let mut i = skip_ws(text, 0);
-    if text.get(i) != Some(&b'{') {
-        return Err(RawError::NotAnObject);
-    }
-    i += 1;
-    let mut out: Vec<(String, Range<usize>)> = Vec::new();
-    loop {
-        i = skip_ws(text, i);
-        match text.get(i) {
-            Some(b'}') | None => break,
-            Some(b',') => {
-                i += 1;
-                continue;
-            }
-            _ => {}
-        }
-        let key_start = i;
-        i = skip_string(text, i);
-        let name: String =
-            serde_json::from_slice(&text[key_start..i]).map_err(|_| RawError::NotAnObject)?;
-        i = skip_ws(text, i);
-        if text.get(i) != Some(&b':') {
-            return Err(RawError::NotAnObject);
-        }
-        i = skip_ws(text, i + 1);
-        let start = i;
-        i = skip_value(text, i);
+    let Members(read) = serde_json::from_slice(text).map_err(|_| RawError::NotAnObject)?;
+    let base = text.as_ptr() as usize;
+    let mut out: Vec<(String, Range<usize>)> = Vec::with_capacity(read.len());
+    for (name, value) in read {
         if out.iter().any(|(n, _)| *n == name) {
             return Err(RawError::Duplicate(name));
         }
-        out.push((name, start..i));
+        // The value borrows from `text`, so its start lies inside it.
+        let start = (value.get().as_ptr() as usize)
+            .checked_sub(base)
+            .filter(|s| s + value.get().len() <= text.len())
+            .ok_or(RawError::NotAnObject)?;
+        out.push((name, start..start + value.get().len()));
     }
     Ok(out)
-}
-
-fn skip_ws(t: &[u8], mut i: usize) -> usize {
-    while matches!(t.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-        i += 1;
-    }
-    i
-}
-
-/// `t[i]` is `"`; returns the index after the closing quote.
-fn skip_string(t: &[u8], mut i: usize) -> usize {
-    i += 1;
-    while let Some(&c) = t.get(i) {
-        match c {
-            b'\\' => i += 2,
-            b'"' => return i + 1,
-            _ => i += 1,
-        }
-    }
-    i
-}
-
-/// Returns the index after the value starting at `t[i]`.
-fn skip_value(t: &[u8], mut i: usize) -> usize {
-    match t.get(i) {
-        Some(b'"') => skip_string(t, i),
-        Some(b'{' | b'[') => {
-            let mut depth = 0usize;
-            while let Some(&c) = t.get(i) {
-                match c {
-                    b'"' => {
-                        i = skip_string(t, i);
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return i + 1;
-                        }
-                    }
-                    _ => {}
-                }
-                i += 1;
-            }
-            i
-        }
-        _ => {
-            while let Some(&c) = t.get(i) {
-                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                i += 1;
-            }
-            i
-        }
-    }
 }
 
 #[cfg(test)]
@@ -130,6 +82,29 @@ mod tests {
         assert_eq!(get("a"), r#"[1, "x]}", {"b": "\"}"}]"#);
         assert_eq!(get("commitment"), r#"{"k": 1.5e3 }"#);
         assert_eq!(get("z"), "null");
+    }
+
+    /// The digest is over the commitment's bytes as sent (number spelling, escapes, spacing
+    /// and member order kept), which a re-serialisation of the parsed value would change.
+    #[test]
+    fn the_commitment_digest_is_over_the_bytes_as_sent() {
+        use sha2::{Digest, Sha256};
+        let sent = r#"{"b": 2,  "a":1.50E3,"s":"\u0041\/", "v": [ 1 ,2 ]}"#;
+        let body = format!("{{\n  \"request_id\": \"r\",\n  \"commitment\" :  {sent}  \n}}");
+        let m = members(body.as_bytes()).unwrap();
+        let r = m.iter().find(|(k, _)| k == "commitment").unwrap().1.clone();
+        assert_eq!(&body.as_bytes()[r.clone()], sent.as_bytes());
+        let reserialised =
+            serde_json::to_vec(&serde_json::from_str::<serde_json::Value>(sent).unwrap()).unwrap();
+        assert_ne!(reserialised, sent.as_bytes());
+        assert_eq!(
+            Sha256::digest(&body.as_bytes()[r]),
+            Sha256::digest(sent.as_bytes())
+        );
+        assert_ne!(
+            Sha256::digest(&reserialised),
+            Sha256::digest(sent.as_bytes())
+        );
     }
 
     #[test]
