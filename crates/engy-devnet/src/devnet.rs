@@ -56,6 +56,7 @@ use engy_model::cells::{write_expert_cheat, BundleVerdict, CellPolicy, CellServe
 use engy_model::{gen_model, Checkpoint, Compute, GenArch, GenConfig, Precision};
 use serde_json::{json, Value};
 
+use crate::audit_service::{AuditService, GatewayFront, MinerSummary, ServiceOptions};
 use crate::devnet_backend::CandleBackend;
 use crate::gateway::{GatewayConfig, GatewayDouble};
 use crate::sglang::{SglangConfig, SglangDouble};
@@ -87,7 +88,37 @@ pub struct DevnetOptions {
     /// commitments can be audited again elsewhere (`engy-audit audit --device cuda`,
     /// scripts/gpu-check.sh). `None` keeps nothing.
     pub save_commitments: Option<PathBuf>,
+    /// The `engy-audit` binary: the honest and int4 miners' requests are also reported to a
+    /// real `engy-audit serve` (SQLite; [`crate::audit_service`]) and [`DevnetRun::service`]
+    /// is its per-miner table. `None` runs without the service.
+    pub audit_bin: Option<PathBuf>,
 }
+
+/// The running audit service and the gateway front its cell challenges go through.
+struct ServiceLink {
+    svc: AuditService,
+    front: GatewayFront,
+}
+
+/// What [`run`] found.
+#[derive(Debug, Clone)]
+pub struct DevnetRun {
+    /// One row per request, every phase.
+    pub rows: Vec<DevnetRow>,
+    /// The audit service's per-miner table, in phase order (empty without
+    /// [`DevnetOptions::audit_bin`]): the honest miner and the int4 miner.
+    pub service: Vec<MinerSummary>,
+}
+
+/// The SS58 hotkeys of the miners the devnet reports to the audit service: the honest phase's
+/// (Substrate's well-known dev account Alice) and the int4 phase's (Bob).
+pub const SERVICE_HOTKEYS: [(&str, &str); 2] = [
+    ("honest", "5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY"),
+    (
+        "int4 cheat",
+        "5FHneW46xGXgs5mUiveU4sbTyGBzmstUspZC92UhjJM694ty",
+    ),
+];
 
 /// Cells the auditor opens per request (at most the request's cell count). The fp8-experts
 /// phase fails about 0.1 (qwen3_5_moe) to 0.3 (qwen3_moe) of its cells (docs/AUDITOR.md
@@ -341,7 +372,13 @@ async fn phase(
     auditor: &Arc<Auditor>,
     opts: &DevnetOptions,
     progress: &Progress,
-) -> anyhow::Result<Vec<DevnetRow>> {
+    mut service: Option<&mut ServiceLink>,
+) -> anyhow::Result<(Vec<DevnetRow>, Option<MinerSummary>)> {
+    let hotkey = SERVICE_HOTKEYS
+        .iter()
+        .find(|(p, _)| *p == spec.name)
+        .map(|(_, h)| *h);
+    let mut reported = 0u64;
     let (name, precision, expect) = (spec.name, spec.precision, &spec.expect);
     // The expert-only cheats serve a rounded copy; the miner still claims `dir`.
     let serve_dir = match spec.cells.expert_quant() {
@@ -387,6 +424,14 @@ async fn phase(
     let gateway = GatewayDouble::start(GatewayConfig::default())
         .await
         .context("starting the gateway double")?;
+    if let (Some(link), Some(hotkey)) = (service.as_deref(), hotkey) {
+        // The gateway's registry: this phase's miner (its --miner-key) is `hotkey`; the
+        // service's open_cells calls reach this phase's gateway through the front.
+        gateway.register_miner("devnet-miner", hotkey);
+        // The double's URL is its websocket's (ws://); its HTTP API is on the same address.
+        let http = gateway.url().replacen("ws://", "http://", 1);
+        link.front.route_to(Some(http));
+    }
     let mut miner = Miner::spawn(
         &opts.miner_bin,
         &gateway.url(),
@@ -487,6 +532,19 @@ async fn phase(
             }
         } else {
             let commitment = resp.get("commitment").cloned().unwrap_or(Value::Null);
+            if let (Some(link), Some(hotkey)) = (service.as_deref(), hotkey) {
+                // As the gateway reports a completed request (docs/PROTOCOL.md §11.1).
+                let request_id = match resp.get("request_id") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v) if !v.is_null() => v.to_string(),
+                    _ => corr.clone(),
+                };
+                link.svc
+                    .report(&request_id, hotkey, &commitment, latency)
+                    .await
+                    .with_context(|| format!("{what}: reporting to the audit service"))?;
+                reported += 1;
+            }
             let ck = Arc::clone(auditor);
             let params = opts.audit;
             let c = commitment.clone();
@@ -581,12 +639,34 @@ async fn phase(
         ));
         rows.push(row);
     }
+    // The service may still challenge this miner: its verdicts first, then the miner stops.
+    let summary = match (service.as_deref_mut(), hotkey) {
+        (Some(link), Some(hotkey)) => {
+            progress.update(&format!(
+                "[{name}] waiting for the audit service's {reported} verdicts…"
+            ));
+            let s = link
+                .svc
+                .wait_audited(name, hotkey, reported, Duration::from_secs(600))
+                .await
+                .with_context(|| format!("[{name}] the audit service's verdicts"))?;
+            progress.done(&format!(
+                "[{name}] audit service: {} audited, {} pass, {} cheat, {} unproven, {} unanswered",
+                s.audited, s.pass, s.cheat, s.unproven, s.unanswered
+            ));
+            Some(s)
+        }
+        _ => None,
+    };
     miner.stop().await.context("stopping engy-miner")?;
+    if let Some(link) = service.as_deref() {
+        link.front.route_to(None);
+    }
     let caught = rows.iter().any(|r| r.cells.is_some_and(|(f, _)| f > 0));
     if !spec.cells_pass && !caught {
         rows.iter_mut().for_each(|r| r.ok = false);
     }
-    Ok(rows)
+    Ok((rows, summary))
 }
 
 /// Appends one commitment and its verdict to [`DevnetOptions::save_commitments`].
@@ -1066,7 +1146,7 @@ pub fn red_team(auditor: &Auditor, resp: &Value) -> anyhow::Result<Vec<RedTeamRo
 /// # Errors
 /// When a component cannot start or a request gets no response (an audit verdict is never an
 /// error: it is a row).
-pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
+pub async fn run(opts: &DevnetOptions) -> anyhow::Result<DevnetRun> {
     let progress = Progress {
         tty: std::io::stderr().is_terminal(),
     };
@@ -1103,8 +1183,10 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
         t0.elapsed().as_secs_f64()
     ));
     let ck = Checkpoint::open(&dir, Precision::Bf16).context("loading the auditor's checkpoint")?;
+    let spec_path = work.path().join("devnet-model_spec.json.gz");
     let weights = {
         let d = dir.clone();
+        let spec_path = spec_path.clone();
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let c = engy_core::commit::commit_checkpoint(
                 &d,
@@ -1112,6 +1194,8 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
                 &engy_core::commit::Progress::default(),
             )?;
             let spec = engy_core::commit::SpecFile::from_commitment(&c, 0.0);
+            // The audit service's trusted spec of the devnet model (ENGY_AUDIT_SPECS).
+            spec.write_gz(&spec_path)?;
             Ok(engy_model::cells::CommittedWeights::open(
                 &d,
                 c.model_root,
@@ -1166,11 +1250,73 @@ pub async fn run(opts: &DevnetOptions) -> anyhow::Result<Vec<DevnetRow>> {
             caught_per_request: true,
         },
     ];
-    let mut rows = Vec::new();
+    let mut service = match &opts.audit_bin {
+        Some(bin) => {
+            let front = GatewayFront::start().await?;
+            let svc = AuditService::start(&ServiceOptions {
+                bin: bin.clone(),
+                checkpoint: dir.clone(),
+                spec: Some(spec_path.clone()),
+                gateway: Some(front.url().to_owned()),
+                floor: requests(opts.gen_chunk).len() as u64,
+                work: work.path().to_path_buf(),
+            })
+            .await
+            .context("starting the audit service")?;
+            progress.done(&format!(
+                "audit service: engy-audit serve at {} (sqlite://{}, log {}), its cell \
+                 challenges through the gateway front {}",
+                svc.url(),
+                svc.db().display(),
+                svc.log().display(),
+                front.url()
+            ));
+            Some(ServiceLink { svc, front })
+        }
+        None => None,
+    };
+    let mut out = DevnetRun {
+        rows: Vec::new(),
+        service: Vec::new(),
+    };
     for spec in &phases {
-        rows.extend(phase(spec, &dir, work.path(), &auditor, opts, &progress).await?);
+        let (rows, summary) = phase(
+            spec,
+            &dir,
+            work.path(),
+            &auditor,
+            opts,
+            &progress,
+            service.as_mut(),
+        )
+        .await?;
+        out.rows.extend(rows);
+        out.service.extend(summary);
     }
-    Ok(rows)
+    if let Some(link) = service {
+        link.svc
+            .stop()
+            .await
+            .context("stopping the audit service")?;
+    }
+    Ok(out)
+}
+
+/// Whether the audit service's table is what the devnet expects: the honest miner audited on
+/// every report with no cheat and no unanswered challenge, §8's gate holding; the int4 miner
+/// audited on every report, caught on at least one, the gate firing.
+pub fn service_ok(service: &[MinerSummary]) -> bool {
+    let find = |m: &str| service.iter().find(|s| s.miner == m);
+    let honest = find(SERVICE_HOTKEYS[0].0).is_some_and(|s| {
+        s.audited == s.reported
+            && s.reported > 0
+            && s.cheat == 0
+            && s.unanswered == 0
+            && !s.gate_fires
+    });
+    let cheater = find(SERVICE_HOTKEYS[1].0)
+        .is_some_and(|s| s.audited == s.reported && s.cheat > 0 && s.gate_fires);
+    honest && cheater
 }
 
 /// The phase whose TOPLOC proofs pass but whose routed experts run in block FP8.

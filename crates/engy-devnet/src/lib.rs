@@ -7,8 +7,12 @@
 //! * [`chain_proxy`]: a websocket proxy in front of a real subtensor node that can refuse the
 //!   next extrinsic as the node's transaction pool does (ancient birth block, outdated).
 //!
+//! [`audit_service`] runs the real `engy-audit serve` for the devnet (its miners' requests
+//! reported to it, its per-miner table read back).
+//!
 //! Beside them, [`container`]: the machine's container engine for the image tests, and
 //! [`ports`]: ports a test holds instead of guessing (issue 43).
+pub mod audit_service;
 pub mod chain_proxy;
 pub mod container;
 pub mod devnet;

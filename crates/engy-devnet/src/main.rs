@@ -5,6 +5,9 @@
 //!   requests through the gateway and audit every commitment. Prints a table; exit 0 when every
 //!   honest proof passes and every cheat is caught, 1 otherwise, 2 when the devnet could not
 //!   run (a component failed to start, a request got no response).
+//!   The honest and int4 miners' requests are also reported to a real `engy-audit serve`
+//!   (SQLite, in the run's temporary directory), whose per-miner table (audited, cheat,
+//!   unproven, unanswered, cheat rate bound, §8's gate) is printed last; `--no-service` skips it.
 //!   `--arch qwen3_5_moe` runs it on a generated Qwen3.5/3.6-MoE checkpoint (Gated DeltaNet +
 //!   gated attention) instead of the default Qwen3-MoE one.
 //! * `engy-devnet gen-model --out DIR [--arch A]`: write the devnet checkpoint.
@@ -17,7 +20,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use engy_devnet::devnet::{locate_miner, render_table, run, DevnetOptions};
+use engy_devnet::audit_service::{locate_audit, render_service_table};
+use engy_devnet::devnet::{locate_miner, render_table, run, service_ok, DevnetOptions};
 use engy_devnet::devnet_backend::CandleBackend;
 use engy_devnet::sglang::{SglangConfig, SglangDouble};
 use engy_model::audit::AuditParams;
@@ -166,6 +170,13 @@ struct RunArgs {
     /// them again elsewhere (`engy-audit audit --device cuda`).
     #[arg(long, value_name = "DIR")]
     save_commitments: Option<PathBuf>,
+    /// The engy-audit binary whose `serve` the honest and int4 miners' requests are reported
+    /// to (default: next to this executable).
+    #[arg(long, env = "ENGY_AUDIT_BIN")]
+    audit_bin: Option<PathBuf>,
+    /// Run without the audit service (no engy-audit binary needed, no service table).
+    #[arg(long)]
+    no_service: bool,
 }
 
 fn main() -> ExitCode {
@@ -250,12 +261,27 @@ async fn run_cmd(a: RunArgs) -> anyhow::Result<ExitCode> {
         },
         request_timeout: Duration::from_secs_f64(a.request_timeout_s.clamp(1.0, 86_400.0)),
         save_commitments: a.save_commitments,
+        audit_bin: if a.no_service {
+            None
+        } else {
+            Some(locate_audit(a.audit_bin)?)
+        },
     };
     let started = std::time::Instant::now();
-    let rows = run(&opts).await?;
+    let out = run(&opts).await?;
+    let rows = &out.rows;
     println!();
-    print!("{}", render_table(&rows));
-    let ok = rows.iter().all(|r| r.ok);
+    print!("{}", render_table(rows));
+    let mut ok = rows.iter().all(|r| r.ok);
+    if opts.audit_bin.is_some() {
+        let service_ok = service_ok(&out.service);
+        println!(
+            "\naudit service (engy-audit serve, SQLite; GET /v1/miners/{{hotkey}}){}:",
+            if service_ok { "" } else { " UNEXPECTED" }
+        );
+        print!("{}", render_service_table(&out.service));
+        ok &= service_ok;
+    }
     println!(
         "{} in {:.1} s",
         if ok {
