@@ -155,6 +155,29 @@ fn audit(
         }
         None => (None, None),
     };
+    // Each cell's numbers are checked with the FP8 activation rule its `x` was bound to (an
+    // honest W8A8 serve's `y` against the W8A8 block, not the W8A16 one; issue 39, item 3),
+    // in the verifier's own activation dtype (so a serve is still judged across numerics, as
+    // the statistics were calibrated).
+    let w8a8 = binding
+        .as_ref()
+        .is_some_and(|b| b.numerics.fp8_activations == crate::arch::Fp8Activations::PerTokenGroup);
+    let mut policy = *policy;
+    if w8a8 {
+        policy.y_rel = policy.y_rel_w8a8;
+        policy.stats.y_median = policy.stats.y_median_w8a8;
+    }
+    let policy = &policy;
+    let bound_model = match &binding {
+        Some(b) if b.numerics.fp8_activations != model.numerics().fp8_activations => {
+            Some(model.with_numerics(crate::Numerics {
+                fp8_activations: b.numerics.fp8_activations,
+                ..model.numerics()
+            })?)
+        }
+        _ => None,
+    };
+    let checker = bound_model.as_ref().unwrap_or(model);
     let mut cells = Vec::new();
     let mut next_opened = 0usize;
     for c in challenged {
@@ -163,7 +186,7 @@ fn audit(
             Ok(cell) => {
                 let at = next_opened;
                 next_opened += 1;
-                match verify_cell_committed(model, weights, &cell, policy) {
+                match verify_cell_committed(checker, weights, &cell, policy) {
                     Ok(mut check) => {
                         if let Some((errs, len)) = &x_errs {
                             bind_failures(
@@ -193,7 +216,7 @@ fn audit(
     let stats = judge_cells(
         &checks,
         &policy.stats,
-        model.config().quantization.is_some(),
+        model.config().quantization.is_some() && !w8a8,
     );
     let failed = cells.iter().filter(|c| !c.pass()).count() as u64;
     Ok(BundleReport {

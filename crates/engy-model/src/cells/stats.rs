@@ -2,7 +2,7 @@
 //! within the per-cell bound [`super::CellPolicy::y_rel`], but a serve whose every cell is off
 //! the same way is not rounding.
 //!
-//! Three statistics over the cells that passed their own rules ([`judge_cells`]):
+//! Four statistics over the cells that passed their own rules ([`judge_cells`]):
 //!
 //! 1. **The median of `y_err`** (`‖y − ŷ‖ / ‖ŷ‖`, [`super::CellCheck::y_err`]) must be at most
 //!    [`StatsPolicy::y_median`]. Expert-only FP8 or int4 rounding moves every cell's `y` by
@@ -18,6 +18,16 @@
 //!    every near pair. The count must be below the smallest `k` with
 //!    `P(Binomial(n, p₀) ≥ k) ≤ α` ([`near_tie_limit`]), `p₀` = [`StatsPolicy::near_tie_rate`],
 //!    `α` = [`StatsPolicy::false_flag`].
+//! 4. **The mean scaling of each part** (issue 39, item 4): the error `y − ŷ` fitted as
+//!    `a · ŷ_routed + b · ŷ_shared` over the auditor's own routed and shared outputs
+//!    ([`super::CellCheck::y_bias_routed`], [`super::CellCheck::y_bias_shared`]), so each part
+//!    is judged against its own norm: the means of `a` and of `b` must be within
+//!    ±[`StatsPolicy::y_bias_part`]. A serve that scales only its shared expert by 1.015 moves
+//!    the whole output by its share of `ŷ` (+0.004 on the tiny Qwen3.5-MoE and GLM
+//!    checkpoints, under `y_bias`; median `y_err` under `y_median`) but `b` by +0.015.
+//!    Honest bf16 and f32 serves: largest `|mean a|`, `|mean b|` 0.0019 over 72 audits
+//!    (`tests/cells_parts.rs`); 0.012 is six times that. Architectures without a shared
+//!    expert (Qwen3-MoE) have neither.
 //!
 //! **Calibration** (`crates/engy-model/tests/cells.rs`: `honest_bundles_pass_and_scaled_or_
 //! fp8_outputs_fail_the_statistics` and `honest_cells_pass_and_open_against_the_root`; the
@@ -52,9 +62,18 @@
 //!
 //! **Quantised checkpoints** (FP8, NVFP4): sglang serves them W8A8 (issue 40), whose activation
 //! quantisation moves `y` by a few percent against a recompute with bf16 activations, as much
-//! as the expert-only cheats. Until the cell recompute models it, `y_median` and `y_bias` are
-//! not judged on a quantised checkpoint ([`CellStats::y_judged`] false); the per-cell rules
-//! and the near-tie count still are.
+//! as the expert-only cheats. Cells bound to the W8A8 recompute
+//! ([`crate::audit::Recompute::plan_for_model`]) are checked by a W8A8 verifier and judged
+//! with their own thresholds: [`super::CellPolicy::y_rel_w8a8`] 0.08 per cell and
+//! [`StatsPolicy::y_median_w8a8`] 0.025 (the verifier quantises its f32 expert intermediates
+//! where the serve quantised bf16 ones: honest W8A8 cells of the tiny GLM checkpoint have a
+//! median `y_err` of 0.0107 and a largest of 0.0557 over 15 552 cells, bench/RESULTS.md
+//! "Detection per cell: glm_moe_dsa"; honest W8A8 bundles of the Qwen3.5-MoE W8A8 oracle
+//! checkpoint a largest median of 0.0167 over 18 audits, their largest `|mean y_bias|`
+//! 0.0014 and part bias 0.0046, `tests/cells_w8a8.rs`); the bias rules are unchanged (a
+//! 1.02-scaled W8A8 `y` is caught 18/18). Other quantised cells (bound to a W8A16 recompute) are not judged on `y_median`
+//! and `y_bias` ([`CellStats::y_judged`] false); the per-cell rules and the near-tie count
+//! still are.
 use serde::Serialize;
 
 use super::{CellCheck, CellRouting};
@@ -76,6 +95,8 @@ pub const X_REL: f32 = 0.25;
 pub struct StatsPolicy {
     /// Largest median `y_err` of the challenged cells.
     pub y_median: f32,
+    /// [`StatsPolicy::y_median`] for cells bound to the W8A8 recompute (module docs).
+    pub y_median_w8a8: f32,
     /// Largest `|mean y_bias|` of the challenged cells.
     pub y_bias: f32,
     /// Largest `|mean|` of each part's own scaling ([`super::CellCheck::y_bias_routed`],
@@ -91,6 +112,7 @@ impl Default for StatsPolicy {
     fn default() -> Self {
         Self {
             y_median: 0.012,
+            y_median_w8a8: 0.025,
             y_bias: 0.006,
             y_bias_part: 0.012,
             near_tie_rate: 0.01,
