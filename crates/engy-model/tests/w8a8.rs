@@ -7,15 +7,15 @@
 //! everywhere, or only the routed experts swapped to int4, NVFP4 or per-tensor FP8).
 //!
 //! Asserted with the auditor's default recompute ([`Recompute::Auto`], which on a block-FP8
-//! checkpoint tries bf16, then W8A8, then f32, then bf16 with eager attention): every
-//! `honest_*` commitment passes (an honest W8A8 miner is never flagged), and every 4-bit
-//! swap (`int4_g32`, `experts_int4_g32_w8a8`, `experts_nvfp4_w8a8`) is caught in every
-//! commitment, but for the routed-expert-only swaps on `glm_moe_dsa_w8a8`, measured (about
-//! half caught: [`expected`]). `experts_fp8_tensor_w8a8` (the routed experts re-quantised to
-//! one FP8 scale per tensor, a ~1% weight change) is measured and printed, not asserted: it is the cell
-//! audit's to catch (bench/RESULTS.md "W8A8 recompute" records the table). With
-//! `ENGY_W8A8_BEFORE=1` the test also prints what the recomputes without W8A8 (bf16, f32,
-//! bf16 with eager attention) say of the same commitments: the "before" column.
+//! checkpoint tries bf16, then W8A8, then f32, then bf16 with eager attention): every `honest_*`
+//! commitment passes (an honest W8A8 miner is never flagged), and every 4-bit swap (`int4_g32`,
+//! `experts_int4_g32_w8a8`, `experts_nvfp4_w8a8`) is caught in every commitment, but for the
+//! routed-expert-only swaps on `glm_moe_dsa_w8a8`, measured (about half caught: [`expected`]).
+//! `experts_fp8_tensor_w8a8` (the routed experts re-quantised to one FP8 scale per tensor, a ~1%
+//! weight change) is measured and printed, not asserted: it is the cell audit's to catch
+//! (bench/RESULTS.md "W8A8 recompute" records the table). With `ENGY_W8A8_BEFORE=1` the test also
+//! prints what the recomputes without W8A8 (bf16, f32, bf16 with eager attention) say of the same
+//! commitments: the "before" column.
 mod common;
 
 use std::collections::BTreeMap;
