@@ -947,6 +947,12 @@ struct PassRecord {
     boundary_ties: usize,
 }
 
+/// The positions of [`input_of`] whose final hidden states the proofs cover: `(first, n)`,
+/// from the last prompt position (it sampled the first output token) for every output token.
+fn proven_rows(c: &Checked) -> (usize, usize) {
+    (c.prompt.len().saturating_sub(1), c.output.len())
+}
+
 /// The ids a teacher-forced recompute of `c` runs: the prompt, then every output token but the
 /// last.
 fn input_of(c: &Checked) -> Vec<u32> {
@@ -969,8 +975,12 @@ fn probe_of<'a>(rec: &'a mut PassRecord, dsa: bool, c: &Checked) -> Probe<'a> {
 fn verify(model: &Model, c: &Checked, p: AuditParams) -> Result<AuditReport, ModelError> {
     let mut rec = pass_record(model, c, p);
     let dsa = arch::has_dsa(model.config().kind);
-    let hidden = model.hidden_states_probed(&input_of(c), &mut probe_of(&mut rec, dsa, c))?;
-    judge(model, c, p, &hidden, rec)
+    let rows = model.hidden_rows_bf16_probed(
+        &input_of(c),
+        proven_rows(c),
+        &mut probe_of(&mut rec, dsa, c),
+    )?;
+    judge(model, c, p, &rows, rec)
 }
 
 /// [`verify`] for several commitments, their recomputes in one pass over the weights.
@@ -989,7 +999,8 @@ fn verify_many(
             .map(|(rec, c)| probe_of(rec, dsa, c))
             .collect();
         let seqs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
-        model.hidden_states_probed_many(&seqs, &mut probes)?
+        let rows: Vec<(usize, usize)> = cs.iter().map(|c| proven_rows(c)).collect();
+        model.hidden_rows_bf16_probed_many(&seqs, &rows, &mut probes)?
     };
     cs.iter()
         .zip(recs)
@@ -1018,13 +1029,13 @@ fn pass_record(model: &Model, c: &Checked, p: AuditParams) -> PassRecord {
     }
 }
 
-/// The report of one recompute of `c` from its final hidden states (`hidden[t]`, every input
-/// position) and what the pass recorded.
+/// The report of one recompute of `c` from its proven rows (bf16 bits of the final hidden
+/// states at [`proven_rows`]) and what the pass recorded.
 fn judge(
     model: &Model,
     c: &Checked,
     p: AuditParams,
-    hidden: &[Vec<f32>],
+    rows: &[Vec<u16>],
     rec: PassRecord,
 ) -> Result<AuditReport, ModelError> {
     let n = c.output.len();
@@ -1067,16 +1078,15 @@ fn judge(
     };
     // A damaged checkpoint (NaN or infinite weights, or bytes that overflow) is the
     // auditor's fault, not the miner's: no verdict on it (ModelError::NonFinite).
-    let proven = hidden.iter().enumerate().skip(c.prompt.len() - 1).take(n);
-    if let Some((position, _)) = proven
-        .clone()
-        .find(|(_, r)| r.iter().any(|v| !v.is_finite()))
+    // A bf16 value is not finite when its exponent bits are all ones (inf or NaN).
+    if let Some(i) = rows
+        .iter()
+        .position(|r| r.iter().any(|&b| b & 0x7F80 == 0x7F80))
     {
-        return Err(ModelError::NonFinite { position });
+        return Err(ModelError::NonFinite {
+            position: proven_rows(c).0 + i,
+        });
     }
-    let rows: Vec<Vec<u16>> = proven
-        .map(|(_, r)| toploc::f32_to_bf16_bits_slice(r))
-        .collect();
     let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
     let mut report = AuditReport {
         verdict: Verdict::Pass,

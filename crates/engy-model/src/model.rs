@@ -378,6 +378,89 @@ impl Model {
         })
     }
 
+    /// Rows `rows.0 .. rows.0 + rows.1` of the final hidden states of a teacher-forced pass
+    /// over `ids`, as bf16 bits rounded to nearest even (the rows a bf16 serve returns and
+    /// TOPLOC proves, PROTOCOL.md §3 item 8: the same bits as
+    /// `engy_core::toploc::f32_to_bf16_bits` of the f32 rows for every finite value). The rows
+    /// are cut and rounded where the pass ran, so on a GPU only they come to the host, at 2
+    /// bytes a value instead of 4 for every position.
+    ///
+    /// # Errors
+    /// As [`Model::forward`]; [`ModelError::Config`] when the rows are out of range.
+    pub fn hidden_rows_bf16_probed(
+        &self,
+        ids: &[u32],
+        rows: (usize, usize),
+        probe: &mut Probe<'_>,
+    ) -> Result<Vec<Vec<u16>>, ModelError> {
+        let mut cache = self.new_cache();
+        let dev = self.opts.device.device()?;
+        crate::device::phase(&dev, "forward", || {
+            let h = self.forward_probed(ids, &mut cache, probe)?;
+            crate::device::phase(&dev, "hidden states to the host", || rows_bf16(&h, rows))
+        })
+    }
+
+    /// [`Model::hidden_rows_bf16_probed`] for several sequences in one pass over the weights
+    /// ([`Model::hidden_states_probed_many`]); `rows[i]` belongs to `seqs[i]`.
+    ///
+    /// # Errors
+    /// As [`Model::hidden_states_probed_many`]; [`ModelError::Config`] when `rows` differs in
+    /// length or a range is out of its sequence.
+    pub fn hidden_rows_bf16_probed_many(
+        &self,
+        seqs: &[&[u32]],
+        rows: &[(usize, usize)],
+        probes: &mut [Probe<'_>],
+    ) -> Result<Vec<Vec<Vec<u16>>>, ModelError> {
+        if seqs.len() != probes.len() || seqs.len() != rows.len() {
+            return Err(ModelError::Config(format!(
+                "{} sequences with {} probes and {} row ranges",
+                seqs.len(),
+                probes.len(),
+                rows.len()
+            )));
+        }
+        let dev = self.opts.device.device()?;
+        let hs = self.forward_many(seqs, probes)?;
+        crate::device::phase(&dev, "hidden states to the host", || {
+            hs.iter()
+                .zip(rows)
+                .map(|(h, &r)| rows_bf16(h, r))
+                .collect::<Result<Vec<_>, ModelError>>()
+        })
+    }
+
+    /// The final hidden states of each of `seqs` in one pass ([`Architecture::forward_many`]),
+    /// left where the pass ran.
+    fn forward_many(
+        &self,
+        seqs: &[&[u32]],
+        probes: &mut [Probe<'_>],
+    ) -> Result<Vec<Tensor>, ModelError> {
+        if seqs.len() != probes.len() {
+            return Err(ModelError::Config(format!(
+                "{} sequences with {} probes",
+                seqs.len(),
+                probes.len()
+            )));
+        }
+        for ids in seqs {
+            self.check_ids(ids, 0)?;
+        }
+        let mut caches: Vec<KvCache> = seqs.iter().map(|_| self.new_cache()).collect();
+        let dev = self.opts.device.device()?;
+        crate::device::phase(&dev, "forward", || {
+            let mut passes: Vec<crate::arch::SeqPass<'_, '_>> = seqs
+                .iter()
+                .zip(caches.iter_mut())
+                .zip(probes.iter_mut())
+                .map(|((ids, cache), probe)| crate::arch::SeqPass { ids, cache, probe })
+                .collect();
+            self.arch.forward_many(&mut passes)
+        })
+    }
+
     /// [`Model::hidden_states_probed`] for several sequences in one pass over the weights
     /// ([`Architecture::forward_many`]: with streamed weights, each layer read and decoded once
     /// for all of them). `probes[i]` belongs to `seqs[i]`; each result is exactly what
@@ -398,24 +481,12 @@ impl Model {
                 probes.len()
             )));
         }
-        for ids in seqs {
-            self.check_ids(ids, 0)?;
-        }
-        let mut caches: Vec<KvCache> = seqs.iter().map(|_| self.new_cache()).collect();
         let dev = self.opts.device.device()?;
-        crate::device::phase(&dev, "forward", || {
-            let mut passes: Vec<crate::arch::SeqPass<'_, '_>> = seqs
-                .iter()
-                .zip(caches.iter_mut())
-                .zip(probes.iter_mut())
-                .map(|((ids, cache), probe)| crate::arch::SeqPass { ids, cache, probe })
-                .collect();
-            let hs = self.arch.forward_many(&mut passes)?;
-            crate::device::phase(&dev, "hidden states to the host", || {
-                hs.iter()
-                    .map(|h| Ok(h.to_vec2::<f32>()?))
-                    .collect::<Result<Vec<_>, ModelError>>()
-            })
+        let hs = self.forward_many(seqs, probes)?;
+        crate::device::phase(&dev, "hidden states to the host", || {
+            hs.iter()
+                .map(|h| Ok(h.to_vec2::<f32>()?))
+                .collect::<Result<Vec<_>, ModelError>>()
         })
     }
 
@@ -568,4 +639,24 @@ impl<M: std::ops::Deref<Target = Model>> Decoder<M> {
 /// would emit in `hidden_states` (sglang-native-api.md §2.6.2).
 pub fn round_to_bf16(row: &[f32]) -> Vec<f32> {
     row.iter().map(|x| bf16::from_f32(*x).to_f32()).collect()
+}
+
+/// Rows `first .. first + n` of `h` `[T, hidden]` f32, rounded to bf16 (nearest even) where
+/// `h` is, as bits.
+fn rows_bf16(h: &Tensor, (first, n): (usize, usize)) -> Result<Vec<Vec<u16>>, ModelError> {
+    let t = h.dim(0)?;
+    if first.checked_add(n).is_none_or(|end| end > t) {
+        return Err(ModelError::Config(format!(
+            "rows {first}..{} of a pass over {t} positions",
+            first.saturating_add(n)
+        )));
+    }
+    let rows = h
+        .narrow(0, first, n)?
+        .to_dtype(candle_core::DType::BF16)?
+        .to_vec2::<half::bf16>()?;
+    Ok(rows
+        .into_iter()
+        .map(|r| r.into_iter().map(half::bf16::to_bits).collect())
+        .collect())
 }
