@@ -1,0 +1,268 @@
+//! Throughput and latency of `engy-audit serve` (bench/README.md §4, run by
+//! bench/audit-service.sh): the real binary on the devnet model (CPU), reports posted over
+//! HTTP on 127.0.0.1, verdicts read back from the API.
+//!
+//! ```text
+//! cargo run -p engy-audit --example service_bench -- --bin target/debug/engy-audit \
+//!     [--db sqlite|postgres://…] [--workers 1|2] [--reports 40] [--tokens 64]
+//! ```
+//!
+//! Two measurements, one JSON line:
+//! * `audits_per_s`: `--reports` honest commitments posted at once into an empty queue,
+//!   `--workers` processes (one CPU worker each) draining it; reports / (last verdict's
+//!   `decided_ms` − first post), wall time;
+//! * `latency_ms_p50` / `_max`: report-to-verdict (post → the verdict's `decided_ms`) of
+//!   `--latency-reports` reports posted one at a time into an idle service.
+//!
+//! Wall time on a shared machine: publish the load average beside the numbers.
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use engy_core::toploc::Params;
+use engy_model::audit::commit_greedy;
+use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
+use serde_json::{json, Value};
+
+const BEACON: &str = "0101010101010101010101010101010101010101010101010101010101010101";
+
+fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes())?;
+    s.write_all(body)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("no HTTP status")?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
+    Ok((status, body))
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+struct Svc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Svc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free port of 127.0.0.1 (the service's `--listen`).
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn start(
+    bin: &str,
+    db: &str,
+    model: &str,
+    checkpoint: &std::path::Path,
+    device: &str,
+) -> Result<Svc> {
+    let port = free_port()?;
+    let child = Command::new(bin)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--db",
+            db,
+        ])
+        .args([
+            "--fixed-beacon",
+            BEACON,
+            "--sample-rate",
+            "1",
+            "--floor",
+            "0",
+        ])
+        .args(["--device", device])
+        .arg("--model")
+        .arg(format!("{model}={}", checkpoint.display()))
+        .env("ENGY_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("spawn engy-audit serve")?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let svc = Svc { child, addr };
+    let t = Instant::now();
+    loop {
+        if let Ok((200, body)) = http(addr, "GET", "/health", b"") {
+            if body.contains("loaded") || device == "none" {
+                return Ok(svc);
+            }
+        }
+        if t.elapsed() > Duration::from_secs(300) {
+            bail!("the service did not come up");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn verdict(addr: SocketAddr, digest: &str, limit: Duration) -> Result<Value> {
+    let t = Instant::now();
+    loop {
+        let (code, body) = http(addr, "GET", &format!("/v1/verdicts/{digest}"), b"")?;
+        if code == 200 {
+            return Ok(serde_json::from_str(&body)?);
+        }
+        if t.elapsed() > limit {
+            bail!("no verdict for {digest}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn digest_of(c: &Value) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(
+        serde_json::to_vec(c).unwrap_or_default(),
+    ))
+}
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let bin = arg(&args, "--bin").context("--bin PATH of engy-audit")?;
+    let db_arg = arg(&args, "--db").unwrap_or_else(|| "sqlite".into());
+    let workers: usize = arg(&args, "--workers").map_or(Ok(1), |s| s.parse())?;
+    let n: usize = arg(&args, "--reports").map_or(Ok(40), |s| s.parse())?;
+    let n_lat: usize = arg(&args, "--latency-reports").map_or(Ok(10), |s| s.parse())?;
+    let tokens: usize = arg(&args, "--tokens").map_or(Ok(64), |s| s.parse())?;
+
+    let dir = tempfile::tempdir()?;
+    let checkpoint = dir.path().join("m");
+    gen_model(&checkpoint, 3, &GenConfig::default())?;
+    let ck = Checkpoint::open(&checkpoint, Precision::Bf16)?;
+    let nonce = format!("{}-{}", std::process::id(), now_ms());
+    let model = format!("bench-{nonce}");
+    let make = |i: usize| -> Result<Value> {
+        let prompt = ck
+            .tokenizer
+            .encode(
+                format!("<|im_start|>user\nbench {nonce} request {i}<|im_end|>\n<|im_start|>assistant\n"),
+                false,
+            )
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .get_ids()
+            .to_vec();
+        Ok(commit_greedy(
+            &ck.model,
+            &ck.model_root,
+            &prompt,
+            tokens,
+            &[],
+            &Params::ENGY,
+        )?)
+    };
+    let commitments: Vec<Value> = (0..n + n_lat).map(make).collect::<Result<_>>()?;
+    let hotkey = engy_core::keys::ss58_encode(&[7u8; 32]);
+    let report = |i: usize, c: &Value| {
+        serde_json::to_vec(&json!({
+            "request_id": format!("bench-{i}"), "hotkey": hotkey, "model": model,
+            "commitment": c, "timing": {"ttft_ms": 1, "total_ms": 2},
+        }))
+        .unwrap_or_default()
+    };
+    let db = if db_arg == "sqlite" {
+        format!("sqlite://{}", dir.path().join("audit.db").display())
+    } else {
+        db_arg.clone()
+    };
+
+    // Intake first (no worker), so the queue is full before any worker starts.
+    let intake = start(&bin, &db, &model, &checkpoint, "none")?;
+    let t0 = now_ms();
+    for (i, c) in commitments[..n].iter().enumerate() {
+        let (code, body) = http(intake.addr, "POST", "/v1/requests", &report(i, c))?;
+        if code != 202 {
+            bail!("report {i}: {code} {body}");
+        }
+    }
+    let posted_ms = now_ms() - t0;
+    // Workers: one process each, one CPU worker each, on the one queue.
+    let mut procs = Vec::new();
+    let started = now_ms();
+    for _ in 0..workers {
+        procs.push(start(&bin, &db, &model, &checkpoint, "cpu")?);
+    }
+    let ready = now_ms();
+    let mut last = 0i64;
+    let mut by_worker = std::collections::BTreeMap::<String, usize>::new();
+    for c in &commitments[..n] {
+        let v = verdict(intake.addr, &digest_of(c), Duration::from_secs(3600))?;
+        if v["verdict"] != "pass" {
+            bail!("an honest commitment got {v}");
+        }
+        last = last.max(v["decided_ms"].as_i64().unwrap_or(0));
+        *by_worker
+            .entry(v["worker"].as_str().unwrap_or("").to_owned())
+            .or_default() += 1;
+    }
+    // The drain is timed from the moment every worker was up (model loaded).
+    let drain_s = (last - ready) as f64 / 1000.0;
+    let audits_per_s = n as f64 / drain_s;
+
+    // Latency: one report at a time into the idle service.
+    let mut lat = Vec::new();
+    for (i, c) in commitments[n..].iter().enumerate() {
+        let sent = now_ms();
+        let (code, body) = http(intake.addr, "POST", "/v1/requests", &report(n + i, c))?;
+        if code != 202 {
+            bail!("latency report {i}: {code} {body}");
+        }
+        let v = verdict(intake.addr, &digest_of(c), Duration::from_secs(600))?;
+        lat.push(v["decided_ms"].as_i64().unwrap_or(0) - sent);
+    }
+    lat.sort_unstable();
+    let p50 = lat.get(lat.len() / 2).copied().unwrap_or(0);
+    let max = lat.last().copied().unwrap_or(0);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "{}",
+        json!({
+            "db": if db_arg == "sqlite" { "sqlite" } else { "postgres" },
+            "workers": workers, "reports": n, "tokens": tokens,
+            "post_ms": posted_ms, "workers_up_ms": ready - started,
+            "drain_s": drain_s, "audits_per_s": audits_per_s,
+            "per_worker": by_worker.values().collect::<Vec<_>>(),
+            "latency_reports": n_lat, "latency_ms_p50": p50, "latency_ms_max": max,
+            "loadavg": load.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+        })
+    );
+    drop(procs);
+    drop(intake);
+    Ok(())
+}
