@@ -34,6 +34,14 @@
 //! ([`engy_model::cells::audit_bundle_with_recompute`]). On the first honest request the red
 //! team ([`red_team`]) judges the answers a cheating miner could give instead.
 //!
+//! With [`DevnetOptions::audit_bin`] the run also reports through the audit service
+//! ([`crate::audit_service`]): one real `engy-audit serve` (SQLite) for the run, to which the
+//! honest and int4 phases' requests are reported as the gateway reports them (their miners
+//! named by [`SERVICE_HOTKEYS`] in the gateway's registry); the service samples every one,
+//! challenges its cells through the phase's gateway double (reached at one address, the
+//! [`crate::audit_service::GatewayFront`]) and writes a verdict, which the phase waits for
+//! before its miner stops. [`DevnetRun::service`] is the service's per-miner table.
+//!
 //! It prints one table row per request, its `verdict` the audit's verdict on the request
 //! (TOPLOC, routing and cells together, naming what caught a cheat: `cheat (cells)`;
 //! [`combined_verdict`]) beside the recompute's own (`toploc`), then the summary lines
