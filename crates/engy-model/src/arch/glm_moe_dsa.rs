@@ -54,8 +54,8 @@ use super::experts;
 use super::fused_attention;
 use super::ops::{self, linear_t};
 use super::{
-    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, TextConfig,
-    Weights,
+    Architecture, Cache, LayerCache, LoadOptions, Probe, RouteScores, RoutingShape, SeqPass,
+    TextConfig, Weights,
 };
 use crate::device::{count_host_step, phase, HostStep};
 use crate::{Compute, ModelError};
@@ -953,6 +953,15 @@ impl GlmMoeDsa {
         mut trace: Option<&mut GlmTrace>,
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
+        let mut st = self.begin(ids, cache)?;
+        for l in 0..self.cfg.num_hidden_layers {
+            self.layer(l, &mut st, cache, trace.as_deref_mut(), probe)?;
+        }
+        self.finish(st, ids.len(), cache)
+    }
+
+    /// Checks `ids` and `cache`, and embeds `ids`: a pass's state before layer 0.
+    fn begin(&self, ids: &[u32], cache: &Cache) -> Result<GlmPass, ModelError> {
         let c = &self.cfg;
         let off = cache.len;
         self.check_ids(ids, off)?;
@@ -963,82 +972,112 @@ impl GlmMoeDsa {
                 c.num_hidden_layers
             )));
         }
+        let cm = self.compute;
+        let dev = self.w.device().clone();
+        let x = phase(&dev, "embedding", || {
+            Ok(cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?)
+        })?;
+        Ok(GlmPass {
+            x,
+            off,
+            selection: None,
+            new_layers: Vec::with_capacity(c.num_hidden_layers),
+        })
+    }
+
+    /// Decoder layer `l` on `st`: the input norm, MLA attention with the DSA selection (the
+    /// previous layer's selection handed on for a shared indexer), the residual add, the
+    /// post-attention norm, the MoE block or dense MLP, the residual add.
+    fn layer(
+        &self,
+        l: usize,
+        st: &mut GlmPass,
+        cache: &Cache,
+        trace: Option<&mut GlmTrace>,
+        probe: &mut Probe<'_>,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
         let hd = c.hidden_size;
         let cm = self.compute;
         let dev = self.w.device().clone();
-        let mut x = phase(&dev, "embedding", || {
-            Ok(cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?)
+        let off = st.off;
+        let p = format!("model.layers.{l}");
+        let past = cache
+            .layers
+            .get(l)
+            .ok_or_else(|| cfg_err(format!("glm_moe_dsa: no decoder layer {l}")))?;
+        let h = phase(&dev, "norms and residual adds", || {
+            let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
+            Ok(ops::rms_norm_in(&st.x, &ln1, c.rms_norm_eps, cm)?)
         })?;
-        let mut new_layers = Vec::with_capacity(c.num_hidden_layers);
-        let mut selection: Option<Selection> = None;
-        for l in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            let h = phase(&dev, "norms and residual adds", || {
-                let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
-                Ok(ops::rms_norm_in(&x, &ln1, c.rms_norm_eps, cm)?)
-            })?;
-            let prev = selection.take();
-            let count_ties = probe.dsa_boundary_ties.is_some();
-            let (attn, layer_cache, sel, ties) = phase(&dev, "mla attention", || {
-                self.attention(l, &h, off, &cache.layers[l].0, prev, count_ties)
-            })?;
-            if let Some(n) = probe.dsa_boundary_ties.as_deref_mut() {
-                *n += ties;
-            }
-            // The kept positions come to the host only for the records that ask for them.
-            let kept = if probe.attended.is_some() || trace.is_some() {
-                Some(sel.host()?.into_owned())
-            } else {
-                None
-            };
-            if let Some(kept) = &kept {
-                probe.push_attended(l, off, kept);
-            }
-            crate::device::trace("glm attention output", &attn);
-            let (x2, h2) = phase(&dev, "norms and residual adds", || {
-                let x2 = cm.round((&x + attn)?)?;
-                let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
-                let h2 = ops::rms_norm_in(&x2, &ln2, c.rms_norm_eps, cm)?;
-                Ok((x2, h2))
-            })?;
-            x = x2;
-            let (mlp, experts) = if c.sparse_mlp[l] {
-                let (y, e) = phase(&dev, "moe", || self.moe(l, &p, &h2, off, probe))?;
-                (y, Some(e))
-            } else {
-                let y = phase(&dev, "dense mlp", || {
-                    ops::swiglu_as(
-                        &self.w,
-                        &format!("{p}.mlp"),
-                        &h2,
-                        (hd, c.intermediate_size),
-                        cm,
-                        self.acts,
-                    )
-                })?;
-                (y, None)
-            };
-            crate::device::trace("glm mlp output", &mlp);
-            x = phase(&dev, "norms and residual adds", || {
-                Ok(cm.round((&x + mlp)?)?)
-            })?;
-            probe.push_layer(&x);
-            if let Some(tr) = trace.as_deref_mut() {
-                tr.residuals.push(x.clone());
-                tr.experts.push(experts);
-                let mut kept = kept.unwrap_or_default();
-                kept.iter_mut().for_each(|s| s.sort_unstable());
-                tr.attended.push(kept);
-            }
-            selection = Some(sel);
-            new_layers.push(layer_cache);
+        let prev = st.selection.take();
+        let count_ties = probe.dsa_boundary_ties.is_some();
+        let (attn, layer_cache, sel, ties) = phase(&dev, "mla attention", || {
+            self.attention(l, &h, off, &past.0, prev, count_ties)
+        })?;
+        if let Some(n) = probe.dsa_boundary_ties.as_deref_mut() {
+            *n += ties;
         }
-        let out = phase(&dev, "norms and residual adds", || {
-            let w = self.norm("model.norm.weight", hd)?;
-            Ok(ops::rms_norm_in(&x, &w, c.rms_norm_eps, cm)?)
+        // The kept positions come to the host only for the records that ask for them.
+        let kept = if probe.attended.is_some() || trace.is_some() {
+            Some(sel.host()?.into_owned())
+        } else {
+            None
+        };
+        if let Some(kept) = &kept {
+            probe.push_attended(l, off, kept);
+        }
+        crate::device::trace("glm attention output", &attn);
+        let (x2, h2) = phase(&dev, "norms and residual adds", || {
+            let x2 = cm.round((&st.x + attn)?)?;
+            let ln2 = self.norm(&format!("{p}.post_attention_layernorm.weight"), hd)?;
+            let h2 = ops::rms_norm_in(&x2, &ln2, c.rms_norm_eps, cm)?;
+            Ok((x2, h2))
         })?;
-        cache.layers = new_layers;
-        cache.len = off + ids.len();
+        st.x = x2;
+        let (mlp, experts) = if c.sparse_mlp.get(l).copied().unwrap_or(false) {
+            let (y, e) = phase(&dev, "moe", || self.moe(l, &p, &h2, off, probe))?;
+            (y, Some(e))
+        } else {
+            let y = phase(&dev, "dense mlp", || {
+                ops::swiglu_as(
+                    &self.w,
+                    &format!("{p}.mlp"),
+                    &h2,
+                    (hd, c.intermediate_size),
+                    cm,
+                    self.acts,
+                )
+            })?;
+            (y, None)
+        };
+        crate::device::trace("glm mlp output", &mlp);
+        st.x = phase(&dev, "norms and residual adds", || {
+            Ok(cm.round((&st.x + mlp)?)?)
+        })?;
+        probe.push_layer(&st.x);
+        if let Some(tr) = trace {
+            tr.residuals.push(st.x.clone());
+            tr.experts.push(experts);
+            let mut kept = kept.unwrap_or_default();
+            kept.iter_mut().for_each(|s| s.sort_unstable());
+            tr.attended.push(kept);
+        }
+        st.selection = Some(sel);
+        st.new_layers.push(layer_cache);
+        Ok(())
+    }
+
+    /// The final norm of a pass over `n` ids; `cache` takes the layers' caches.
+    fn finish(&self, st: GlmPass, n: usize, cache: &mut Cache) -> Result<Tensor, ModelError> {
+        let c = &self.cfg;
+        let dev = self.w.device().clone();
+        let out = phase(&dev, "norms and residual adds", || {
+            let w = self.norm("model.norm.weight", c.hidden_size)?;
+            Ok(ops::rms_norm_in(&st.x, &w, c.rms_norm_eps, self.compute)?)
+        })?;
+        cache.layers = st.new_layers;
+        cache.len = st.off + n;
         Ok(out)
     }
 
@@ -1441,6 +1480,18 @@ impl GlmMoeDsa {
     }
 }
 
+/// One sequence's state between decoder layers of a pass ([`GlmMoeDsa::layer`]).
+struct GlmPass {
+    /// The residual stream `[T, hidden]`.
+    x: Tensor,
+    /// The sequence's first position.
+    off: usize,
+    /// The last layer's DSA selection, for the next layer's shared indexer.
+    selection: Option<Selection>,
+    /// The layers' caches made so far, in layer order.
+    new_layers: Vec<LayerCache>,
+}
+
 impl Architecture for GlmMoeDsa {
     fn config(&self) -> &TextConfig {
         &self.text
@@ -1453,6 +1504,34 @@ impl Architecture for GlmMoeDsa {
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
         self.forward_probed(ids, cache, None, probe)
+    }
+
+    fn forward_many(&self, seqs: &mut [SeqPass<'_, '_>]) -> Result<Vec<Tensor>, ModelError> {
+        // Layer by layer for every sequence, each layer's weights read and decoded once
+        // (`Weights::hold`), released before the next layer's are read.
+        struct Held<'w>(&'w Weights);
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                self.0.hold(false);
+            }
+        }
+        self.w.hold(true);
+        let _held = Held(&self.w);
+        let mut states = seqs
+            .iter()
+            .map(|s| self.begin(s.ids, s.cache))
+            .collect::<Result<Vec<_>, _>>()?;
+        for l in 0..self.cfg.num_hidden_layers {
+            for (st, s) in states.iter_mut().zip(seqs.iter_mut()) {
+                self.layer(l, st, s.cache, None, s.probe)?;
+            }
+            self.w.release_held();
+        }
+        states
+            .into_iter()
+            .zip(seqs.iter_mut())
+            .map(|(st, s)| self.finish(st, s.ids.len(), s.cache))
+            .collect()
     }
 
     fn moe_block(
