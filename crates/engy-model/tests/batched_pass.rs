@@ -49,7 +49,13 @@ fn open_streamed(dir: &Path) -> (Model, String) {
 fn a_batched_pass_gives_every_commitment_its_own_report() {
     let oracle = common::vectors_or("ENGY_AUDIT_ORACLE_DIR", "audit-oracle");
     let params = AuditParams::default();
-    for case in ["qwen3_5_moe", "qwen3_5_moe_fp8", "qwen3_moe", "glm_moe_dsa"] {
+    for case in [
+        "qwen3_5_moe",
+        "qwen3_5_moe_fp8",
+        "qwen3_moe",
+        "glm_moe_dsa",
+        "glm_moe_dsa_fp8",
+    ] {
         let dir = oracle.join(case);
         let ckpt = common::vectors_dir().join(case);
         if !dir.is_dir() || !ckpt.join("config.json").is_file() {
