@@ -988,6 +988,14 @@ pub struct RedTeamRow {
     pub why: String,
 }
 
+/// A cell's parts a red-team attack remakes: `x`, router logits, expert ids, `y`.
+type CellParts = (
+    Vec<half::bf16>,
+    engy_core::cells::RouterLogits,
+    Vec<u32>,
+    Vec<half::bf16>,
+);
+
 /// The red team (issue 39): the answers a cheating miner could give for the request of
 /// `resp` (its commitment's cells and its `open_cells` answer), each judged by the devnet's
 /// auditor exactly as the miner's real answers are ([`judge`]), beside the honest answer.
@@ -1044,7 +1052,7 @@ pub fn red_team(auditor: &Auditor, resp: &Value) -> anyhow::Result<Vec<RedTeamRo
     let honest = engy_model::cells::serve_cells(model, &ids, CellServe::Honest)?;
     let ht = CellTree::from_cells(shape.clone(), &honest)?;
     // Every honest cell with some of its parts replaced.
-    let remade = |f: &dyn Fn(&Cell) -> (Vec<bf16>, RouterLogits, Vec<u32>, Vec<bf16>)| {
+    let remade = |f: &dyn Fn(&Cell) -> CellParts| {
         honest
             .iter()
             .map(|x| {
