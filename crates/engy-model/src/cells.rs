@@ -596,6 +596,9 @@ pub fn serve_cells(model: &Model, ids: &[u32], serve: CellServe) -> Result<Vec<C
     Ok(by_cell.into_values().collect())
 }
 
+/// A row's swapped expert set and the block output with it ([`near_tie_swap`]).
+type SwappedRow = (Vec<u32>, Vec<f32>);
+
 /// The set [`CellServe::NearTieSwap`] takes at one row: among the sets that swap one of
 /// `chosen` for one unchosen expert and that the cell check classifies as a near-tie (margin
 /// [`default_cell_margin`]), the one whose swapped-in expert has the lowest id, with its block
@@ -607,7 +610,7 @@ fn near_tie_swap(
     position: usize,
     x: &[f32],
     chosen: &[u32],
-) -> Result<Option<(Vec<u32>, Vec<f32>)>, ModelError> {
+) -> Result<Option<SwappedRow>, ModelError> {
     let margin = Margin {
         abs: default_cell_margin(model.config().kind),
         rel: ROUTING_MARGIN_REL,
