@@ -257,6 +257,31 @@ fn every_attack_is_a_cheat_and_honest_serves_pass() {
             fx.audit(attack, &fc, &bundle(&ft, &fcells, seed_of(&fc), n), &[]),
         );
     }
+    // Systematic near-tie swaps: wherever a set within the cell margin exists, the serve runs
+    // and reports it. On this softmax router a challenged swapped cell fails alone (its
+    // experts are not the top-k of its own committed logits); an audit whose challenge holds
+    // none passes (one audit's odds; tests/cells_near_tie.rs in engy-model has the rates and
+    // the ledger). On main 847f793 every such audit passed.
+    {
+        let (st, scells) = serve(&fx.serve, &ids, CellServe::NearTieSwap);
+        let sc = commitment(prompt, output, Some(&st));
+        let b = bundle(&st, &scells, seed_of(&sc), n);
+        let swapped = b
+            .openings
+            .iter()
+            .filter(|o| {
+                let i = o.index as usize;
+                scells[i].expert_ids() != cells[i].expert_ids()
+            })
+            .count();
+        let attack = "systematic near-tie swaps";
+        run(
+            attack,
+            if swapped > 0 { 1 } else { 0 },
+            fx.audit(attack, &sc, &b, &[]),
+        );
+        eprintln!("near-tie swaps: {swapped} of the {n} challenged cells swapped");
+    }
     // A uniformly scaled y (every MoE output × 1.02).
     let scaled: Vec<Cell> = cells
         .iter()
