@@ -4,7 +4,9 @@
 //!
 //! Each serve computes in bf16 as a GPU serve does and builds its cells as an honest serve
 //! does ([`CellServe::Honest`]) over its own weights; each cell is checked alone by
-//! [`verify_cell`] against the checkpoint the serve claims, with the default [`CellPolicy`]:
+//! [`verify_cell`] against the checkpoint the serve claims, with the default [`CellPolicy`]
+//! (its `y_rel_w8a8`, 0.08, for a W8A8 verifier, as `audit_bundle_with_recompute` judges cells
+//! bound to the W8A8 recompute):
 //!
 //! | serve | weights served | claims | verifier |
 //! |---|---|---|---|
@@ -101,13 +103,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let serve = open(served, Compute::Bf16, serve_w8a8)?;
         let verifier = open(claimed, Compute::F32, verify_w8a8)?;
         let vocab = verifier.config().vocab_size as u32;
+        // As audit_bundle_with_recompute judges cells bound to the W8A8 recompute.
+        let cell_policy = if verify_w8a8 {
+            CellPolicy {
+                y_rel: policy.y_rel_w8a8,
+                ..policy
+            }
+        } else {
+            policy
+        };
         let count = if honest { honest_seqs } else { cheat_seqs };
         let (mut n, mut failed) = (0usize, 0usize);
         let mut y_errs = Vec::new();
         for ids in sequences(vocab, count, len, 17) {
             for cell in serve_cells(&serve, &ids, CellServe::Honest)? {
                 n += 1;
-                let check = verify_cell(&verifier, &cell, &policy)?;
+                let check = verify_cell(&verifier, &cell, &cell_policy)?;
                 if honest && !check.pass() {
                     eprintln!("{label}: honest cell failed: {check:?}");
                 }
