@@ -1,0 +1,507 @@
+//! `engy-audit serve --chain` on the REAL subtensor runtime (chopsticks, `../shared/chain/`,
+//! started by tests/run.sh, which exports `ENGY_SUBTENSOR_URL`): the sampling beacon is the
+//! hash of the first block produced after the report (docs/PROTOCOL.md §11.2,
+//! specs/CELLS.md §5). `ENGY_SUBTENSOR_URL` unset → a visible skip; set but unreachable →
+//! FAIL.
+//!
+//! Each test reports requests at rate 0.5, makes the chain produce blocks (chopsticks
+//! `dev_newBlock`) and checks every sampling decision against
+//! `u64le(production_seed(hash, digest)[0..8]) / 2^64 < 0.5`, the hash read here over RPC:
+//! the hash of the first block after the report, never one that existed before it. The
+//! chain dropping (every connection to it cut, new ones refused) and coming back loses no
+//! report: the decision waits and is then made from the right block.
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engy_core::toploc::Params;
+use engy_model::audit::commit_greedy;
+use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
+use serde_json::{json, Value};
+
+/// Every wait polls a condition under this deadline.
+const DEADLINE: Duration = Duration::from_secs(180);
+/// The sampling rate of these tests: each decision is one bit of the seed.
+const RATE: f64 = 0.5;
+/// Reports per test: a decision pattern made from another block matches by chance with
+/// probability 2^-REPORTS.
+const REPORTS: usize = 16;
+
+/// The tests of this file produce blocks on one chain: one at a time, so that "the first
+/// block after the report" is the one each test makes.
+static CHAIN: Mutex<()> = Mutex::new(());
+
+/// `ENGY_SUBTENSOR_URL` (tests/run.sh), or `None` with a visible skip.
+fn chain_url(test: &str) -> Option<String> {
+    match std::env::var("ENGY_SUBTENSOR_URL") {
+        Ok(u) if !u.is_empty() => Some(u),
+        _ => {
+            eprintln!(
+                "SKIP {test}: ENGY_SUBTENSOR_URL is not set (tests/run.sh starts chopsticks and \
+                 sets it; or start ../shared/chain/start-subtensor.sh PORT and export \
+                 ENGY_SUBTENSOR_URL=ws://127.0.0.1:PORT)"
+            );
+            None
+        }
+    }
+}
+
+/// `host:port` of a ws:// URL.
+fn host_port(url: &str) -> String {
+    url.trim_start_matches("ws://")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`): (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {text:?}"));
+    let (headers, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = if headers
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_owned()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+/// One JSON-RPC call to the node over HTTP (chopsticks serves HTTP and websockets on one
+/// port); panics on an RPC error.
+fn rpc(url: &str, method: &str, params: Value) -> Value {
+    let body =
+        serde_json::to_vec(&json!({"id": 1, "jsonrpc": "2.0", "method": method, "params": params}))
+            .unwrap();
+    let (code, text) = http(&host_port(url), "POST", "/", &body);
+    let r: Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{method}: HTTP {code}, not JSON ({e}): {text}"));
+    assert!(r.get("error").is_none(), "{method}: {r}");
+    r["result"].clone()
+}
+
+/// The best block's number.
+fn best_number(url: &str) -> u64 {
+    let h = rpc(url, "chain_getHeader", json!([]));
+    let n = h["number"].as_str().expect("header number");
+    u64::from_str_radix(n.trim_start_matches("0x"), 16).unwrap()
+}
+
+/// The hash of block `number` on the node's canonical chain.
+fn hash_of(url: &str, number: u64) -> [u8; 32] {
+    let h = rpc(url, "chain_getBlockHash", json!([number]));
+    let s = h
+        .as_str()
+        .unwrap_or_else(|| panic!("no block {number}: {h}"));
+    engy_core::commit::parse_digest(s.trim_start_matches("0x")).unwrap()
+}
+
+/// chopsticks `dev_newBlock`: one new block.
+fn new_block(url: &str) {
+    rpc(url, "dev_newBlock", json!([{"count": 1}]));
+}
+
+/// Whether the spec's rule samples the request of `digest` when the beacon is `beacon`:
+/// `u64le(production_seed(beacon, digest)[0..8]) / 2^64 < RATE` (docs/PROTOCOL.md §11.2).
+fn expected_sampled(beacon: &[u8; 32], digest: &str) -> bool {
+    let d = engy_core::commit::parse_digest(digest).unwrap();
+    let seed = engy_core::cells::production_seed(beacon, &d);
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&seed[..8]);
+    (u64::from_le_bytes(b) as f64 / 18_446_744_073_709_551_616.0) < RATE
+}
+
+/// The devnet model and commitments made on it.
+struct Fixture {
+    _dir: tempfile::TempDir,
+    checkpoint: PathBuf,
+    honest: Checkpoint,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = dir.path().join("m");
+        gen_model(&checkpoint, 3, &GenConfig::default()).unwrap();
+        let honest = Checkpoint::open(&checkpoint, Precision::Bf16).unwrap();
+        Fixture {
+            _dir: dir,
+            checkpoint,
+            honest,
+        }
+    }
+
+    /// An honest commitment for the prompt `text` (with this run's nonce, so that a chain
+    /// shared by several runs never sees the same digest twice).
+    fn commitment(&self, text: &str) -> Value {
+        let ck = &self.honest;
+        let prompt = ck
+            .tokenizer
+            .encode(
+                format!(
+                    "<|im_start|>user\n{text} (run {})<|im_end|>\n<|im_start|>assistant\n",
+                    run_nonce()
+                ),
+                false,
+            )
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        commit_greedy(&ck.model, &ck.model_root, &prompt, 8, &[], &Params::ENGY).unwrap()
+    }
+}
+
+fn run_nonce() -> &'static str {
+    static NONCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NONCE.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{}-{t}", std::process::id())
+    })
+}
+
+/// A well-formed SS58 hotkey.
+fn hotkey(n: &str) -> String {
+    use sha2::Digest as _;
+    let key: [u8; 32] = sha2::Sha256::digest(format!("{}/{n}", run_nonce())).into();
+    engy_core::keys::ss58_encode(&key)
+}
+
+fn report(request_id: &str, commitment: &Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "request_id": request_id,
+        "hotkey": hotkey("chain"),
+        "model": "devnet",
+        "commitment": commitment,
+        "timing": {"ttft_ms": 12, "total_ms": 340},
+    }))
+    .unwrap()
+}
+
+/// A running `engy-audit serve --chain URL` (rate 0.5, no floor, no workers).
+struct Service {
+    child: Child,
+    addr: SocketAddr,
+    lines: mpsc::Receiver<Value>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Service {
+    fn start(db_dir: &Path, model: &Path, chain: &str) -> Service {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .arg("--db")
+            .arg(format!("sqlite://{}", db_dir.join("audit.db").display()))
+            .args(["--chain", chain])
+            .arg("--model")
+            .arg(format!("devnet={}", model.display()))
+            .args(["--device", "none", "--log-format", "json"])
+            .env("ENGY_AUDIT_SAMPLE_RATE", RATE.to_string())
+            .env("ENGY_AUDIT_FLOOR", "0")
+            .env_remove("ENGY_AUDIT_FIXED_BEACON")
+            .env_remove("ENGY_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn engy-audit serve");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                log2.lock().unwrap().push(line.clone());
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        let mut s = Service {
+            child,
+            addr: "127.0.0.1:1".parse().unwrap(),
+            lines,
+            log,
+        };
+        let l = s.wait_line("the listening line", |v| v["message"] == "listening");
+        s.addr = l["addr"].as_str().unwrap().parse().unwrap();
+        s
+    }
+
+    /// The next log line matching `f` (earlier ones are consumed).
+    fn wait_line(&mut self, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            let left = DEADLINE.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(v) if f(&v) => return v,
+                Ok(_) => {}
+                Err(_) => panic!(
+                    "timed out waiting for {what}; log:\n{}",
+                    self.log.lock().unwrap().join("\n")
+                ),
+            }
+        }
+    }
+
+    fn post(&self, body: &[u8]) -> (u16, Value) {
+        let (code, text) = http(&self.addr.to_string(), "POST", "/v1/requests", body);
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    fn status(&self, digest: &str) -> Value {
+        let (code, text) = http(
+            &self.addr.to_string(),
+            "GET",
+            &format!("/v1/requests/{digest}"),
+            b"",
+        );
+        assert_eq!(code, 200, "{text}");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// Every request's `sampled` once all are decided.
+    fn decisions(&self, digests: &[String]) -> Vec<bool> {
+        let start = Instant::now();
+        loop {
+            let all: Vec<Value> = digests
+                .iter()
+                .map(|d| self.status(d)["sampled"].clone())
+                .collect();
+            if all.iter().all(Value::is_boolean) {
+                return all.iter().map(|v| v == &Value::Bool(true)).collect();
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "timed out waiting for the sampling decisions: {all:?}; log:\n{}",
+                self.log.lock().unwrap().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Posts one report per commitment; returns their digests (each stored as new).
+fn report_all(svc: &Service, commitments: &[Value]) -> Vec<String> {
+    commitments
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (code, v) = svc.post(&report(&format!("r{i}"), c));
+            assert_eq!(code, 202, "{v}");
+            v["digest"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// The reports, posted while no block is produced: the head every one of them saw is `h`
+/// (the test holds [`CHAIN`], and nothing else produces blocks on the harness's chain,
+/// which builds blocks only when asked).
+fn report_at_fixed_head(url: &str, svc: &Service, commitments: &[Value]) -> (u64, Vec<String>) {
+    let before = best_number(url);
+    let digests = report_all(svc, commitments);
+    let after = best_number(url);
+    assert_eq!(before, after, "a block was produced while reporting");
+    (before, digests)
+}
+
+/// Asserts that `got` are the decisions the block after the report gives, and not the ones
+/// the report's own head block (which the miner could see) would give.
+fn assert_beacon_is_block_after(url: &str, head: u64, digests: &[String], got: &[bool]) {
+    let next = hash_of(url, head + 1);
+    let known = hash_of(url, head);
+    let want: Vec<bool> = digests.iter().map(|d| expected_sampled(&next, d)).collect();
+    let from_known: Vec<bool> = digests
+        .iter()
+        .map(|d| expected_sampled(&known, d))
+        .collect();
+    assert_eq!(
+        got,
+        want,
+        "the decisions are not production_seed(hash of block {}, digest)",
+        head + 1
+    );
+    assert_ne!(
+        want,
+        from_known,
+        "block {head} and block {} give the same {REPORTS} decisions (chance 2^-{REPORTS})",
+        head + 1
+    );
+}
+
+#[test]
+fn sampling_beacon_is_the_first_block_after_the_report() {
+    let Some(url) = chain_url("sampling_beacon_is_the_first_block_after_the_report") else {
+        return;
+    };
+    let _chain = CHAIN.lock().unwrap_or_else(|e| e.into_inner());
+    let fx = Fixture::new();
+    let commitments: Vec<Value> = (0..REPORTS)
+        .map(|i| fx.commitment(&format!("beacon {i}")))
+        .collect();
+    let t = tempfile::tempdir().unwrap();
+    let svc = Service::start(t.path(), &fx.checkpoint, &url);
+
+    let (head, digests) = report_at_fixed_head(&url, &svc, &commitments);
+    // No block after the report yet: nothing is decided.
+    for d in &digests {
+        assert!(
+            svc.status(d)["sampled"].is_null(),
+            "decided before its block"
+        );
+    }
+    new_block(&url);
+    let got = svc.decisions(&digests);
+    assert_beacon_is_block_after(&url, head, &digests, &got);
+    // More blocks change nothing: a decision is made once.
+    new_block(&url);
+    assert_eq!(svc.decisions(&digests), got);
+}
+
+/// A TCP forwarder to the node that can cut every connection and refuse new ones (the
+/// chain dropping) and then forward again (the chain coming back).
+struct Link {
+    addr: SocketAddr,
+    up: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Link {
+    fn start(upstream: String) -> Link {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = Arc::new(AtomicBool::new(true));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (up2, conns2) = (up.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                if !up2.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                let mut held = conns2.lock().unwrap();
+                for s in [&client, &server] {
+                    if let Ok(c) = s.try_clone() {
+                        held.push(c);
+                    }
+                }
+                drop(held);
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Link { addr, up, conns }
+    }
+
+    fn url(&self) -> String {
+        format!("ws://{}", self.addr)
+    }
+
+    /// Cuts every open connection; new ones are closed at once until [`Link::restore`].
+    fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_dropped_chain_loses_no_report_and_the_beacon_stays_the_block_after_it() {
+    let test = "a_dropped_chain_loses_no_report_and_the_beacon_stays_the_block_after_it";
+    let Some(url) = chain_url(test) else {
+        return;
+    };
+    let _chain = CHAIN.lock().unwrap_or_else(|e| e.into_inner());
+    let fx = Fixture::new();
+    let commitments: Vec<Value> = (0..REPORTS)
+        .map(|i| fx.commitment(&format!("dropped {i}")))
+        .collect();
+    let late = fx.commitment("reported while the chain is away");
+    let link = Link::start(host_port(&url));
+    let t = tempfile::tempdir().unwrap();
+    let mut svc = Service::start(t.path(), &fx.checkpoint, &link.url());
+
+    let (head, digests) = report_at_fixed_head(&url, &svc, &commitments);
+    link.cut();
+    // The beacon block is produced while the service cannot see the chain.
+    new_block(&url);
+    svc.wait_line("a sampling pass failing on the cut chain", |v| {
+        v["message"] == "sampling pass failed; retrying"
+    });
+    for d in &digests {
+        assert!(
+            svc.status(d)["sampled"].is_null(),
+            "decided without the chain"
+        );
+    }
+    // A report the service cannot place on the chain is refused (the gateway retries), not
+    // stored with a head it did not read.
+    let (code, v) = svc.post(&report("late", &late));
+    assert_eq!(code, 503, "{v}");
+    link.restore();
+    let got = svc.decisions(&digests);
+    assert_eq!(got.len(), REPORTS, "a report was lost");
+    assert_beacon_is_block_after(&url, head, &digests, &got);
+}
