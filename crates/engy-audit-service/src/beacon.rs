@@ -4,7 +4,9 @@
 //! [`Beacon::head`] is the best block's number when a report arrives; the request's beacon
 //! is the hash of the next block, taken only once that block is finalized (a hash that a
 //! reorganisation could still replace is not a beacon). A dropped connection is opened again
-//! at the next read.
+//! at the next read. At `debug` (`ENGY_LOG=engy_audit_service::beacon=debug`) each read logs
+//! `beacon block not finalized yet` (fields `block`, `finalized`) or `beacon block` (`block`,
+//! `hash`, hex), the value the sampling seed is made from.
 use subxt::backend::legacy::LegacyRpcMethods;
 use subxt::backend::rpc::RpcClient;
 use subxt::PolkadotConfig;
@@ -82,9 +84,17 @@ impl ChainBeacon {
                 return Ok(None);
             };
             if u64::from(h.number) < number {
+                tracing::debug!(
+                    block = number,
+                    finalized = h.number,
+                    "beacon block not finalized yet"
+                );
                 return Ok(None);
             }
             let hash = m.chain_get_block_hash(Some(number.into())).await?;
+            if let Some(hash) = &hash {
+                tracing::debug!(block = number, hash = %hex::encode(hash.0), "beacon block");
+            }
             Ok::<_, subxt::ext::subxt_rpcs::Error>(hash.map(|h| h.0))
         };
         match tokio::time::timeout(READ_TIMEOUT, read).await {

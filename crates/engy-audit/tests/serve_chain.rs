@@ -236,7 +236,8 @@ impl Service {
             .env("ENGY_AUDIT_SAMPLE_RATE", RATE.to_string())
             .env("ENGY_AUDIT_FLOOR", "0")
             .env_remove("ENGY_AUDIT_FIXED_BEACON")
-            .env_remove("ENGY_LOG")
+            // The beacon's reads, each logged at debug (crates/engy-audit-service/src/beacon.rs).
+            .env("ENGY_LOG", "info,engy_audit_service::beacon=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -279,6 +280,19 @@ impl Service {
                 ),
             }
         }
+    }
+
+    /// Waits for the service's read of block `number` as a beacon and checks the hash it
+    /// read against the node's.
+    fn wait_beacon(&mut self, url: &str, number: u64) {
+        let used = self.wait_line(&format!("the read of beacon block {number}"), |v| {
+            v["message"] == "beacon block" && v["block"] == json!(number)
+        });
+        assert_eq!(
+            used["hash"],
+            json!(hex::encode(hash_of(url, number))),
+            "{used}"
+        );
     }
 
     fn post(&self, body: &[u8]) -> (u16, Value) {
@@ -387,10 +401,13 @@ fn sampling_beacon_is_the_first_block_after_the_report() {
         .map(|i| fx.commitment(&format!("beacon {i}")))
         .collect();
     let t = tempfile::tempdir().unwrap();
-    let svc = Service::start(t.path(), &fx.checkpoint, &url);
+    let mut svc = Service::start(t.path(), &fx.checkpoint, &url);
 
     let (head, digests) = report_at_fixed_head(&url, &svc, &commitments);
-    // No block after the report yet: nothing is decided.
+    // The sampler asks for the block after the report and finds none: nothing is decided.
+    svc.wait_line("a read of the not yet produced beacon block", |v| {
+        v["message"] == "beacon block not finalized yet" && v["block"] == json!(head + 1)
+    });
     for d in &digests {
         assert!(
             svc.status(d)["sampled"].is_null(),
@@ -398,6 +415,7 @@ fn sampling_beacon_is_the_first_block_after_the_report() {
         );
     }
     new_block(&url);
+    svc.wait_beacon(&url, head + 1);
     let got = svc.decisions(&digests);
     assert_beacon_is_block_after(&url, head, &digests, &got);
     // More blocks change nothing: a decision is made once.
@@ -501,6 +519,7 @@ fn a_dropped_chain_loses_no_report_and_the_beacon_stays_the_block_after_it() {
     let (code, v) = svc.post(&report("late", &late));
     assert_eq!(code, 503, "{v}");
     link.restore();
+    svc.wait_beacon(&url, head + 1);
     let got = svc.decisions(&digests);
     assert_eq!(got.len(), REPORTS, "a report was lost");
     assert_beacon_is_block_after(&url, head, &digests, &got);
