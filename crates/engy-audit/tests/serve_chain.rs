@@ -35,10 +35,18 @@ const REPORTS: usize = 16;
 /// block after the report" is the one each test makes.
 static CHAIN: Mutex<()> = Mutex::new(());
 
-/// `ENGY_SUBTENSOR_URL` (tests/run.sh), or `None` with a visible skip.
+/// `ENGY_SUBTENSOR_URL` (tests/run.sh), or `None` with a visible skip; set but unreachable
+/// fails the test.
 fn chain_url(test: &str) -> Option<String> {
     match std::env::var("ENGY_SUBTENSOR_URL") {
-        Ok(u) if !u.is_empty() => Some(u),
+        Ok(u) if !u.is_empty() => {
+            let at = host_port(&u);
+            assert!(
+                TcpStream::connect(&at).is_ok(),
+                "ENGY_SUBTENSOR_URL is set ({u}) but nothing answers at {at}"
+            );
+            Some(u)
+        }
         _ => {
             eprintln!(
                 "SKIP {test}: ENGY_SUBTENSOR_URL is not set (tests/run.sh starts chopsticks and \
