@@ -10,7 +10,7 @@
 //! Two measurements, one JSON line:
 //! * `audits_per_s`: `--reports` honest commitments posted at once into an empty queue,
 //!   `--workers` processes (one CPU worker each) draining it; reports / (last verdict's
-//!   `decided_ms` − first post), wall time;
+//!   `decided_ms` − the first worker's launch, start-up included), wall time;
 //! * `latency_ms_p50` / `_max`: report-to-verdict (post → the verdict's `decided_ms`) of
 //!   `--latency-reports` reports posted one at a time into an idle service.
 //!
@@ -231,8 +231,9 @@ fn main() -> Result<()> {
             .entry(v["worker"].as_str().unwrap_or("").to_owned())
             .or_default() += 1;
     }
-    // The drain is timed from the moment every worker was up (model loaded).
-    let drain_s = (last - ready) as f64 / 1000.0;
+    // The drain is timed from the first worker's launch (its start-up included): a later
+    // worker starts while the first already audits, so "all workers up" would undercount.
+    let drain_s = (last - started) as f64 / 1000.0;
     let audits_per_s = n as f64 / drain_s;
 
     // Latency: one report at a time into the idle service.
