@@ -1,12 +1,17 @@
 //! The chain beacon: subtensor block hashes read with subxt's JSON-RPC methods
 //! (`chain_getHeader`, `chain_getFinalizedHead`, `chain_getBlockHash`).
 //!
-//! [`Beacon::head`] is the best block's number when a report arrives; the request's beacon
-//! is the hash of the next block, taken only once that block is finalized (a hash that a
-//! reorganisation could still replace is not a beacon). A dropped connection is opened again
-//! at the next read. At `debug` (`ENGY_LOG=engy_audit_service::beacon=debug`) each read logs
+//! [`Beacon::head`] is the newest best-block number this process has read when a report
+//! arrives (never less than an earlier read: a node whose head goes back, a lagging node
+//! behind a load-balanced endpoint, a reconnect to another node or a reorganisation, would
+//! otherwise make the beacon a block that existed, and that the miner could know, before the
+//! report); the request's beacon is the hash of the next block, taken only once that block is
+//! finalized (a hash that a reorganisation could still replace is not a beacon). A dropped
+//! connection is opened again at the next read. At `debug` (`ENGY_LOG=engy_audit_service::beacon=debug`) each read logs
 //! `beacon block not finalized yet` (fields `block`, `finalized`) or `beacon block` (`block`,
 //! `hash`, hex), the value the sampling seed is made from.
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use subxt::backend::legacy::LegacyRpcMethods;
 use subxt::backend::rpc::RpcClient;
 use subxt::PolkadotConfig;
@@ -21,6 +26,8 @@ const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 pub struct ChainBeacon {
     url: String,
     rpc: Mutex<Option<LegacyRpcMethods<PolkadotConfig>>>,
+    /// The highest best-block number read so far.
+    highest: AtomicU64,
 }
 
 impl ChainBeacon {
@@ -32,6 +39,7 @@ impl ChainBeacon {
         let b = ChainBeacon {
             url: url.to_owned(),
             rpc: Mutex::new(None),
+            highest: AtomicU64::new(0),
         };
         b.head_number().await?;
         Ok(b)
@@ -60,7 +68,18 @@ impl ChainBeacon {
         let m = self.methods().await?;
         let r = tokio::time::timeout(READ_TIMEOUT, m.chain_get_header(None)).await;
         match r {
-            Ok(Ok(Some(h))) => Ok(u64::from(h.number)),
+            Ok(Ok(Some(h))) => {
+                let n = u64::from(h.number);
+                let before = self.highest.fetch_max(n, Ordering::SeqCst);
+                if before > n {
+                    tracing::debug!(
+                        head = n,
+                        highest = before,
+                        "the node's head is behind one read before; counting from the highest"
+                    );
+                }
+                Ok(before.max(n))
+            }
             Ok(Ok(None)) => Err(BeaconError("the node has no best block".into())),
             Ok(Err(e)) => {
                 self.reset().await;

@@ -532,3 +532,67 @@ fn a_dropped_chain_loses_no_report_and_the_beacon_stays_the_block_after_it() {
     assert_eq!(got.len(), REPORTS, "a report was lost");
     assert_beacon_is_block_after(&url, head, &digests, &got);
 }
+
+/// The node's head going back (a lagging node behind a load-balanced endpoint, a reconnect
+/// to another node, a reorganisation; here chopsticks `dev_setHead`) must not make the
+/// beacon a block that existed before the report: chopsticks rebuilds the same blocks with
+/// the same hashes, as a lagging node serves blocks everyone has seen. The service counts
+/// from the newest head it has read.
+#[test]
+fn a_node_whose_head_goes_back_never_gives_a_block_seen_before_the_report() {
+    let test = "a_node_whose_head_goes_back_never_gives_a_block_seen_before_the_report";
+    let Some(url) = chain_url(test) else {
+        return;
+    };
+    let _chain = CHAIN.lock().unwrap_or_else(|e| e.into_inner());
+    let fx = Fixture::new();
+    let commitments: Vec<Value> = (0..REPORTS)
+        .map(|i| fx.commitment(&format!("head back {i}")))
+        .collect();
+    let first = fx.commitment("reported at the newest head");
+    let t = tempfile::tempdir().unwrap();
+    let mut svc = Service::start(t.path(), &fx.checkpoint, &url);
+
+    let base = best_number(&url);
+    rpc(&url, "dev_newBlock", json!([{"count": 3}]));
+    // The service reads the newest head (base + 3) with a report.
+    let (code, v) = svc.post(&report("first", &first));
+    assert_eq!(code, 202, "{v}");
+    let seen: Vec<[u8; 32]> = (base + 1..=base + 3).map(|n| hash_of(&url, n)).collect();
+    rpc(&url, "dev_setHead", json!([base]));
+    let (head, digests) = report_at_fixed_head(&url, &svc, &commitments);
+    assert_eq!(head, base, "dev_setHead did not move the head back");
+    rpc(&url, "dev_newBlock", json!([{"count": 4}]));
+    assert_eq!(
+        hash_of(&url, base + 1),
+        seen[0],
+        "chopsticks rebuilt block {} with another hash: the case is not exercised",
+        base + 1
+    );
+    svc.wait_beacon(&url, base + 4);
+    let got = svc.decisions(&digests);
+    // The first block after every head the service had read: base + 4, not base + 1 (which
+    // everyone had seen before these reports).
+    let after = hash_of(&url, base + 4);
+    let want: Vec<bool> = digests
+        .iter()
+        .map(|d| expected_sampled(&after, d))
+        .collect();
+    let from_seen: Vec<bool> = digests
+        .iter()
+        .map(|d| expected_sampled(&seen[0], d))
+        .collect();
+    assert_ne!(
+        want,
+        from_seen,
+        "blocks {} and {} give the same decisions",
+        base + 1,
+        base + 4
+    );
+    assert_eq!(
+        got,
+        want,
+        "the decisions are not production_seed(hash of block {}, digest)",
+        base + 4
+    );
+}
