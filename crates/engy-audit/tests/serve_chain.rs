@@ -23,6 +23,9 @@ use engy_model::audit::commit_greedy;
 use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
 use serde_json::{json, Value};
 
+#[allow(dead_code)]
+mod cells_common;
+
 /// Every wait polls a condition under this deadline.
 const DEADLINE: Duration = Duration::from_secs(180);
 /// The sampling rate of these tests: each decision is one bit of the seed.
@@ -232,6 +235,11 @@ struct Service {
 
 impl Service {
     fn start(db_dir: &Path, model: &Path, chain: &str) -> Service {
+        Service::start_with(db_dir, model, chain, RATE, &["--device", "none"])
+    }
+
+    /// [`Service::start`] at sampling rate `rate`, with `extra` flags.
+    fn start_with(db_dir: &Path, model: &Path, chain: &str, rate: f64, extra: &[&str]) -> Service {
         let mut child = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
             .arg("serve")
             .args(["--listen", "127.0.0.1:0"])
@@ -240,8 +248,9 @@ impl Service {
             .args(["--chain", chain])
             .arg("--model")
             .arg(format!("devnet={}", model.display()))
-            .args(["--device", "none", "--log-format", "json"])
-            .env("ENGY_AUDIT_SAMPLE_RATE", RATE.to_string())
+            .args(["--log-format", "json"])
+            .args(extra)
+            .env("ENGY_AUDIT_SAMPLE_RATE", rate.to_string())
             .env("ENGY_AUDIT_FLOOR", "0")
             .env_remove("ENGY_AUDIT_FIXED_BEACON")
             // The beacon's reads, each logged at debug (crates/engy-audit-service/src/beacon.rs).
@@ -595,4 +604,122 @@ fn a_node_whose_head_goes_back_never_gives_a_block_seen_before_the_report() {
         "the decisions are not production_seed(hash of block {}, digest)",
         base + 4
     );
+}
+
+/// A miner's leg to the gateway double that never answers `open_cells` (the test reads the
+/// challenge the gateway carried, not the answer).
+async fn silent_miner(url: String, key: String) {
+    use futures_util::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("{url}/"))
+        .await
+        .expect("the miner's leg connects");
+    let hello = json!({
+        "type": "hello", "miner_key": key, "model": "devnet", "model_root": "00",
+        "hw": {}, "versions": {}, "capacity": {"max_inflight": 1},
+        "worker_name": "w", "instance_id": "w", "worker_id": "0",
+    });
+    ws.send(Message::Text(hello.to_string().into()))
+        .await
+        .unwrap();
+    while let Some(Ok(_)) = ws.next().await {}
+}
+
+/// The cell challenge's seed, as the gateway carries it in `open_cells` (docs/PROTOCOL.md
+/// §11.3), is `production_seed(hash of the first block after the report, digest)`, the hash
+/// read here over RPC.
+#[test]
+fn the_cell_challenge_seed_comes_from_the_first_block_after_the_report() {
+    let test = "the_cell_challenge_seed_comes_from_the_first_block_after_the_report";
+    let Some(url) = chain_url(test) else {
+        return;
+    };
+    let _chain = CHAIN.lock().unwrap_or_else(|e| e.into_inner());
+    let fx = Fixture::new();
+    let t = tempfile::tempdir().unwrap();
+    let spec = t.path().join("spec");
+    let o = Command::new(env!("CARGO_BIN_EXE_engy-audit"))
+        .args(["spec", "build", "--quiet", "--checkpoint"])
+        .arg(&fx.checkpoint)
+        .arg("--out")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+
+    let mut c = fx.commitment("open your cells on the chain's seed");
+    let ids: Vec<u32> = c["toploc"]["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(c["output_token_ids"].as_array().unwrap())
+        .map(|v| u32::try_from(v.as_u64().unwrap()).unwrap())
+        .collect();
+    let (tree, _cells) =
+        cells_common::serve(&fx.honest.model, &ids, engy_model::cells::CellServe::Honest);
+    c["cells"] = json!({
+        "scheme": engy_core::cells::SCHEME,
+        "root": hex::encode(tree.root()),
+        "shape": serde_json::to_value(tree.shape()).unwrap(),
+    });
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let gw = rt
+        .block_on(engy_devnet::gateway::GatewayDouble::start(
+            engy_devnet::gateway::GatewayConfig::default(),
+        ))
+        .unwrap();
+    gw.register_miner("miner-key-chain", &hotkey("chain"));
+    rt.spawn(silent_miner(gw.url(), "miner-key-chain".into()));
+    rt.block_on(gw.wait_legs(1, DEADLINE))
+        .expect("the miner's leg");
+
+    let mut svc = Service::start_with(
+        t.path(),
+        &fx.checkpoint,
+        &url,
+        1.0,
+        &[
+            "--device",
+            "cpu",
+            "--gateway",
+            &format!("http://{}", gw.addr()),
+            "--challenge-deadline-s",
+            "3",
+            "--spec",
+            &format!("devnet={}", spec.display()),
+        ],
+    );
+    let rid = format!("chain-{}", run_nonce());
+    let before = best_number(&url);
+    let (code, v) = svc.post(&report(&rid, &c));
+    assert_eq!(code, 202, "{v}");
+    let head = best_number(&url);
+    assert_eq!(before, head, "a block was produced while reporting");
+    let digest = v["digest"].as_str().unwrap().to_owned();
+    new_block(&url);
+    svc.wait_beacon(&url, head + 1);
+    let start = Instant::now();
+    let sent = loop {
+        let sent: Vec<Value> = gw
+            .frames()
+            .iter()
+            .filter(|f| f.kind() == "open_cells" && f.value["request_id"] == json!(rid))
+            .map(|f| f.value.clone())
+            .collect();
+        if let Some(f) = sent.into_iter().next() {
+            break f;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no open_cells for {rid}; log:\n{}",
+            svc.log.lock().unwrap().join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let d = engy_core::commit::parse_digest(&digest).unwrap();
+    let after = engy_core::cells::production_seed(&hash_of(&url, head + 1), &d);
+    let known = engy_core::cells::production_seed(&hash_of(&url, head), &d);
+    assert_ne!(after, known);
+    assert_eq!(sent["seed"], json!(hex::encode(after)), "{sent}");
 }
