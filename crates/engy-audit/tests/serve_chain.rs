@@ -23,7 +23,6 @@ use engy_model::audit::commit_greedy;
 use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
 use serde_json::{json, Value};
 
-#[allow(dead_code)]
 mod cells_common;
 
 /// Every wait polls a condition under this deadline.
