@@ -9,7 +9,10 @@
 //! `u64le(production_seed(hash, digest)[0..8]) / 2^64 < 0.5`, the hash read here over RPC:
 //! the hash of the first block after the report, never one that existed before it. The
 //! chain dropping (every connection to it cut, new ones refused) and coming back loses no
-//! report: the decision waits and is then made from the right block.
+//! report: the decision waits and is then made from the right block. A node whose head goes
+//! back (chopsticks `dev_setHead`) does not make the beacon a block seen before the report.
+//! The cell challenge's seed that the gateway double carries in `open_cells` is the same
+//! `production_seed`.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
