@@ -90,6 +90,16 @@ pub struct ServeArgs {
         default_value_t = 30
     )]
     pub drain_s: u64,
+    /// Jobs of one model a worker claims at once and audits in one pass over the weights
+    /// (`engy_model::audit::audit_many`; each job leased and given its own verdict): 1 to
+    /// [`MAX_BATCH`].
+    #[arg(
+        long,
+        env = "ENGY_AUDIT_BATCH",
+        value_name = "JOBS",
+        default_value_t = 1
+    )]
+    pub batch: usize,
     /// Largest report body accepted, in bytes (413 above).
     #[arg(
         long,
@@ -157,6 +167,9 @@ pub struct ServeArgs {
     pub log_format: engy_telemetry::log::LogFormat,
 }
 
+/// The largest `--batch`: jobs of one model audited in one pass over the weights.
+pub const MAX_BATCH: usize = 64;
+
 /// Where the sampling beacon comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BeaconConfig {
@@ -187,6 +200,8 @@ pub struct Config {
     pub lease_ms: i64,
     /// Drain time on SIGTERM.
     pub drain: std::time::Duration,
+    /// Jobs of one model audited in one pass (`--batch`), 1..=[`MAX_BATCH`].
+    pub batch: usize,
     /// Largest report body.
     pub max_report_bytes: usize,
     /// The beacon.
@@ -323,6 +338,12 @@ impl ServeArgs {
                 self.cells_n
             ));
         }
+        if !(1..=MAX_BATCH).contains(&self.batch) {
+            return bad(format!(
+                "--batch / ENGY_AUDIT_BATCH must be within 1..={MAX_BATCH}, got {}",
+                self.batch
+            ));
+        }
         if self.challenge_deadline_s == 0 {
             return bad(
                 "--challenge-deadline-s / ENGY_AUDIT_CHALLENGE_DEADLINE_S must be at least 1"
@@ -350,6 +371,7 @@ impl ServeArgs {
             devices,
             lease_ms: i64::try_from(self.lease_s.saturating_mul(1000)).unwrap_or(i64::MAX),
             drain: std::time::Duration::from_secs(self.drain_s),
+            batch: self.batch,
             max_report_bytes: self.max_report_bytes,
             beacon,
             params: engy_model::audit::AuditParams {

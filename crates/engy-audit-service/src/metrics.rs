@@ -45,6 +45,9 @@ pub struct Metrics {
     pub miner_cheat_rate: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Cell challenges judged, by outcome (`crate::challenge::CellOutcome::label`).
     pub challenges: Family<Labels, Counter>,
+    /// TOPLOC recompute passes over the weights: one per job at `--batch 1`, one per claimed
+    /// batch of one model above it (`engy_model::audit::audit_many`).
+    pub audit_passes: Counter,
 }
 
 impl Metrics {
@@ -62,6 +65,7 @@ impl Metrics {
             audit_errors: Counter::default(),
             miner_cheat_rate: Family::default(),
             challenges: Family::default(),
+            audit_passes: Counter::default(),
         };
         for o in ["pass", "cheat", "unanswered", "not_judged"] {
             let _ = m
@@ -127,6 +131,11 @@ impl Metrics {
             "challenges",
             "Cell challenges (open_cells through the gateway) judged here, by outcome",
             m.challenges.clone(),
+        );
+        registry.register(
+            "audit_passes",
+            "TOPLOC recompute passes over the weights (a batch of one model's jobs is one pass)",
+            m.audit_passes.clone(),
         );
         m
     }

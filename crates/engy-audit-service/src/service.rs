@@ -210,6 +210,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             params: cfg.params,
             lease_ms: cfg.lease_ms,
             drain: cfg.drain,
+            batch: cfg.batch,
             metrics: metrics.clone(),
             gateway: cfg.gateway.as_deref().map(crate::challenge::Gateway::new),
             challenge_deadline: cfg.challenge_deadline,

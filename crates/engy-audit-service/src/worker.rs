@@ -6,7 +6,11 @@
 //! third of its length while the audit runs → the TOPLOC recompute with the routing check
 //! (`engy_model::audit::audit_with`, `Recompute::Auto`, as `engy-audit audit` runs it) →
 //! the verdict, its reasons and score, and for a cheat the evidence, written in the
-//! transaction that closes the job ([`Store::finish`]). A worker that dies holds nothing: its
+//! transaction that closes the job ([`Store::finish`]). With `--batch B` a worker claims up
+//! to B ready jobs of one model, each under its own lease, and runs their recomputes in one
+//! pass over the weights (`engy_model::audit::audit_many`: each report exactly the one it gets
+//! alone); each job still gets its own verdict in its own transaction, and a batched pass that
+//! fails is redone one job at a time ([`run_audits`]). A worker that dies holds nothing: its
 //! lease runs out and any worker takes the job again ([`Store::expire_leases`]). An audit
 //! that cannot run (the recompute itself fails) gives the job back with the error, to be
 //! tried again after [`RETRY_AFTER_MS`]. On SIGTERM a worker claims nothing more, lets the
@@ -21,7 +25,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, RoutingAudit, Verdict};
+use engy_model::audit::{
+    audit_many, audit_with, AuditParams, AuditReport, Recompute, RoutingAudit, Verdict,
+};
 use engy_model::{DeviceSpec, LoadOptions, Model, Residency};
 
 use engy_core::cells::RETENTION_WINDOW_S;
@@ -106,6 +112,9 @@ pub struct Worker {
     pub lease_ms: i64,
     /// How long an audit in hand may run on after SIGTERM.
     pub drain: Duration,
+    /// Jobs of one model claimed at once and audited in one pass over the weights
+    /// (`--batch`, at least 1).
+    pub batch: usize,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The gateway of the cell challenge (docs/PROTOCOL.md §11.3), if any.
@@ -159,46 +168,58 @@ impl Worker {
                     continue;
                 }
             };
-            if !self.audit_job(job, &mut stop).await {
+            let mut jobs = vec![job];
+            let same_model = [jobs[0].model.clone()];
+            while jobs.len() < self.batch.max(1) {
+                match self
+                    .store
+                    .claim(&self.id, &same_model, now_ms(), self.lease_ms)
+                    .await
+                {
+                    Ok(Some(more)) => jobs.push(more),
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(worker = %self.id, error = %e, "cannot claim more jobs of the batch");
+                        break;
+                    }
+                }
+            }
+            if !self.audit_jobs(jobs, &mut stop).await {
                 break;
             }
         }
         tracing::info!(worker = %self.id, "worker stopped");
     }
 
-    /// Audits one claimed job; `false` when the worker must stop (SIGTERM and the drain
-    /// time ran out: the job was given back).
-    async fn audit_job(&self, job: Job, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+    /// Audits claimed jobs, all of one model (one job at `--batch 1`): each leased and
+    /// renewed, their TOPLOC recomputes in one pass over the weights, each given its own
+    /// verdict exactly once. `false` when the worker must stop (SIGTERM and the drain time
+    /// ran out: every job was given back).
+    async fn audit_jobs(
+        &self,
+        jobs: Vec<Job>,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> bool {
         let started = Instant::now();
-        tracing::info!(
-            worker = %self.id, digest = %job.digest, model = %job.model,
-            hotkey = %job.hotkey, attempt = job.attempts, "audit claimed"
-        );
-        let Some(loaded) = self.models.get(&job.model).cloned() else {
+        for job in &jobs {
+            tracing::info!(
+                worker = %self.id, digest = %job.digest, model = %job.model,
+                hotkey = %job.hotkey, attempt = job.attempts, batch = jobs.len(), "audit claimed"
+            );
+        }
+        let Some(loaded) = jobs
+            .first()
+            .and_then(|j| self.models.get(&j.model))
+            .cloned()
+        else {
             // Claims name only held models; a job of another model is given back as it was.
-            let _ = self.store.release(&job, None, 0).await;
+            for job in &jobs {
+                let _ = self.store.release(job, None, 0).await;
+            }
             return true;
         };
-        let renew = {
-            let store = self.store.clone();
-            let job = job.clone();
-            let lease_ms = self.lease_ms;
-            tokio::spawn(async move {
-                let every = Duration::from_millis(u64::try_from(lease_ms / 3).unwrap_or(1).max(1));
-                loop {
-                    tokio::time::sleep(every).await;
-                    match store.renew(&job, now_ms().saturating_add(lease_ms)).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(digest = %job.digest, "the job's lease was lost");
-                            return;
-                        }
-                        Err(e) => tracing::warn!(error = %e, "cannot renew a lease; retrying"),
-                    }
-                }
-            })
-        };
-        let audit = self.audit_work(loaded, &job);
+        let renewals: Vec<_> = jobs.iter().map(|job| self.renew_lease(job)).collect();
+        let audit = self.audit_work(loaded, &jobs);
         tokio::pin!(audit);
         let drained = async {
             if !*stop.borrow() {
@@ -210,22 +231,60 @@ impl Worker {
             r = &mut audit => Some(r),
             () = drained => None,
         };
-        renew.abort();
-        let Some(outcome) = outcome else {
-            match self.store.release(&job, None, 0).await {
-                Ok(_) => tracing::warn!(
-                    digest = %job.digest,
-                    "shutting down: the audit in hand did not finish within the drain time; \
-                     its job is back in the queue"
-                ),
-                Err(e) => tracing::warn!(
-                    digest = %job.digest, error = %e,
-                    "shutting down: cannot give the job back; its lease will run out"
-                ),
+        for r in &renewals {
+            r.abort();
+        }
+        let Some(outcomes) = outcome else {
+            for job in &jobs {
+                match self.store.release(job, None, 0).await {
+                    Ok(_) => tracing::warn!(
+                        digest = %job.digest,
+                        "shutting down: the audit in hand did not finish within the drain \
+                         time; its job is back in the queue"
+                    ),
+                    Err(e) => tracing::warn!(
+                        digest = %job.digest, error = %e,
+                        "shutting down: cannot give the job back; its lease will run out"
+                    ),
+                }
             }
             return false;
         };
         let seconds = started.elapsed().as_secs_f64();
+        for (job, outcome) in jobs.iter().zip(outcomes) {
+            self.conclude(job, outcome, seconds).await;
+        }
+        true
+    }
+
+    /// Renews `job`'s lease every third of its length until aborted.
+    fn renew_lease(&self, job: &Job) -> tokio::task::JoinHandle<()> {
+        let store = self.store.clone();
+        let job = job.clone();
+        let lease_ms = self.lease_ms;
+        tokio::spawn(async move {
+            let every = Duration::from_millis(u64::try_from(lease_ms / 3).unwrap_or(1).max(1));
+            loop {
+                tokio::time::sleep(every).await;
+                match store.renew(&job, now_ms().saturating_add(lease_ms)).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(digest = %job.digest, "the job's lease was lost");
+                        return;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot renew a lease; retrying"),
+                }
+            }
+        })
+    }
+
+    /// Writes one job's verdict (or gives the job back when its audit could not run).
+    async fn conclude(
+        &self,
+        job: &Job,
+        outcome: anyhow::Result<(AuditReport, Option<CellVerdict>)>,
+        seconds: f64,
+    ) {
         let (report, cells) = match outcome {
             Ok(r) => r,
             Err(e) => {
@@ -237,9 +296,9 @@ impl Worker {
                 );
                 let _ = self
                     .store
-                    .release(&job, Some(&error), now_ms().saturating_add(RETRY_AFTER_MS))
+                    .release(job, Some(&error), now_ms().saturating_add(RETRY_AFTER_MS))
                     .await;
-                return true;
+                return;
             }
         };
         let (verdict, reasons) = combined_verdict(&report, cells.as_ref());
@@ -282,7 +341,7 @@ impl Worker {
         });
         match self
             .store
-            .finish(&job, &row, &report_json, evidence.as_ref())
+            .finish(job, &row, &report_json, evidence.as_ref())
             .await
         {
             Ok(true) => {
@@ -303,24 +362,74 @@ impl Worker {
             ),
             Err(e) => {
                 tracing::warn!(digest = %job.digest, error = %e, "cannot write the verdict; the job is given back");
-                let _ = self.store.release(&job, None, 0).await;
+                let _ = self.store.release(job, None, 0).await;
             }
         }
-        true
     }
 }
 
 impl Worker {
-    /// The audit of one job: for a commitment with cells the challenge through the gateway
-    /// first (the retention window runs from the report), then, blocking, the TOPLOC recompute
-    /// and the cell check of the answer. `Err`: no verdict (the job is kept and retried).
+    /// The audits of claimed jobs of one model: for each commitment with cells the challenge
+    /// through the gateway first (the retention window runs from the report), then, blocking,
+    /// the TOPLOC recomputes in one pass ([`run_audits`]) and the cell check of each answer.
+    /// One outcome per job, in order; `Err`: no verdict for that job (it is kept and retried).
     async fn audit_work(
         &self,
         loaded: Arc<LoadedModel>,
-        job: &Job,
-    ) -> anyhow::Result<(AuditReport, Option<CellVerdict>)> {
-        let plan = self.cell_plan(&loaded, job).await?;
-        let (prepared, answer, age_s) = match plan {
+        jobs: &[Job],
+    ) -> Vec<anyhow::Result<(AuditReport, Option<CellVerdict>)>> {
+        let mut stages = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            stages.push(self.cell_stage(&loaded, job).await);
+        }
+        let params = self.params;
+        let metrics = Arc::clone(&self.metrics);
+        let commitments: Vec<String> = jobs
+            .iter()
+            .zip(&stages)
+            .filter(|(_, st)| st.is_ok())
+            .map(|(j, _)| j.commitment.clone())
+            .collect();
+        let n = jobs.len();
+        let task = tokio::task::spawn_blocking(move || {
+            let mut reports = run_audits(&loaded, &commitments, &params, &metrics).into_iter();
+            stages
+                .into_iter()
+                .map(|stage| {
+                    let (prepared, answer, age_s) = stage?;
+                    let report = reports
+                        .next()
+                        .ok_or_else(|| anyhow::anyhow!("no report for a job of the batch"))??;
+                    let cells = match (prepared, answer, loaded.cells.as_ref()) {
+                        (None, _, _) => None,
+                        (Some(Err(v)), _, _) => Some(v),
+                        (Some(Ok(p)), Some(a), Some(w)) => Some(crate::challenge::judge(
+                            &loaded.model,
+                            w,
+                            &p,
+                            &a,
+                            age_s,
+                            &CellPolicy::default(),
+                        )?),
+                        (Some(Ok(_)), _, _) => anyhow::bail!("a challenge without an answer"),
+                    };
+                    Ok((report, cells))
+                })
+                .collect::<Vec<_>>()
+        });
+        match task.await {
+            Ok(r) => r,
+            Err(e) => (0..n)
+                .map(|_| Err(anyhow::anyhow!("the audit task ended: {e}")))
+                .collect(),
+        }
+    }
+
+    /// The cell stage of one job before its recompute: what was prepared (or decided without
+    /// a challenge), the miner's answer, and the request's age in seconds.
+    async fn cell_stage(&self, loaded: &Arc<LoadedModel>, job: &Job) -> anyhow::Result<CellStage> {
+        let plan = self.cell_plan(loaded, job).await?;
+        Ok(match plan {
             CellPlan::None => (None, None, 0),
             CellPlan::Decided(v) => (Some(Err(v)), None, 0),
             CellPlan::Challenge(p) => {
@@ -361,30 +470,7 @@ impl Worker {
                     (Some(Ok(p)), Some(answer), age_s)
                 }
             }
-        };
-        let params = self.params;
-        let commitment = job.commitment.clone();
-        let task = tokio::task::spawn_blocking(move || {
-            let report = run_audit(&loaded, &commitment, &params)?;
-            let cells = match (prepared, answer, loaded.cells.as_ref()) {
-                (None, _, _) => None,
-                (Some(Err(v)), _, _) => Some(v),
-                (Some(Ok(p)), Some(a), Some(w)) => Some(crate::challenge::judge(
-                    &loaded.model,
-                    w,
-                    &p,
-                    &a,
-                    age_s,
-                    &CellPolicy::default(),
-                )?),
-                (Some(Ok(_)), _, _) => anyhow::bail!("a challenge without an answer"),
-            };
-            Ok((report, cells))
-        });
-        match task.await {
-            Ok(r) => r,
-            Err(e) => Err(anyhow::anyhow!("the audit task ended: {e}")),
-        }
+        })
     }
 
     /// What the cell audit of `job` will be.
@@ -441,6 +527,10 @@ impl Worker {
     }
 }
 
+/// A job's cell stage: prepared challenge (or the verdict decided without one), the answer,
+/// the request's age in seconds.
+type CellStage = (Option<Result<Prepared, CellVerdict>>, Option<Answer>, u64);
+
 /// The cell audit a job will get.
 enum CellPlan {
     /// The commitment has no cells.
@@ -483,6 +573,80 @@ pub fn combined_verdict(
             ("cheat", reasons)
         }
         CellOutcome::Pass | CellOutcome::NotJudged => (verdict, reasons),
+    }
+}
+
+/// The TOPLOC recomputes of commitments of one model (bytes as the miners sent them), in
+/// order: one alone as [`run_audit`]; several in one pass over the weights
+/// (`engy_model::audit::audit_many`, which gives each exactly the report it gets alone).
+/// When the batched pass fails, each commitment is audited alone, so that one commitment's
+/// error costs the others nothing. Counts every pass in `metrics.audit_passes`.
+fn run_audits(
+    loaded: &LoadedModel,
+    commitments: &[String],
+    params: &AuditParams,
+    metrics: &Metrics,
+) -> Vec<anyhow::Result<AuditReport>> {
+    let alone = |c: &String| {
+        metrics.audit_passes.inc();
+        run_audit(loaded, c, params)
+    };
+    if commitments.len() < 2 {
+        return commitments.iter().map(alone).collect();
+    }
+    // Commitments that are not JSON are unproven without a recompute.
+    let parsed: Vec<Result<serde_json::Value, Box<AuditReport>>> = commitments
+        .iter()
+        .map(|c| {
+            serde_json::from_str(c).map_err(|e| {
+                Box::new(AuditReport::unproven(
+                    format!("the commitment is not JSON: {e}"),
+                    *params,
+                ))
+            })
+        })
+        .collect();
+    let values: Vec<serde_json::Value> = parsed
+        .iter()
+        .filter_map(|p| p.as_ref().ok().cloned())
+        .collect();
+    if !values.is_empty() {
+        metrics.audit_passes.inc();
+    }
+    match audit_many(
+        &loaded.model,
+        &loaded.model_root,
+        &values,
+        params,
+        Recompute::Auto,
+    ) {
+        Ok(reports) if reports.len() == values.len() => {
+            let mut reports = reports.into_iter();
+            parsed
+                .into_iter()
+                .map(|p| match p {
+                    Err(unproven) => Ok(*unproven),
+                    Ok(_) => reports
+                        .next()
+                        .ok_or_else(|| anyhow::anyhow!("audit_many returned too few reports")),
+                })
+                .collect()
+        }
+        Ok(reports) => {
+            tracing::warn!(
+                expected = values.len(),
+                got = reports.len(),
+                "the batched pass returned the wrong number of reports; auditing one by one"
+            );
+            commitments.iter().map(alone).collect()
+        }
+        Err(e) => {
+            tracing::warn!(
+                error = %e, jobs = commitments.len(),
+                "the batched pass failed; auditing its commitments one by one"
+            );
+            commitments.iter().map(alone).collect()
+        }
     }
 }
 

@@ -1223,3 +1223,65 @@ fn the_audit_compose_file_runs_the_service_on_its_postgres() {
         "{o:?}"
     );
 }
+
+/// `--batch 4`: eight queued reports of one model (honest, cheating, one not provable) are
+/// audited in two TOPLOC passes over the weights, each job once, and every verdict is the
+/// one `--batch 1` (eight passes) gives.
+#[test]
+fn a_batch_of_one_models_jobs_gets_the_verdicts_each_gets_alone() {
+    let fx = Fixture::new();
+    let model = "devnet";
+    let commitments: Vec<Value> = (0..8)
+        .map(|i| {
+            let mut c = fx.commitment(&format!("Batched question {i}?"), 24, i % 3 != 1);
+            if i == 5 {
+                c["toploc"]["n_tokens"] = json!(3);
+            }
+            c
+        })
+        .collect();
+    let mut runs = Vec::new();
+    for batch in ["1", "4"] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = sqlite_url(dir.path());
+        // Every report queued first, by a process with no worker, so that the worker finds
+        // all eight at once.
+        let mut intake = Service::start(&db, &[(model, &fx.checkpoint)], &["--device", "none"]);
+        let digests: Vec<String> = commitments
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (code, v) = intake.post(&report(&format!("b{i}"), &hotkey("batch"), model, c));
+                assert_eq!(code, 202, "{v}");
+                v["digest"].as_str().unwrap().to_owned()
+            })
+            .collect();
+        assert!(intake.terminate().success());
+        let svc = Service::start(&db, &[(model, &fx.checkpoint)], &["--batch", batch]);
+        let verdicts: Vec<Value> = digests
+            .iter()
+            .map(|d| {
+                let v = svc.verdict(d);
+                let (_, s) = get_json(svc.addr, &format!("/v1/requests/{d}"));
+                assert_eq!(s["attempts"], 1, "audited more than once: {s}");
+                json!([v["verdict"], v["reasons"], v["score"]])
+            })
+            .collect();
+        let written: f64 = ["pass", "cheat", "unproven", "unanswered"]
+            .iter()
+            .map(|k| svc.metric(&format!("engy_audit_audits_total{{verdict=\"{k}\"}}")))
+            .sum();
+        assert_eq!(written, 8.0, "each verdict written exactly once");
+        runs.push((verdicts, svc.metric("engy_audit_audit_passes_total")));
+    }
+    let kinds: Vec<&Value> = runs[0].0.iter().map(|v| &v[0]).collect();
+    assert!(kinds.contains(&&json!("pass")), "{kinds:?}");
+    assert!(kinds.contains(&&json!("cheat")), "{kinds:?}");
+    assert_eq!(kinds[5], &json!("unproven"));
+    assert_eq!(
+        runs[0].0, runs[1].0,
+        "batched verdicts differ from one-by-one"
+    );
+    assert_eq!(runs[0].1, 8.0, "--batch 1: one pass per job");
+    assert_eq!(runs[1].1, 2.0, "--batch 4: two passes for eight jobs");
+}
