@@ -319,14 +319,48 @@ async fn get_miner(State(state): State<Arc<AppState>>, Path(hotkey): Path<String
             }
             let summary =
                 serde_json::to_value(Summary::of(&total, state.min_sample)).unwrap_or(Value::Null);
+            let ledger = match state.store.near_tie_ledger(&hotkey).await {
+                Ok(l) => l,
+                Err(e) => return unavailable("the database cannot be read", &e),
+            };
             let mut out = json!({"hotkey": hotkey, "models": models});
             if let (Value::Object(o), Value::Object(s)) = (&mut out, summary) {
                 o.extend(s);
+                o.extend(near_tie_fields(&ledger));
             }
             Json(out).into_response()
         }
         Err(e) => unavailable("the database cannot be read", &e),
     }
+}
+
+/// The near-tie ledger's fields of `GET /v1/miners/{hotkey}`: `near_ties` (the running
+/// totals and the limit they are held to) and `near_tie_flagged` with its `near_tie_reason`.
+/// The test is `engy_model::cells::stats::near_ties_flagged` on the sums over all the miner's
+/// judged bundles, with the default `StatsPolicy` (rate `near_tie_rate`, false-flag bound
+/// `false_flag` per judgement): bundles that each pass alone can be flagged together.
+fn near_tie_fields(l: &crate::store::NearTieLedger) -> serde_json::Map<String, Value> {
+    use engy_model::cells::stats::{near_tie_limit, near_ties_flagged, StatsPolicy};
+    let policy = StatsPolicy::default();
+    let near_ties = usize::try_from(l.near_ties).unwrap_or(usize::MAX);
+    let cells = usize::try_from(l.cells).unwrap_or(usize::MAX);
+    let limit = near_tie_limit(cells, policy.near_tie_rate, policy.false_flag);
+    let flagged = l.cells > 0 && near_ties_flagged(near_ties, cells, &policy);
+    let reason = flagged.then(|| {
+        format!(
+            "{near_ties} of {cells} cells over {} judged bundles take a near-tied expert set; \
+             an honest serve (rate ≤ {}) reaches {limit} with probability ≤ {:e}",
+            l.bundles, policy.near_tie_rate, policy.false_flag
+        )
+    });
+    let mut m = serde_json::Map::new();
+    m.insert(
+        "near_ties".into(),
+        json!({"bundles": l.bundles, "near_ties": l.near_ties, "cells": l.cells, "limit": limit}),
+    );
+    m.insert("near_tie_flagged".into(), Value::Bool(flagged));
+    m.insert("near_tie_reason".into(), json!(reason));
+    m
 }
 
 /// `GET /v1/verdicts` query.

@@ -95,13 +95,22 @@ pub fn redact(url: &str) -> String {
 /// The migrations, embedded in the binary (sqlx's migrator, without its macros).
 fn migrator() -> Migrator {
     Migrator {
-        migrations: Cow::Owned(vec![Migration::new(
-            1,
-            Cow::Borrowed("audit service"),
-            MigrationType::Simple,
-            Cow::Borrowed(include_str!("../migrations/0001_audit_service.sql")),
-            false,
-        )]),
+        migrations: Cow::Owned(vec![
+            Migration::new(
+                1,
+                Cow::Borrowed("audit service"),
+                MigrationType::Simple,
+                Cow::Borrowed(include_str!("../migrations/0001_audit_service.sql")),
+                false,
+            ),
+            Migration::new(
+                2,
+                Cow::Borrowed("near-tie ledger"),
+                MigrationType::Simple,
+                Cow::Borrowed(include_str!("../migrations/0002_near_tie_ledger.sql")),
+                false,
+            ),
+        ]),
         ignore_missing: false,
         locking: true,
         no_tx: false,
@@ -202,9 +211,28 @@ pub struct VerdictRow {
     pub audit_seconds: f64,
     /// When it was written (ms since the epoch).
     pub decided_ms: i64,
+    /// Near-tie cells of the answered cell challenge's bundle (`CellStats::near_ties`);
+    /// `None` when no bundle was judged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub near_ties: Option<u64>,
+    /// Cells of that bundle judged (`CellStats::n`); `None` when no bundle was judged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cells_judged: Option<u64>,
     /// The full audit report (JSON), only where asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub report: Option<serde_json::Value>,
+}
+
+/// A miner's near-tie ledger: its bundles' near-tie cells and judged cells summed over all
+/// its verdicts ([`Store::near_tie_ledger`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NearTieLedger {
+    /// Verdicts whose bundle was judged.
+    pub bundles: u64,
+    /// Near-tie cells over those bundles.
+    pub near_ties: u64,
+    /// Cells judged over those bundles.
+    pub cells: u64,
 }
 
 /// A cheat's evidence: what `engy-audit audit` / `engy-audit cells` re-check by themselves.
@@ -651,8 +679,8 @@ impl Store {
         let reasons = serde_json::to_string(&v.reasons).unwrap_or_else(|_| "[]".into());
         sqlx::query(
             "INSERT INTO verdicts (digest, request_id, hotkey, model, verdict, reasons, score, \
-             report, worker, audit_seconds, decided_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+             report, worker, audit_seconds, decided_ms, near_ties, cells_judged) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(&v.digest)
         .bind(&v.request_id)
@@ -665,6 +693,8 @@ impl Store {
         .bind(&v.worker)
         .bind(v.audit_seconds)
         .bind(v.decided_ms)
+        .bind(v.near_ties.and_then(|n| i64::try_from(n).ok()))
+        .bind(v.cells_judged.and_then(|n| i64::try_from(n).ok()))
         .execute(&mut *tx)
         .await?;
         if let Some(e) = evidence {
@@ -771,6 +801,29 @@ impl Store {
         Ok(out)
     }
 
+    /// The near-tie ledger of `hotkey`: its judged bundles' near-tie and judged cells summed
+    /// over all its verdicts (all models; zeros when it has none).
+    ///
+    /// # Errors
+    /// [`StoreError::Db`].
+    pub async fn near_tie_ledger(&self, hotkey: &str) -> Result<NearTieLedger, StoreError> {
+        let r = sqlx::query(
+            "SELECT COUNT(cells_judged), CAST(COALESCE(SUM(near_ties), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(cells_judged), 0) AS BIGINT) FROM verdicts WHERE hotkey = $1",
+        )
+        .bind(hotkey)
+        .fetch_one(&self.pool)
+        .await?;
+        let get = |i: usize| -> Result<u64, StoreError> {
+            Ok(u64::try_from(r.try_get::<i64, _>(i)?).unwrap_or(0))
+        };
+        Ok(NearTieLedger {
+            bundles: get(0)?,
+            near_ties: get(1)?,
+            cells: get(2)?,
+        })
+    }
+
     /// Verdict counts of every miner (all models together), for the metrics.
     ///
     /// # Errors
@@ -808,7 +861,8 @@ impl Store {
     ) -> Result<Vec<VerdictRow>, StoreError> {
         let rows = sqlx::query(
             "SELECT digest, request_id, hotkey, model, verdict, reasons, score, worker, \
-             audit_seconds, decided_ms FROM verdicts WHERE decided_ms >= $1 \
+             audit_seconds, decided_ms, near_ties, cells_judged FROM verdicts \
+             WHERE decided_ms >= $1 \
              ORDER BY decided_ms, digest LIMIT $2",
         )
         .bind(since_ms)
@@ -825,14 +879,15 @@ impl Store {
     pub async fn verdict(&self, digest: &str) -> Result<Option<VerdictRow>, StoreError> {
         let row = sqlx::query(
             "SELECT digest, request_id, hotkey, model, verdict, reasons, score, worker, \
-             audit_seconds, decided_ms, report FROM verdicts WHERE digest = $1",
+             audit_seconds, decided_ms, near_ties, cells_judged, report FROM verdicts \
+             WHERE digest = $1",
         )
         .bind(digest)
         .fetch_optional(&self.pool)
         .await?;
         let Some(r) = row else { return Ok(None) };
         let mut v = verdict_row(&r)?;
-        let report: String = r.try_get(10)?;
+        let report: String = r.try_get(12)?;
         v.report = serde_json::from_str(&report).ok();
         Ok(Some(v))
     }
@@ -883,6 +938,12 @@ fn verdict_row(r: &AnyRow) -> Result<VerdictRow, StoreError> {
         worker: r.try_get(7)?,
         audit_seconds: r.try_get(8)?,
         decided_ms: r.try_get(9)?,
+        near_ties: r
+            .try_get::<Option<i64>, _>(10)?
+            .and_then(|n| u64::try_from(n).ok()),
+        cells_judged: r
+            .try_get::<Option<i64>, _>(11)?
+            .and_then(|n| u64::try_from(n).ok()),
         report: None,
     })
 }

@@ -321,6 +321,8 @@ impl Worker {
             }
             v.to_string()
         };
+        // The near-tie ledger's entry: the answered bundle's counts (docs/AUDIT-SERVICE.md).
+        let judged_bundle = cells.as_ref().and_then(|c| c.bundle.as_ref());
         let row = VerdictRow {
             digest: job.digest.clone(),
             request_id: job.request_id.clone(),
@@ -332,6 +334,8 @@ impl Worker {
             worker: self.id.clone(),
             audit_seconds: seconds,
             decided_ms: now_ms(),
+            near_ties: judged_bundle.map(|b| b.stats.near_ties as u64),
+            cells_judged: judged_bundle.map(|b| b.stats.n as u64),
             report: None,
         };
         let evidence = (verdict == "cheat").then(|| Evidence {

@@ -1089,6 +1089,13 @@ fn the_cell_challenge_goes_through_the_gateway_and_judges_each_answer() {
     assert_eq!(honest["verdict"], "pass", "{honest}");
     assert_eq!(honest["report"]["cells"]["outcome"], "pass", "{honest}");
     assert_eq!(m["pass"], 1, "{m}");
+    // The answered bundle's counts enter the miner's near-tie ledger.
+    let stats = &honest["report"]["cells"]["bundle"]["stats"];
+    assert_eq!(honest["cells_judged"], stats["n"], "{honest}");
+    assert_eq!(honest["near_ties"], stats["near_ties"], "{honest}");
+    assert_eq!(m["near_ties"]["bundles"], 1, "{m}");
+    assert_eq!(m["near_ties"]["cells"], stats["n"], "{m}");
+    assert_eq!(m["near_tie_flagged"], false, "{m}");
 
     let (digest, cheat, m) = &verdicts[&Opens::Fabricated];
     assert_eq!(cheat["verdict"], "cheat", "{cheat}");
@@ -1284,4 +1291,103 @@ fn a_batch_of_one_models_jobs_gets_the_verdicts_each_gets_alone() {
     );
     assert_eq!(runs[0].1, 8.0, "--batch 1: one pass per job");
     assert_eq!(runs[1].1, 2.0, "--batch 4: two passes for eight jobs");
+}
+
+/// The near-tie ledger: a miner whose answered bundles each stay under the near-tie limit of
+/// their own 32 cells, but whose running total over all its audits reaches the limit of the
+/// summed cells (`engy_model::cells::stats::near_ties_flagged`), is marked in
+/// `GET /v1/miners/{hotkey}`; after one such bundle it is not. The reports are real and queued
+/// by the binary; each verdict, with its bundle's recorded (near-tie cells, judged cells), is
+/// written through the store's lease-and-finish path as a worker writes it.
+#[test]
+fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger() {
+    use engy_audit_service::store::{now_ms, Store, VerdictRow};
+    use engy_model::cells::stats::{near_tie_limit, near_ties_flagged, StatsPolicy};
+    let policy = StatsPolicy::default();
+    const CELLS: usize = 32;
+    let per_bundle = near_tie_limit(CELLS, policy.near_tie_rate, policy.false_flag) - 1;
+    assert!(per_bundle >= 1 && !near_ties_flagged(per_bundle, CELLS, &policy));
+
+    let fx = Fixture::new();
+    let model = "devnet";
+    let key = hotkey("near-tie");
+    let dir = tempfile::tempdir().unwrap();
+    let db = sqlite_url(dir.path());
+    let mut intake = Service::start(&db, &[(model, &fx.checkpoint)], &["--device", "none"]);
+    for i in 0..8 {
+        let c = fx.commitment(&format!("Near-tie question {i}?"), 16, true);
+        let (code, v) = intake.post(&report(&format!("nt{i}"), &key, model, &c));
+        assert_eq!(code, 202, "{v}");
+    }
+    assert!(intake.terminate().success());
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = rt.block_on(Store::open(&db)).unwrap();
+    // Writes `count` verdicts, each a pass whose bundle had `per_bundle` near-ties of CELLS.
+    let record = |count: usize| {
+        rt.block_on(async {
+            for _ in 0..count {
+                let job = store
+                    .claim("recorder", &[model.to_owned()], now_ms(), 60_000)
+                    .await
+                    .unwrap()
+                    .expect("a queued job");
+                let row = VerdictRow {
+                    digest: job.digest.clone(),
+                    request_id: job.request_id.clone(),
+                    hotkey: job.hotkey.clone(),
+                    model: job.model.clone(),
+                    verdict: "pass".into(),
+                    reasons: vec![],
+                    score: Some(0.0),
+                    worker: "recorder".into(),
+                    audit_seconds: 0.0,
+                    decided_ms: now_ms(),
+                    near_ties: Some(per_bundle as u64),
+                    cells_judged: Some(CELLS as u64),
+                    report: None,
+                };
+                assert!(store.finish(&job, &row, "{}", None).await.unwrap());
+            }
+        })
+    };
+    let miner = || {
+        let mut svc = Service::start(&db, &[(model, &fx.checkpoint)], &["--device", "none"]);
+        let (code, m) = get_json(svc.addr, &format!("/v1/miners/{key}"));
+        assert_eq!(code, 200, "{m}");
+        assert!(svc.terminate().success());
+        m
+    };
+
+    record(1);
+    let m = miner();
+    assert_eq!(m["pass"], 1, "{m}");
+    assert_eq!(m["near_ties"]["near_ties"], per_bundle, "{m}");
+    assert_eq!(m["near_ties"]["cells"], CELLS, "{m}");
+    assert_eq!(
+        m["near_tie_flagged"], false,
+        "one bundle under its limit: {m}"
+    );
+    assert!(m["near_tie_reason"].is_null(), "{m}");
+
+    record(7);
+    let total = 8 * per_bundle;
+    assert!(
+        near_ties_flagged(total, 8 * CELLS, &policy),
+        "the fixture's total must reach the ledger's limit"
+    );
+    let m = miner();
+    assert_eq!(m["pass"], 8, "{m}");
+    assert_eq!(m["near_ties"]["bundles"], 8, "{m}");
+    assert_eq!(m["near_ties"]["near_ties"], total, "{m}");
+    assert_eq!(m["near_tie_flagged"], true, "{m}");
+    assert!(
+        m["near_tie_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains(&format!("{total} of {}", 8 * CELLS))),
+        "{m}"
+    );
 }
