@@ -91,8 +91,8 @@ pub struct ServeArgs {
     )]
     pub drain_s: u64,
     /// Jobs of one model a worker claims at once and audits in one pass over the weights
-    /// (`engy_model::audit::audit_many`; each job leased and given its own verdict): 1 to
-    /// [`MAX_BATCH`].
+    /// (`engy_model::audit::audit_many`; each job leased and given its own verdict): 1 to 64
+    /// (`MAX_BATCH`).
     #[arg(
         long,
         env = "ENGY_AUDIT_BATCH",
