@@ -1300,7 +1300,22 @@ fn a_batch_of_one_models_jobs_gets_the_verdicts_each_gets_alone() {
 /// by the binary; each verdict, with its bundle's recorded (near-tie cells, judged cells), is
 /// written through the store's lease-and-finish path as a worker writes it.
 #[test]
-fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger() {
+fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger_on_sqlite() {
+    let t = tempfile::tempdir().unwrap();
+    near_tie_ledger(&sqlite_url(t.path()), "devnet");
+}
+
+#[test]
+fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger_on_postgres() {
+    let Some(url) =
+        postgres_url("near_ties_that_pass_alone_are_flagged_over_the_miners_ledger_on_postgres")
+    else {
+        return;
+    };
+    near_tie_ledger(&url, &model_name("near-tie"));
+}
+
+fn near_tie_ledger(db: &str, model: &str) {
     use engy_audit_service::store::{now_ms, Store, VerdictRow};
     use engy_model::cells::stats::{near_tie_limit, near_ties_flagged, StatsPolicy};
     let policy = StatsPolicy::default();
@@ -1309,11 +1324,8 @@ fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger() {
     assert!(per_bundle >= 1 && !near_ties_flagged(per_bundle, CELLS, &policy));
 
     let fx = Fixture::new();
-    let model = "devnet";
     let key = hotkey("near-tie");
-    let dir = tempfile::tempdir().unwrap();
-    let db = sqlite_url(dir.path());
-    let mut intake = Service::start(&db, &[(model, &fx.checkpoint)], &["--device", "none"]);
+    let mut intake = Service::start(db, &[(model, &fx.checkpoint)], &["--device", "none"]);
     for i in 0..8 {
         let c = fx.commitment(&format!("Near-tie question {i}?"), 16, true);
         let (code, v) = intake.post(&report(&format!("nt{i}"), &key, model, &c));
@@ -1325,7 +1337,7 @@ fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger() {
         .enable_all()
         .build()
         .unwrap();
-    let store = rt.block_on(Store::open(&db)).unwrap();
+    let store = rt.block_on(Store::open(db)).unwrap();
     // Writes `count` verdicts, each a pass whose bundle had `per_bundle` near-ties of CELLS.
     let record = |count: usize| {
         rt.block_on(async {
@@ -1355,7 +1367,7 @@ fn near_ties_that_pass_alone_are_flagged_over_the_miners_ledger() {
         })
     };
     let miner = || {
-        let mut svc = Service::start(&db, &[(model, &fx.checkpoint)], &["--device", "none"]);
+        let mut svc = Service::start(db, &[(model, &fx.checkpoint)], &["--device", "none"]);
         let (code, m) = get_json(svc.addr, &format!("/v1/miners/{key}"));
         assert_eq!(code, 200, "{m}");
         assert!(svc.terminate().success());
