@@ -413,11 +413,10 @@ impl Model {
         rows: &[(usize, usize)],
         probes: &mut [Probe<'_>],
     ) -> Result<Vec<Vec<Vec<u16>>>, ModelError> {
-        if seqs.len() != probes.len() || seqs.len() != rows.len() {
+        if seqs.len() != rows.len() {
             return Err(ModelError::Config(format!(
-                "{} sequences with {} probes and {} row ranges",
+                "{} sequences with {} row ranges",
                 seqs.len(),
-                probes.len(),
                 rows.len()
             )));
         }

@@ -1509,14 +1509,7 @@ impl Architecture for GlmMoeDsa {
     fn forward_many(&self, seqs: &mut [SeqPass<'_, '_>]) -> Result<Vec<Tensor>, ModelError> {
         // Layer by layer for every sequence, each layer's weights read and decoded once
         // (`Weights::hold`), released before the next layer's are read.
-        struct Held<'w>(&'w Weights);
-        impl Drop for Held<'_> {
-            fn drop(&mut self) {
-                self.0.hold(false);
-            }
-        }
-        self.w.hold(true);
-        let _held = Held(&self.w);
+        let _held = self.w.held();
         let mut states = seqs
             .iter()
             .map(|s| self.begin(s.ids, s.cache))

@@ -90,6 +90,15 @@ pub struct Weights {
     staging: std::sync::Mutex<HashMap<usize, Staging>>,
 }
 
+/// A [`Weights::hold`] that ends when this is dropped ([`Weights::held`]).
+pub struct Held<'w>(&'w Weights);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.hold(false);
+    }
+}
+
 /// A page-locked staging buffer of [`Weights::upload`] and the event recorded after the last
 /// copy out of it: the host waits on the event before writing the buffer again. cudarc's own
 /// event on a pinned buffer is recorded only when it manages synchronisation between several
@@ -758,6 +767,13 @@ impl Weights {
         if !on {
             self.release_held();
         }
+    }
+
+    /// [`Weights::hold`] on until the returned guard is dropped, on every path out of the
+    /// caller (an error included): a batched pass holds its layers through it.
+    pub fn held(&self) -> Held<'_> {
+        self.hold(true);
+        Held(self)
     }
 
     /// Drops what a [`Weights::hold`] kept (between two layers of a batched pass); the hold
