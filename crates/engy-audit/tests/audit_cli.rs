@@ -231,6 +231,55 @@ fn several_commitments_are_audited_in_one_run() {
     assert_eq!(code, 3);
 }
 
+/// `--batch N` audits up to N commitments in one pass over streamed weights and prints, in
+/// the order given, exactly the reports they get one by one (an unreadable and a non-JSON
+/// file among them keep their lines); the exit code is the same.
+#[test]
+fn a_batch_prints_the_reports_each_commitment_gets_alone() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("m");
+    let (honest, prompt, good) = honest_commitment(&dir);
+    let cheat = Checkpoint::open(&dir, Precision::Int4 { group_size: 32 }).unwrap();
+    let bad = commit_greedy(
+        &cheat.model,
+        &cheat.model_root,
+        &prompt,
+        40,
+        &[],
+        &Params::ENGY,
+    )
+    .unwrap();
+    drop(honest);
+    let write = |name: &str, bytes: &[u8]| {
+        let p = t.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let good = write("good.json", &serde_json::to_vec(&good).unwrap());
+    let bad = write("bad.json", &serde_json::to_vec(&bad).unwrap());
+    let junk = write("junk.json", b"{not json");
+    let missing = t.path().join("gone.json").to_string_lossy().into_owned();
+    let ck = dir.to_string_lossy().into_owned();
+    let files = [&good, &bad, &junk, &good, &missing, &bad, &good];
+    let audit = |batch: &str| {
+        let mut args = vec!["--checkpoint", ck.as_str(), "--json", "--batch", batch];
+        for f in files {
+            args.extend(["--commitment", f.as_str()]);
+        }
+        run(&args)
+    };
+    let (code_one, one) = audit("1");
+    assert_eq!(code_one, 1, "{one}");
+    assert_eq!(one.lines().count(), files.len(), "{one}");
+    for batch in ["3", "7"] {
+        let (code, out) = audit(batch);
+        assert_eq!(code, code_one, "--batch {batch}: {out}");
+        assert_eq!(out, one, "--batch {batch} printed other reports");
+    }
+    let (code, _) = audit("0");
+    assert_eq!(code, 3, "--batch 0 is a usage error");
+}
+
 /// The commitment files are read before the checkpoint is opened (which may decode all of
 /// it): a wrong commitment path is the error reported, even beside a wrong checkpoint.
 #[test]

@@ -73,30 +73,49 @@ impl OwnChain {
     }
 
     /// `start-subtensor.sh PORT --restart`: a node from genesis, seeded (head #202).
+    ///
+    /// The shared harness's seeding of a fresh node sometimes has its first signed extrinsic
+    /// refused (`1010 {"invalid":{"badProof":null}}`, seen in 2 of 3 full runs on a loaded
+    /// 2-core machine, 2026-12-06), a race of the harness's start outside this project: the
+    /// start is tried again, once, when the script says the seeding failed, and any other
+    /// failure fails the test at once.
     async fn start(&self) {
         let t = Instant::now();
-        let mut cmd = tokio::process::Command::new("bash");
-        cmd.arg(self.harness.join("start-subtensor.sh"))
-            .arg(self.port.to_string())
-            .arg("--restart")
-            .env("SUBTENSOR_RUN_DIR", self.run_dir.path())
-            .env_remove("SUBTENSOR_PORT")
-            .stdin(Stdio::null())
-            .kill_on_drop(true);
-        let out = tokio::time::timeout(START_LIMIT, cmd.output())
-            .await
-            .unwrap_or_else(|_| {
-                panic!("start-subtensor.sh {} took over {START_LIMIT:?}", self.port)
-            })
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "start-subtensor.sh {} failed ({}):\n{}{}",
-            self.port,
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        for attempt in 1..=2 {
+            let mut cmd = tokio::process::Command::new("bash");
+            cmd.arg(self.harness.join("start-subtensor.sh"))
+                .arg(self.port.to_string())
+                .arg("--restart")
+                .env("SUBTENSOR_RUN_DIR", self.run_dir.path())
+                .env_remove("SUBTENSOR_PORT")
+                .stdin(Stdio::null())
+                .kill_on_drop(true);
+            let out = tokio::time::timeout(START_LIMIT, cmd.output())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("start-subtensor.sh {} took over {START_LIMIT:?}", self.port)
+                })
+                .unwrap();
+            let log = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if out.status.success() {
+                break;
+            }
+            let seeding = log.contains("seeding failed") && log.contains("badProof");
+            assert!(
+                seeding && attempt < 2,
+                "start-subtensor.sh {} failed ({}) on attempt {attempt}:\n{log}",
+                self.port,
+                out.status,
+            );
+            eprintln!(
+                "start-subtensor.sh {}: the harness's seeding was refused (badProof); starting again",
+                self.port
+            );
+        }
         eprintln!(
             "own chain on port {} up and seeded in {:.1} s",
             self.port,
