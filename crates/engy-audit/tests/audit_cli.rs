@@ -127,29 +127,13 @@ fn audit_exit_codes_follow_the_verdict() {
 #[test]
 fn several_commitments_are_audited_in_one_run() {
     let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("m");
-    let (honest, prompt, good) = honest_commitment(&dir);
-    let cheat = Checkpoint::open(&dir, Precision::Int4 { group_size: 32 }).unwrap();
-    let bad = commit_greedy(
-        &cheat.model,
-        &cheat.model_root,
-        &prompt,
-        40,
-        &[],
-        &Params::ENGY,
-    )
-    .unwrap();
-    drop(honest);
-    let write = |name: &str, bytes: &[u8]| {
-        let p = t.path().join(name);
-        std::fs::write(&p, bytes).unwrap();
-        p.to_string_lossy().into_owned()
-    };
-    let good = write("good.json", &serde_json::to_vec(&good).unwrap());
-    let bad = write("bad.json", &serde_json::to_vec(&bad).unwrap());
-    let junk = write("junk.json", b"{not json");
-    let missing = t.path().join("gone.json").to_string_lossy().into_owned();
-    let ck = dir.to_string_lossy().into_owned();
+    let Files {
+        ck,
+        good,
+        bad,
+        junk,
+        missing,
+    } = files(t.path());
     let audit = |files: &[&str], json: bool| {
         let mut args = vec!["--checkpoint", ck.as_str(), "--resident"];
         for f in files {
@@ -237,29 +221,13 @@ fn several_commitments_are_audited_in_one_run() {
 #[test]
 fn a_batch_prints_the_reports_each_commitment_gets_alone() {
     let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("m");
-    let (honest, prompt, good) = honest_commitment(&dir);
-    let cheat = Checkpoint::open(&dir, Precision::Int4 { group_size: 32 }).unwrap();
-    let bad = commit_greedy(
-        &cheat.model,
-        &cheat.model_root,
-        &prompt,
-        40,
-        &[],
-        &Params::ENGY,
-    )
-    .unwrap();
-    drop(honest);
-    let write = |name: &str, bytes: &[u8]| {
-        let p = t.path().join(name);
-        std::fs::write(&p, bytes).unwrap();
-        p.to_string_lossy().into_owned()
-    };
-    let good = write("good.json", &serde_json::to_vec(&good).unwrap());
-    let bad = write("bad.json", &serde_json::to_vec(&bad).unwrap());
-    let junk = write("junk.json", b"{not json");
-    let missing = t.path().join("gone.json").to_string_lossy().into_owned();
-    let ck = dir.to_string_lossy().into_owned();
+    let Files {
+        ck,
+        good,
+        bad,
+        junk,
+        missing,
+    } = files(t.path());
     let files = [&good, &bad, &junk, &good, &missing, &bad, &good];
     let audit = |batch: &str| {
         let mut args = vec!["--checkpoint", ck.as_str(), "--json", "--batch", batch];
@@ -278,6 +246,44 @@ fn a_batch_prints_the_reports_each_commitment_gets_alone() {
     }
     let (code, _) = audit("0");
     assert_eq!(code, 3, "--batch 0 is a usage error");
+}
+
+/// A checkpoint in `root/m` and commitment files beside it: an honest one, an int4 cheat's,
+/// one that is not JSON and the path of one that does not exist.
+struct Files {
+    ck: String,
+    good: String,
+    bad: String,
+    junk: String,
+    missing: String,
+}
+
+fn files(root: &Path) -> Files {
+    let dir = root.join("m");
+    let (honest, prompt, good) = honest_commitment(&dir);
+    let cheat = Checkpoint::open(&dir, Precision::Int4 { group_size: 32 }).unwrap();
+    let bad = commit_greedy(
+        &cheat.model,
+        &cheat.model_root,
+        &prompt,
+        40,
+        &[],
+        &Params::ENGY,
+    )
+    .unwrap();
+    drop(honest);
+    let write = |name: &str, bytes: &[u8]| {
+        let p = root.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    Files {
+        ck: dir.to_string_lossy().into_owned(),
+        good: write("good.json", &serde_json::to_vec(&good).unwrap()),
+        bad: write("bad.json", &serde_json::to_vec(&bad).unwrap()),
+        junk: write("junk.json", b"{not json"),
+        missing: root.join("gone.json").to_string_lossy().into_owned(),
+    }
 }
 
 /// The commitment files are read before the checkpoint is opened (which may decode all of
