@@ -42,7 +42,10 @@
 //!    recompute runs second, after bf16 ([`Recompute::computes_for`]): sglang multiplies such
 //!    checkpoints with every FP8 product's input rows quantised per token and per 128-group
 //!    to e4m3 (`arch::quant` "W8A8"), which moves an honest serve's rows further from a bf16
-//!    recompute than some weight swaps do (docs/design/w8a8.md). On an architecture with a
+//!    recompute than some weight swaps do (docs/design/w8a8.md). On a GPU an honest W8A8
+//!    serve lands beyond the limits from every recompute, W8A8 included; a commitment that
+//!    fails them all but is closer to the W8A8 recompute than to every unquantised one is
+//!    [`Verdict::Unproven`] ([`W8A8_NOISE`], PROTOCOL.md §5.1), never a cheat. On an architecture with a
 //!    DSA indexer, exact ties at the `index_topk` boundary are ties, not divergences: no serve's order among equal scores is
 //!    known (`arch::TieOrder`), so when neither recompute passes with ties taken lower index
 //!    first, both are run again with ties taken higher index first; each only when its
@@ -764,6 +767,14 @@ fn run_plan(
     let Some(mut report) = best else {
         return Ok(AuditReport::unproven("no recompute was requested", p));
     };
+    // The W8A8 serving-noise rule, for a cheat found by the numbers alone (a routing
+    // mismatch or a withheld trace convicts on its own).
+    let routing_cheat = matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
+    if report.verdict == Verdict::Cheat && !routing_cheat && !trace_withheld(checked, &p) {
+        if let Some(reason) = w8a8_noise(&outcomes, p.toploc_k) {
+            report.verdict = Verdict::Unproven { reason };
+        }
+    }
     report.recomputes = outcomes;
     Ok(report)
 }
@@ -1145,17 +1156,69 @@ fn judge(
     );
     let ratio = report.passing_batches as f64 / nb;
     let routing_cheat = matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
-    // A serve that offers traces and sent none, a bad one or a short one (issue 39).
-    let trace_whole = c.routing.as_ref().is_ok_and(|r| {
-        r.start == 0 && r.rows() >= c.prompt.len() + c.output.len().saturating_sub(1)
-    });
-    let trace_withheld = p.routing.require_trace && !trace_whole;
+    let trace_withheld = trace_withheld(c, &p);
     report.verdict = if ratio >= p.toploc_p && !routing_cheat && !trace_withheld {
         Verdict::Pass
     } else {
         Verdict::Cheat
     };
     Ok(report)
+}
+
+/// How the reason of an `unproven` verdict given by the W8A8 serving-noise rule begins
+/// (docs/PROTOCOL.md §5.1): the serve quantised its activations as W8A8 does and no
+/// recompute explains it, which TOPLOC cannot tell from a weight swap.
+pub const W8A8_NOISE: &str = "W8A8 serving noise";
+
+/// A serve that offers routing traces and sent none, a bad one or a short one (issue 39):
+/// a cheat whatever the numbers say.
+fn trace_withheld(c: &Checked, p: &AuditParams) -> bool {
+    let trace_whole = c.routing.as_ref().is_ok_and(|r| {
+        r.start == 0 && r.rows() >= c.prompt.len() + c.output.len().saturating_sub(1)
+    });
+    p.routing.require_trace && !trace_whole
+}
+
+/// Why a commitment that no recompute explains is not judged a cheat: the W8A8 serving-noise
+/// rule (docs/PROTOCOL.md §5.1, docs/design/w8a8.md "On a GPU").
+///
+/// On a GPU, an honest W8A8 serve of a block-FP8 checkpoint (sglang's numerics: every FP8
+/// product's input rows quantised to e4m3 per token and per 128-group) lands further from
+/// every recompute than TOPLOC's limits, which were set for bf16 serves, allow: a one-ulp
+/// difference in a bf16 activation flips its e4m3 rounding (an error 32 times larger) and the
+/// flips compound through the layers. Measured on an H100 (bench/RESULTS.md "W8A8 serves on
+/// a GPU"), honest W8A8 serves reach 51–87 exponent mismatches in a batch against the W8A8
+/// recompute (the limit is 40), as far as serves with 4-bit routed experts do, so no limit on
+/// the W8A8 recompute separates them. What does separate them is the sign of a comparison:
+/// every such serve is closer, in its mean mismatches a batch, to the W8A8 recompute than to
+/// any recompute with unquantised activations (by 6 to 31), while a serve with bf16
+/// activations and other weights (int4, W4A16) is not. So when the W8A8 recompute ran, none
+/// passed, and its mean is strictly below every unquantised recompute's, the serve
+/// quantised its activations as W8A8 does and TOPLOC cannot tell its noise from a weight
+/// swap: the verdict is `unproven` with this reason, and the cell audit (each product
+/// checked on its own, in W8A8) is what can convict. A serve that swaps weights and also
+/// quantises its activations escapes TOPLOC this way; it does not escape the cells.
+/// `None` (the cheat stands) otherwise.
+fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize) -> Option<String> {
+    let best = |w8a8: bool| {
+        outcomes
+            .iter()
+            .filter(|o| (o.fp8_activations == Fp8Activations::PerTokenGroup) == w8a8)
+            .filter_map(|o| o.score)
+            .min_by(f64::total_cmp)
+    };
+    let (w, u) = (best(true)?, best(false)?);
+    let k = topk.max(1) as f64;
+    (w < u).then(|| {
+        format!(
+            "{W8A8_NOISE}: no recompute passes, and the serve is closer to the W8A8 one \
+             (mean {:.1} exponent mismatches a batch) than to any with unquantised activations \
+             ({:.1}); TOPLOC cannot judge a W8A8 serve on a GPU, the cell audit can \
+             (PROTOCOL.md §5.1)",
+            w * k,
+            u * k
+        )
+    })
 }
 
 /// A commitment made the way an honest miner makes it (PROTOCOL.md §3.4–§3.10) from one greedy

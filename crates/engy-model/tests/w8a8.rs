@@ -2,38 +2,56 @@
 //!
 //! `tests/vectors/audit-oracle-w8a8` (`$ENGY_W8A8_ORACLE_DIR`; README there) holds small
 //! block-FP8 checkpoints whose every FP8 product has whole 128×128 tiles, and commitments of
-//! serves on a GPU that quantised every FP8 product's input rows per token and per 128-group
-//! to e4m3 (`tests/reverse/w8a8_serves.py`): honest W8A8 serves, and cheats (int4 weights
-//! everywhere, or only the routed experts swapped to int4, NVFP4 or per-tensor FP8).
+//! serves that quantised every FP8 product's input rows per token and per 128-group to e4m3
+//! (`tests/reverse/w8a8_serves.py`): honest W8A8 serves, and cheats (int4 weights everywhere,
+//! or only the routed experts swapped to int4, NVFP4 or per-tensor FP8). Two sources per
+//! checkpoint: `commitments/`, the script's CPU emulation (f32 products of the quantised
+//! operands), and `commitments-h100/`, the same serves on an H100 (FP8 tensor-core products
+//! in Triton, as sglang's `w8a8_block_fp8_matmul`; `honest_w8a8_exact_batched`: the quantised
+//! operands' products in f32 on the GPU).
 //!
 //! Asserted with the auditor's default recompute ([`Recompute::Auto`], which on a block-FP8
-//! checkpoint tries bf16, then W8A8, then f32, then bf16 with eager attention): every `honest_*`
-//! commitment passes (an honest W8A8 miner is never flagged), and every 4-bit swap (`int4_g32`,
-//! `experts_int4_g32_w8a8`, `experts_nvfp4_w8a8`) is caught in every commitment, but for the
-//! routed-expert-only swaps on `glm_moe_dsa_w8a8`, measured (about half caught: [`expected`]).
-//! `experts_fp8_tensor_w8a8` (the routed experts re-quantised to one FP8 scale per tensor, a ~1%
-//! weight change) is measured and printed, not asserted: it is the cell audit's to catch
-//! (bench/RESULTS.md "W8A8 recompute" records the table). With `ENGY_W8A8_BEFORE=1` the test also
-//! prints what the recomputes without W8A8 (bf16, f32, bf16 with eager attention) say of the same
-//! commitments: the "before" column.
+//! checkpoint tries bf16, then W8A8, then f32, then bf16 with eager attention):
+//! * an honest W8A8 serve is never a cheat: it passes, or, on the GPU, lands in the W8A8
+//!   serving-noise band (`unproven`, the reason saying so; docs/PROTOCOL.md §5.1): on the GPU
+//!   honest serves reach 51–87 exponent mismatches in a batch, beyond TOPLOC's limit and as
+//!   far as 4-bit expert swaps, and the emulation's honest serves all pass;
+//! * no 4-bit swap passes (`int4_g32`, and the routed-expert swaps but on `glm_moe_dsa_w8a8`,
+//!   where TOPLOC lets about half through: [`expected`]);
+//! * a W4A16 serve (`int4_g32`: bf16 activations, int4 weights) is convicted in most
+//!   commitments: it is not closer to the W8A8 recompute than to the bf16 one, so the
+//!   noise band does not cover it.
+//!
+//! The routed-expert-only swaps keep the W8A8 activations of an honest serve and so land in
+//! the noise band (`unproven`): convicting them is the cell audit's job, as is
+//! `experts_fp8_tensor_w8a8` (the routed experts re-quantised to one FP8 scale per tensor, a
+//! ~1% weight change), measured and printed. bench/RESULTS.md "W8A8 serves on a GPU" records
+//! the table. With `ENGY_W8A8_BEFORE=1` the test also prints what the recomputes without W8A8
+//! (bf16, f32, bf16 with eager attention) say of the same commitments: the "before" column.
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use engy_model::arch::{quant, Fp8Activations};
-use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict};
+use engy_model::audit::{audit_with, AuditParams, AuditReport, Recompute, Verdict, W8A8_NOISE};
 use engy_model::Residency;
 
 fn oracle_dir() -> PathBuf {
     common::vectors_or("ENGY_W8A8_ORACLE_DIR", "audit-oracle-w8a8")
 }
 
-/// What a correct auditor says of `variant` of `case`: `Some(true)` pass, `Some(false)`
-/// cheat, `None` measured only. On `glm_moe_dsa_w8a8` the routed-expert-only 4-bit swaps are
-/// measured, not asserted: TOPLOC catches about half of them there (the honest W8A8 serves'
-/// own largest batches reach 52 before a second recompute explains them; bench/RESULTS.md
-/// "W8A8 recompute"), which leaves them to the cell audit.
+/// The commitment folders of a case and what made them.
+const SOURCES: [(&str, &str); 2] = [
+    ("commitments", "cpu emulation"),
+    ("commitments-h100", "H100"),
+];
+
+/// What `variant` of `case` may not be: `Some(true)` never a cheat (an honest serve),
+/// `Some(false)` never a pass (a 4-bit swap TOPLOC catches), `None` measured only. On
+/// `glm_moe_dsa_w8a8` the routed-expert-only 4-bit swaps are measured, not asserted: TOPLOC
+/// lets about half of them pass there (bench/RESULTS.md "W8A8 recompute"), which leaves them
+/// to the cell audit.
 fn expected(case: &str, variant: &str) -> Option<bool> {
     match variant {
         v if v.starts_with("honest_") => Some(true),
@@ -47,6 +65,7 @@ fn expected(case: &str, variant: &str) -> Option<bool> {
 struct Row {
     n: usize,
     pass: usize,
+    cheat: usize,
     before_pass: usize,
     ranges: common::MismatchRanges,
 }
@@ -59,7 +78,7 @@ impl Row {
 }
 
 #[test]
-fn honest_w8a8_serves_pass_and_weight_swaps_are_caught() {
+fn honest_w8a8_serves_are_never_flagged_and_weight_swaps_never_pass() {
     let oracle = oracle_dir();
     // the case folders, each a checkpoint
     let cases = common::sorted_paths(&oracle, |p| p.join("config.json").is_file());
@@ -74,54 +93,72 @@ fn honest_w8a8_serves_pass_and_weight_swaps_are_caught() {
             .unwrap_or_default()
             .to_string();
         let (model, root) = common::open_resident(case_dir);
-        let mut table: BTreeMap<String, Row> = BTreeMap::new();
-        for f in common::commitment_files(&case_dir.join("commitments")) {
-            let (stem, variant, value) = common::read_commitment(&f);
-            let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
-                .unwrap_or_else(|e| panic!("{case}/{stem}: {e}"));
-            let row = table.entry(variant.clone()).or_default();
-            row.record(&report);
-            let passed = match &report.verdict {
-                Verdict::Pass => true,
-                Verdict::Cheat => false,
-                Verdict::Unproven { reason } => {
-                    failures.push(format!("{case}/{stem}: unproven ({reason})"));
-                    continue;
-                }
-            };
-            row.pass += usize::from(passed);
-            if before {
-                // Without W8A8: the bf16, f32 and bf16-eager recomputes, one passing enough.
-                let old = [Recompute::Bf16, Recompute::F32, Recompute::Bf16Eager]
-                    .iter()
-                    .any(|&r| {
-                        audit_with(&model, &root, &value, &params, r)
-                            .is_ok_and(|r| r.verdict == Verdict::Pass)
-                    });
-                row.before_pass += usize::from(old);
+        for (folder, source) in SOURCES {
+            let dir = case_dir.join(folder);
+            if !dir.is_dir() {
+                continue;
             }
-            if let Some(want) = expected(&case, &variant) {
-                if passed != want {
+            let mut table: BTreeMap<String, Row> = BTreeMap::new();
+            for f in common::commitment_files(&dir) {
+                let (stem, variant, value) = common::read_commitment(&f);
+                let report = audit_with(&model, &root, &value, &params, Recompute::Auto)
+                    .unwrap_or_else(|e| panic!("{case}/{folder}/{stem}: {e}"));
+                let row = table.entry(variant.clone()).or_default();
+                row.record(&report);
+                match &report.verdict {
+                    Verdict::Pass => row.pass += 1,
+                    Verdict::Cheat => row.cheat += 1,
+                    Verdict::Unproven { reason } if reason.starts_with(W8A8_NOISE) => {}
+                    Verdict::Unproven { reason } => {
+                        failures.push(format!("{case}/{folder}/{stem}: unproven ({reason})"));
+                        continue;
+                    }
+                }
+                if before {
+                    // Without W8A8: the bf16, f32 and bf16-eager recomputes, one passing enough.
+                    let old = [Recompute::Bf16, Recompute::F32, Recompute::Bf16Eager]
+                        .iter()
+                        .any(|&r| {
+                            audit_with(&model, &root, &value, &params, r)
+                                .is_ok_and(|r| r.verdict == Verdict::Pass)
+                        });
+                    row.before_pass += usize::from(old);
+                }
+                let wrong = match expected(&case, &variant) {
+                    Some(true) => report.verdict == Verdict::Cheat,
+                    Some(false) => report.verdict == Verdict::Pass,
+                    None => false,
+                };
+                if wrong {
                     failures.push(format!(
-                        "{case}/{stem}: {} (tried {})",
-                        if passed { "passed" } else { "flagged" },
+                        "{case}/{folder}/{stem}: {} (tried {})",
+                        report.verdict.label(),
                         common::tried(&report)
                     ));
                 }
             }
-        }
-        for (variant, row) in &table {
-            let before = if before {
-                format!("  before: pass {}/{}", row.before_pass, row.n)
-            } else {
-                String::new()
-            };
-            println!(
-                "{case:<22} {variant:<26} pass {:>2}/{:<2}{before}  {}",
-                row.pass,
-                row.n,
-                row.ranges.text()
-            );
+            for (variant, row) in &table {
+                let before = if before {
+                    format!("  before: pass {}/{}", row.before_pass, row.n)
+                } else {
+                    String::new()
+                };
+                println!(
+                    "{case:<18} {source:<13} {variant:<26} pass {:>2}/{:<2} cheat {:>2}/{:<2}{before}  {}",
+                    row.pass,
+                    row.n,
+                    row.cheat,
+                    row.n,
+                    row.ranges.text()
+                );
+                if variant == "int4_g32" && 2 * row.cheat < row.n {
+                    failures.push(format!(
+                        "{case}/{folder}: int4_g32 (W4A16) convicted in {} of {} commitments: \
+                         the noise band covers a serve with bf16 activations",
+                        row.cheat, row.n
+                    ));
+                }
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
