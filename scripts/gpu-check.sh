@@ -71,7 +71,8 @@ export ENGY_TEST_DEVICE=cuda
 if [ "${ENGY_GPU_CHECKS:-1}" != 0 ]; then
 step "architecture oracle on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/arch_vectors" --nocapture --test-threads 1
-step "engy's kernels on cuda" "$bin/gpu_kernels" --nocapture --test-threads 1
+step "engy's kernels on cuda" \
+  env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/gpu_kernels" --nocapture --test-threads 1
 step "audit oracle and honest serves on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
   ENGY_HONEST_SERVES_DIR="$PWD/tests/vectors/honest-serves" \

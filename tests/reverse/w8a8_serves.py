@@ -50,6 +50,8 @@ VARIANTS = {
     "honest_w8a8_batched": "W8A8 (sglang's numerics), all prompts in one left-padded batch",
     "honest_w8a8": "W8A8, one prompt at a time",
     "honest_w8a8_tf": "W8A8, the batched serve's output ids, rows from one teacher-forced pass each",
+    "honest_w8a8_exact_batched": "the W8A8 quantised operands, their products in f32 on the same device "
+                                 "(the CPU emulation's rule; on a GPU: no FP8 tensor cores), batched",
     "int4_g32": "every projection and expert int4 (groups of 32), bf16 activations (W4A16), batched",
     "experts_int4_g32_w8a8": "routed experts int4 g32 (W4A16), the rest W8A8, batched",
     "experts_nvfp4_w8a8": "routed experts NVFP4 (E2M1, e4m3 scale per 16, global f32 scale; W4A16), the rest W8A8, batched",
@@ -71,15 +73,39 @@ def quant_block(w):
     return q.reshape(n, k), s.to(torch.float32)
 
 
+def portable(cfg):
+    """`cfg` (a config.json dict) as both transformers 5.17 and 5.24 load it.
+
+    GLM's `layer_types` entry for a DSA layer was renamed between them (5.17
+    `deepseek_sparse_attention`, 5.24 `indexed_attention`) and each rejects the other's name;
+    left out, each fills in its own. engy does not read it (`mlp_layer_types` and
+    `indexer_types` say what each layer is)."""
+    if cfg.get("model_type") == "glm_moe_dsa":
+        cfg = {k: v for k, v in cfg.items() if k != "layer_types"}
+    return cfg
+
+
+def check_indexers(cfg, config):
+    """Refuse a checkpoint with shared DSA indexers on a transformers that ignores
+    `indexer_types`: it would compute every layer's indexer, and the rows would not be the
+    serve of this checkpoint."""
+    want = cfg.get("indexer_types")
+    if want and "shared" in want and list(getattr(config, "indexer_types", None) or []) != want:
+        sys.exit(f"this transformers does not keep indexer_types {want}: make the checkpoint "
+                 "with every indexer 'full' (override indexer_types)")
+
+
 def make(case, out, seed, overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = json.load(open(os.path.join(case, "config.json")))
     cfg.update(overrides)
+    cfg = portable(cfg)
     keep = set(cfg["quantization_config"].get("modules_to_not_convert", []))
     with tempfile.TemporaryDirectory() as tmp:
         plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
         json.dump(plain, open(os.path.join(tmp, "config.json"), "w"))
         config = AutoConfig.from_pretrained(tmp)
+    check_indexers(cfg, config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     massive = init_weights(model, seed)
@@ -171,10 +197,13 @@ def _kernel():
     return _KERNEL
 
 
+EXACT = False  # set for honest_w8a8_exact_batched: f32 products of the quantised operands
+
+
 def w8a8_linear(x, q, s):
     """x [..., K] bf16 · (q [N, K] F8, s [N/128, K/128] F32)ᵀ -> [..., N] bf16, sglang's W8A8."""
     shape = x.shape
-    if not x.is_cuda:
+    if not x.is_cuda or EXACT:
         # The CPU emulation (no FP8 tensor cores): the same quantised operands, f32 products.
         x2 = x.reshape(-1, shape[-1])
         aq, a_s = act_quant(x2)
@@ -279,9 +308,15 @@ def serve(ckpt, out, variant, n, seed):
     torch.manual_seed(0)
     st = load_file(os.path.join(ckpt, "model.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
+        served = dequantised_copy(ckpt, os.path.join(tmp, "served"))
+        if served != ckpt:
+            cfg_path = os.path.join(served, "config.json")
+            cfg = portable(json.load(open(cfg_path)))
+            json.dump(cfg, open(cfg_path, "w"))
         model = AutoModelForCausalLM.from_pretrained(
-            dequantised_copy(ckpt, os.path.join(tmp, "served")), dtype=torch.bfloat16,
+            served, dtype=torch.bfloat16,
             attn_implementation="sdpa", experts_implementation="eager")
+    check_indexers(json.load(open(os.path.join(ckpt, "config.json"))), model.config)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model.eval().to(dev)
     if variant == "int4_g32":
@@ -290,6 +325,8 @@ def serve(ckpt, out, variant, n, seed):
     elif variant == "honest_bf16_batched":
         patched = 0
     else:
+        global EXACT
+        EXACT = variant == "honest_w8a8_exact_batched"
         patched = patch(model, st, variant)
     prompts, news = draw_requests(model.config.vocab_size, n, seed)
     sv = Serve(model, prompts, news, dev)

@@ -4,8 +4,15 @@
 //!
 //! ```text
 //! cargo run -p engy-audit --example service_bench -- --bin target/debug/engy-audit \
-//!     [--db sqlite|postgres://…] [--workers 1|2] [--reports 40] [--tokens 64]
+//!     [--db sqlite|postgres://…] [--workers 1|2] [--reports 40] [--tokens 64] \
+//!     [--checkpoint DIR --commitment FILE] [--device cpu|cuda|cuda:N] [--batch B]
 //! ```
+//!
+//! With `--checkpoint` and `--commitment` (e.g. `synth_checkpoint`'s real-shape checkpoint and
+//! its 4,096-token commitment, on a GPU): the reports carry that commitment, each copy with
+//! one character of its last proof changed so that every report has its own SHA-256 (the
+//! service is idempotent by it) while the recompute is the same; their verdicts are counted,
+//! not required to be `pass` (a synthetic commitment is not a serve of the checkpoint).
 //!
 //! Two measurements, one JSON line:
 //! * `audits_per_s`: `--reports` honest commitments posted at once into an empty queue,
@@ -15,9 +22,10 @@
 //!   `--latency-reports` reports posted one at a time into an idle service.
 //!
 //! Wall time on a shared machine: publish the load average beside the numbers.
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -71,29 +79,20 @@ impl Drop for Svc {
     }
 }
 
-/// A free port of 127.0.0.1 (the service's `--listen`).
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
+/// Starts `engy-audit serve` on port 0 of 127.0.0.1 and reads the bound address from its
+/// `listening` log line; returns once `/health` says the models are loaded (at once for
+/// `--device none`). Its log is drained on a thread for as long as it runs.
 fn start(
     bin: &str,
     db: &str,
     model: &str,
     checkpoint: &std::path::Path,
     device: &str,
+    batch: Option<&str>,
 ) -> Result<Svc> {
-    let port = free_port()?;
-    let child = Command::new(bin)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--db",
-            db,
-        ])
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--db", db])
+        .args(["--log-format", "json"])
         .args([
             "--fixed-beacon",
             BEACON,
@@ -104,13 +103,33 @@ fn start(
         ])
         .args(["--device", device])
         .arg("--model")
-        .arg(format!("{model}={}", checkpoint.display()))
-        .env("ENGY_LOG", "warn")
+        .arg(format!("{model}={}", checkpoint.display()));
+    if let Some(b) = batch.filter(|_| device != "none") {
+        cmd.args(["--batch", b]);
+    }
+    let mut child = cmd
+        .env("ENGY_LOG", "info")
+        .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .context("spawn engy-audit serve")?;
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let stderr = child.stderr.take().context("the service's stderr")?;
+    let (tx, rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let addr = serde_json::from_str::<Value>(&line).ok().and_then(|v| {
+                (v["message"] == "listening").then(|| v["addr"].as_str().map(str::to_owned))?
+            });
+            if let Some(a) = addr {
+                let _ = tx.send(a);
+            }
+        }
+    });
+    let addr: SocketAddr = rx
+        .recv_timeout(Duration::from_secs(300))
+        .context("the service logged no `listening` line")?
+        .parse()?;
     let svc = Svc { child, addr };
     let t = Instant::now();
     loop {
@@ -119,11 +138,37 @@ fn start(
                 return Ok(svc);
             }
         }
-        if t.elapsed() > Duration::from_secs(300) {
-            bail!("the service did not come up");
+        if t.elapsed() > Duration::from_secs(600) {
+            bail!("the service did not load its models in 600 s");
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Copy `i` of `c`: one or two characters of its last proof moved along the base64 alphabet
+/// (a different SHA-256, the same recompute).
+fn variant(c: &Value, i: usize) -> Result<Value> {
+    const B64: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut c = c.clone();
+    let proof = c["toploc"]["proofs"]
+        .as_array_mut()
+        .and_then(|p| p.last_mut())
+        .context("the commitment has no toploc.proofs")?;
+    let mut bytes = proof
+        .as_str()
+        .context("a proof is not a string")?
+        .as_bytes()
+        .to_vec();
+    let at = bytes.len() / 2;
+    for (k, step) in [(at, i % 63 + 1), (at + 1, i / 63 % 64)] {
+        let pos = bytes
+            .get(k)
+            .and_then(|b| B64.iter().position(|x| x == b))
+            .context("the last proof is too short to vary")?;
+        bytes[k] = B64[(pos + step) % 64];
+    }
+    *proof = Value::String(String::from_utf8(bytes)?);
+    Ok(c)
 }
 
 fn verdict(addr: SocketAddr, digest: &str, limit: Duration) -> Result<Value> {
@@ -162,32 +207,53 @@ fn main() -> Result<()> {
     let n_lat: usize = arg(&args, "--latency-reports").map_or(Ok(10), |s| s.parse())?;
     let tokens: usize = arg(&args, "--tokens").map_or(Ok(64), |s| s.parse())?;
 
+    let device = arg(&args, "--device").unwrap_or_else(|| "cpu".into());
+    let batch = arg(&args, "--batch");
+    let given = arg(&args, "--checkpoint").zip(arg(&args, "--commitment"));
+
     let dir = tempfile::tempdir()?;
-    let checkpoint = dir.path().join("m");
-    gen_model(&checkpoint, 3, &GenConfig::default())?;
-    let ck = Checkpoint::open(&checkpoint, Precision::Bf16)?;
     let nonce = format!("{}-{}", std::process::id(), now_ms());
     let model = format!("bench-{nonce}");
-    let make = |i: usize| -> Result<Value> {
-        let prompt = ck
-            .tokenizer
-            .encode(
-                format!("<|im_start|>user\nbench {nonce} request {i}<|im_end|>\n<|im_start|>assistant\n"),
-                false,
+    let (checkpoint, commitments, tokens) = match &given {
+        Some((ck_dir, file)) => {
+            let c: Value = serde_json::from_slice(
+                &std::fs::read(file).with_context(|| format!("read {file}"))?,
             )
-            .map_err(|e| anyhow::anyhow!("{e}"))?
-            .get_ids()
-            .to_vec();
-        Ok(commit_greedy(
-            &ck.model,
-            &ck.model_root,
-            &prompt,
-            tokens,
-            &[],
-            &Params::ENGY,
-        )?)
+            .with_context(|| format!("{file} is not JSON"))?;
+            let tokens = c["toploc"]["n_tokens"].as_u64().unwrap_or(0) as usize
+                + c["toploc"]["prompt_ids"].as_array().map_or(0, Vec::len);
+            let all = (0..n + n_lat)
+                .map(|i| variant(&c, i))
+                .collect::<Result<Vec<_>>>()?;
+            (std::path::PathBuf::from(ck_dir), all, tokens)
+        }
+        None => {
+            let checkpoint = dir.path().join("m");
+            gen_model(&checkpoint, 3, &GenConfig::default())?;
+            let ck = Checkpoint::open(&checkpoint, Precision::Bf16)?;
+            let make = |i: usize| -> Result<Value> {
+                let prompt = ck
+                    .tokenizer
+                    .encode(
+                        format!("<|im_start|>user\nbench {nonce} request {i}<|im_end|>\n<|im_start|>assistant\n"),
+                        false,
+                    )
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .get_ids()
+                    .to_vec();
+                Ok(commit_greedy(
+                    &ck.model,
+                    &ck.model_root,
+                    &prompt,
+                    tokens,
+                    &[],
+                    &Params::ENGY,
+                )?)
+            };
+            let all = (0..n + n_lat).map(make).collect::<Result<Vec<_>>>()?;
+            (checkpoint, all, tokens)
+        }
     };
-    let commitments: Vec<Value> = (0..n + n_lat).map(make).collect::<Result<_>>()?;
     let hotkey = engy_core::keys::ss58_encode(&[7u8; 32]);
     let report = |i: usize, c: &Value| {
         serde_json::to_vec(&json!({
@@ -203,7 +269,7 @@ fn main() -> Result<()> {
     };
 
     // Intake first (no worker), so the queue is full before any worker starts.
-    let intake = start(&bin, &db, &model, &checkpoint, "none")?;
+    let intake = start(&bin, &db, &model, &checkpoint, "none", None)?;
     let t0 = now_ms();
     for (i, c) in commitments[..n].iter().enumerate() {
         let (code, body) = http(intake.addr, "POST", "/v1/requests", &report(i, c))?;
@@ -216,16 +282,27 @@ fn main() -> Result<()> {
     let mut procs = Vec::new();
     let started = now_ms();
     for _ in 0..workers {
-        procs.push(start(&bin, &db, &model, &checkpoint, "cpu")?);
+        procs.push(start(
+            &bin,
+            &db,
+            &model,
+            &checkpoint,
+            &device,
+            batch.as_deref(),
+        )?);
     }
     let ready = now_ms();
     let mut last = 0i64;
     let mut by_worker = std::collections::BTreeMap::<String, usize>::new();
+    let mut verdicts = std::collections::BTreeMap::<String, usize>::new();
     for c in &commitments[..n] {
         let v = verdict(intake.addr, &digest_of(c), Duration::from_secs(3600))?;
-        if v["verdict"] != "pass" {
+        if given.is_none() && v["verdict"] != "pass" {
             bail!("an honest commitment got {v}");
         }
+        *verdicts
+            .entry(v["verdict"].as_str().unwrap_or("?").to_owned())
+            .or_default() += 1;
         last = last.max(v["decided_ms"].as_i64().unwrap_or(0));
         *by_worker
             .entry(v["worker"].as_str().unwrap_or("").to_owned())
@@ -255,7 +332,8 @@ fn main() -> Result<()> {
         "{}",
         json!({
             "db": if db_arg == "sqlite" { "sqlite" } else { "postgres" },
-            "workers": workers, "reports": n, "tokens": tokens,
+            "workers": workers, "device": device, "batch": batch, "reports": n, "tokens": tokens,
+            "checkpoint": given.as_ref().map(|(d, _)| d), "verdicts": verdicts,
             "post_ms": posted_ms, "workers_up_ms": ready - started,
             "drain_s": drain_s, "audits_per_s": audits_per_s,
             "per_worker": by_worker.values().collect::<Vec<_>>(),
