@@ -22,10 +22,11 @@
 //!   `--latency-reports` reports posted one at a time into an idle service.
 //!
 //! Wall time on a shared machine: publish the load average beside the numbers.
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -116,6 +117,9 @@ fn start(
         .context("spawn engy-audit serve")?;
     let stderr = child.stderr.take().context("the service's stderr")?;
     let (tx, rx) = mpsc::channel::<String>();
+    // The last lines of the service's log, for the error when it does not come up.
+    let tail = Arc::new(Mutex::new(VecDeque::<String>::new()));
+    let keep = Arc::clone(&tail);
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             let addr = serde_json::from_str::<Value>(&line).ok().and_then(|v| {
@@ -124,22 +128,47 @@ fn start(
             if let Some(a) = addr {
                 let _ = tx.send(a);
             }
+            if let Ok(mut t) = keep.lock() {
+                if t.len() == 40 {
+                    t.pop_front();
+                }
+                t.push_back(line);
+            }
         }
     });
-    let addr: SocketAddr = rx
-        .recv_timeout(Duration::from_secs(300))
-        .context("the service logged no `listening` line")?
-        .parse()?;
-    let svc = Svc { child, addr };
+    let log = move || {
+        tail.lock()
+            .map(|t| t.iter().cloned().collect::<Vec<_>>().join("\n"))
+            .unwrap_or_default()
+    };
+    let Ok(addr) = rx.recv_timeout(Duration::from_secs(300)) else {
+        bail!(
+            "the service logged no `listening` line; its log:\n{}",
+            log()
+        );
+    };
+    let mut svc = Svc {
+        child,
+        addr: addr.parse()?,
+    };
     let t = Instant::now();
     loop {
-        if let Ok((200, body)) = http(addr, "GET", "/health", b"") {
+        if let Ok((200, body)) = http(svc.addr, "GET", "/health", b"") {
             if body.contains("loaded") || device == "none" {
                 return Ok(svc);
             }
         }
+        if let Some(status) = svc.child.try_wait()? {
+            bail!(
+                "the service exited ({status}) before its models loaded; its log:\n{}",
+                log()
+            );
+        }
         if t.elapsed() > Duration::from_secs(600) {
-            bail!("the service did not load its models in 600 s");
+            bail!(
+                "the service did not load its models in 600 s; its log:\n{}",
+                log()
+            );
         }
         std::thread::sleep(Duration::from_millis(100));
     }
