@@ -1197,7 +1197,8 @@ fn trace_withheld(c: &Checked, p: &AuditParams) -> bool {
 /// quantised its activations as W8A8 does and TOPLOC cannot tell its noise from a weight
 /// swap: the verdict is `unproven` with this reason, and the cell audit (each product
 /// checked on its own, in W8A8) is what can convict. A serve that swaps weights and also
-/// quantises its activations escapes TOPLOC this way; it does not escape the cells.
+/// quantises its activations escapes TOPLOC this way and is left to the cells (which catch
+/// 4-bit experts in every cell, a ~1 % per-tensor FP8 change in some: docs/design/cells.md).
 /// `None` (the cheat stands) otherwise.
 fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize) -> Option<String> {
     let best = |w8a8: bool| {
