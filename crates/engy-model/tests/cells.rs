@@ -9,16 +9,16 @@ mod common;
 use std::path::Path;
 
 use engy_core::cells::{
-    select, tokens_sha256, verify_opening, Cell, CellAuditBundle, CellShape, CellTree, LogitsDtype,
-    RouterLogits,
+    select, verify_opening, Cell, CellAuditBundle, CellTree, LogitsDtype, RouterLogits,
 };
-use engy_core::commit::{self, CommitOptions, Progress, SpecFile};
 use engy_model::arch::{CommittedRouting, RoutingRecord};
 use engy_model::cells::{
     audit_bundle, audit_bundle_with_recompute, serve_cells, verify_cell, write_expert_cheat,
-    BundleReport, BundleVerdict, CellPolicy, CellServe, CommittedWeights, Openings,
+    BundleReport, BundleVerdict, CellPolicy, CellServe, CommittedWeights,
 };
 use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision, Probe};
+
+use common::cells::{committed, shape_of};
 
 /// One generated checkpoint shared by the tests of this binary.
 fn checkpoint_dir() -> &'static Path {
@@ -42,24 +42,6 @@ fn sequences(model: &Model, ck: &Checkpoint, n: usize, new_tokens: usize) -> Vec
             ids
         })
         .collect()
-}
-
-fn shape_of(model: &Model, ids: &[u32], cells: &[engy_core::cells::Cell]) -> CellShape {
-    let s = model.routing_shape().unwrap();
-    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
-    layers.sort_unstable();
-    layers.dedup();
-    let dtype = cells[0].router_logits().dtype();
-    CellShape::new(
-        ids.len() as u32,
-        layers,
-        model.config().hidden_size as u32,
-        s.experts as u32,
-        s.top_k as u32,
-        dtype,
-        tokens_sha256(ids),
-    )
-    .unwrap()
 }
 
 #[test]
@@ -150,18 +132,10 @@ fn each_cheat_fails_its_cells() {
 }
 
 /// The checkpoint's commitment, as the auditor trusts it (its spec file's unit roots).
-fn committed(dir: &Path) -> CommittedWeights {
-    let c =
-        commit::commit_checkpoint(dir, &CommitOptions::default(), &Progress::default()).unwrap();
-    let spec = SpecFile::from_commitment(&c, 0.0);
-    CommittedWeights::open(dir, c.model_root, Openings::Spec(Box::new(spec))).unwrap()
-}
-
 /// The bundle a miner answers a 32-cell challenge with: `cells` committed for the request
 /// `ids` (the shape's token hash and positions are the request's), opened at `seed`.
 fn bundle(model: &Model, ids: &[u32], cells: &[Cell], seed: u8) -> CellAuditBundle {
-    let tree = CellTree::from_cells(shape_of(model, ids, cells), cells).unwrap();
-    CellAuditBundle::open(&tree, &[seed; 32], 32, |i| Ok(cells[i as usize].encode())).unwrap()
+    common::cells::bundle(model, ids, cells, [seed; 32])
 }
 
 /// Cells of the same (position, layer) and sizes as `like`, every value rebuilt by `f`.

@@ -6,56 +6,20 @@
 //! serves are never flagged. Measured over many requests and challenge seeds on the devnet
 //! checkpoint and the tiny Qwen3.5-MoE and GLM-MoE-DSA checkpoints (`tests/vectors/arch`);
 //! the printed rows are bench/RESULTS.md "Cells: near-tie swaps".
+mod common;
+
 use std::path::Path;
 
-use engy_core::cells::{tokens_sha256, Cell, CellAuditBundle, CellShape, CellTree};
-use engy_core::commit::{self, CommitOptions, Progress, SpecFile};
 use engy_model::cells::stats::near_ties_flagged;
 use engy_model::cells::{
-    audit_bundle_with_recompute, serve_cells, BundleReport, BundleVerdict, CellPolicy, CellServe,
-    CommittedWeights, Openings,
+    serve_cells, BundleReport, BundleVerdict, CellPolicy, CellServe, CommittedWeights,
 };
 use engy_model::{corpus, gen_model, Checkpoint, Compute, GenConfig, Model, Precision};
 
+use common::cells::{audit, committed};
+
 /// Challenge seeds drawn per request (each a separate audit of the same committed cells).
 const SEEDS: u8 = 4;
-
-fn shape_of(model: &Model, ids: &[u32], cells: &[Cell]) -> CellShape {
-    let s = model.routing_shape().unwrap();
-    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
-    layers.sort_unstable();
-    layers.dedup();
-    CellShape::new(
-        ids.len() as u32,
-        layers,
-        model.config().hidden_size as u32,
-        s.experts as u32,
-        s.top_k as u32,
-        cells[0].router_logits().dtype(),
-        tokens_sha256(ids),
-    )
-    .unwrap()
-}
-
-fn committed(dir: &Path) -> CommittedWeights {
-    let c =
-        commit::commit_checkpoint(dir, &CommitOptions::default(), &Progress::default()).unwrap();
-    let spec = SpecFile::from_commitment(&c, 0.0);
-    CommittedWeights::open(dir, c.model_root, Openings::Spec(Box::new(spec))).unwrap()
-}
-
-fn audit(
-    verifier: &Model,
-    w: &CommittedWeights,
-    serve: &Model,
-    ids: &[u32],
-    cells: &[Cell],
-    seed: [u8; 32],
-) -> BundleReport {
-    let tree = CellTree::from_cells(shape_of(serve, ids, cells), cells).unwrap();
-    let b = CellAuditBundle::open(&tree, &seed, 32, |i| Ok(cells[i as usize].encode())).unwrap();
-    audit_bundle_with_recompute(verifier, w, &b, ids, None, &CellPolicy::default()).unwrap()
-}
 
 /// Audits of one kind of serve.
 #[derive(Default)]

@@ -8,58 +8,20 @@
 //! The cheating serve is a checkpoint copy whose shared (or routed) `down_proj` weights are
 //! scaled, served honestly otherwise; the auditor holds the committed checkpoint. Honest bf16
 //! and f32 serves are audited beside it over the same requests and challenge seeds.
+mod common;
+
 use std::path::Path;
 
-use engy_core::cells::{tokens_sha256, Cell, CellAuditBundle, CellShape, CellTree};
-use engy_core::commit::{self, CommitOptions, Progress, SpecFile};
-use engy_model::cells::{
-    audit_bundle_with_recompute, serve_cells, BundleReport, BundleVerdict, CellPolicy, CellServe,
-    CommittedWeights, Openings,
-};
+use engy_model::cells::{serve_cells, BundleVerdict, CellServe};
 use engy_model::{Compute, Model, Precision};
 use half::bf16;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
+use common::cells::{audit, committed};
+
 /// Challenge seeds drawn per request.
 const SEEDS: u8 = 3;
-
-fn shape_of(model: &Model, ids: &[u32], cells: &[Cell]) -> CellShape {
-    let s = model.routing_shape().unwrap();
-    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
-    layers.sort_unstable();
-    layers.dedup();
-    CellShape::new(
-        ids.len() as u32,
-        layers,
-        model.config().hidden_size as u32,
-        s.experts as u32,
-        s.top_k as u32,
-        cells[0].router_logits().dtype(),
-        tokens_sha256(ids),
-    )
-    .unwrap()
-}
-
-fn committed(dir: &Path) -> CommittedWeights {
-    let c =
-        commit::commit_checkpoint(dir, &CommitOptions::default(), &Progress::default()).unwrap();
-    let spec = SpecFile::from_commitment(&c, 0.0);
-    CommittedWeights::open(dir, c.model_root, Openings::Spec(Box::new(spec))).unwrap()
-}
-
-fn audit(
-    verifier: &Model,
-    w: &CommittedWeights,
-    serve: &Model,
-    ids: &[u32],
-    cells: &[Cell],
-    seed: [u8; 32],
-) -> BundleReport {
-    let tree = CellTree::from_cells(shape_of(serve, ids, cells), cells).unwrap();
-    let b = CellAuditBundle::open(&tree, &seed, 32, |i| Ok(cells[i as usize].encode())).unwrap();
-    audit_bundle_with_recompute(verifier, w, &b, ids, None, &CellPolicy::default()).unwrap()
-}
 
 /// Copies the checkpoint `src` to `dst` with every bf16 tensor whose name `pick` accepts
 /// multiplied by `factor` (rounded back to bf16); returns how many tensors were scaled.

@@ -6,48 +6,19 @@
 //! a 1.02-scaled `y` must be caught. The checkpoint is `tests/vectors/audit-oracle-w8a8`'s
 //! Qwen3.5-MoE (every projection and expert block FP8). The printed rows are bench/RESULTS.md
 //! "Cells: W8A8".
+mod common;
+
 use std::path::Path;
 
-use engy_core::cells::{tokens_sha256, Cell, CellAuditBundle, CellShape, CellTree};
+use engy_core::cells::Cell;
 use engy_core::commit::{self, CommitOptions, Progress, SpecFile};
 use engy_model::arch::Fp8Activations;
-use engy_model::cells::{
-    audit_bundle_with_recompute, serve_cells, BundleReport, BundleVerdict, CellPolicy, CellServe,
-    CommittedWeights, Openings,
-};
+use engy_model::cells::{serve_cells, BundleVerdict, CellServe, CommittedWeights, Openings};
 use engy_model::{Compute, Model, Numerics, Precision};
 
+use common::cells::audit;
+
 const SEEDS: u8 = 3;
-
-fn shape_of(model: &Model, ids: &[u32], cells: &[Cell]) -> CellShape {
-    let s = model.routing_shape().unwrap();
-    let mut layers: Vec<u32> = cells.iter().map(|c| c.layer()).collect();
-    layers.sort_unstable();
-    layers.dedup();
-    CellShape::new(
-        ids.len() as u32,
-        layers,
-        model.config().hidden_size as u32,
-        s.experts as u32,
-        s.top_k as u32,
-        cells[0].router_logits().dtype(),
-        tokens_sha256(ids),
-    )
-    .unwrap()
-}
-
-fn audit(
-    verifier: &Model,
-    w: &CommittedWeights,
-    serve: &Model,
-    ids: &[u32],
-    cells: &[Cell],
-    seed: [u8; 32],
-) -> BundleReport {
-    let tree = CellTree::from_cells(shape_of(serve, ids, cells), cells).unwrap();
-    let b = CellAuditBundle::open(&tree, &seed, 32, |i| Ok(cells[i as usize].encode())).unwrap();
-    audit_bundle_with_recompute(verifier, w, &b, ids, None, &CellPolicy::default()).unwrap()
-}
 
 fn random_ids(vocab: u64, r: u64, len: usize) -> Vec<u32> {
     let mut state = 0x5851_f42d_4c95_7f2du64 ^ ((r + 1) * 15_485_863);

@@ -4,6 +4,8 @@
 // Not every test crate that includes this module uses every item.
 #![allow(dead_code)]
 
+pub mod cells;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
