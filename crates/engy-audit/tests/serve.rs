@@ -8,7 +8,7 @@
 //! that cannot be opened (a clear error, the job kept); PostgreSQL restarted mid-run (nothing
 //! lost); the cell challenge through the gateway double (docs/PROTOCOL.md §11.3): an honest
 //! opening, a cheat's, a refusal and a miner that never answers.
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,63 +21,13 @@ use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
 use serde_json::{json, Value};
 
 mod cells_common;
+mod service_common;
+
+use service_common::{hotkey, http, run_nonce};
 
 /// Every wait in these tests polls a condition under this deadline.
 const DEADLINE: Duration = Duration::from_secs(180);
 const BEACON: &str = "0101010101010101010101010101010101010101010101010101010101010101";
-/// A well-formed SS58 hotkey, the miner `n` of this test run (a PostgreSQL database shared by
-/// several runs never mixes their miners).
-fn hotkey(n: &str) -> String {
-    use sha2::Digest as _;
-    let key: [u8; 32] = sha2::Sha256::digest(format!("{}/{n}", run_nonce())).into();
-    engy_core::keys::ss58_encode(&key)
-}
-
-/// One HTTP/1.1 exchange (`Connection: close`): (status, body).
-fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect to the service");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    // A refused oversize body may be answered before it is all sent.
-    let _ = s.write_all(body);
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no HTTP status in {text:?}"));
-    let (headers, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let body = if headers
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(rest)
-    } else {
-        rest.to_owned()
-    };
-    (status, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
-}
-
 fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
     let (code, body) = http(addr, "GET", path, b"");
     (
@@ -150,17 +100,6 @@ impl Fixture {
         )
         .unwrap()
     }
-}
-
-/// This test process's id and start time.
-fn run_nonce() -> &'static str {
-    static NONCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    NONCE.get_or_init(|| {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        format!("{}-{t}", std::process::id())
-    })
 }
 
 fn report(request_id: &str, hotkey: &str, model: &str, commitment: &Value) -> Vec<u8> {

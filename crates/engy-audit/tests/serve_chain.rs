@@ -13,7 +13,7 @@
 //! back (chopsticks `dev_setHead`) does not make the beacon a block seen before the report.
 //! The cell challenge's seed that the gateway double carries in `open_cells` is the same
 //! `production_seed`.
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -27,6 +27,9 @@ use engy_model::{gen_model, Checkpoint, GenConfig, Precision};
 use serde_json::{json, Value};
 
 mod cells_common;
+mod service_common;
+
+use service_common::{hotkey, http, run_nonce};
 
 /// Every wait polls a condition under this deadline.
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -71,57 +74,13 @@ fn host_port(url: &str) -> String {
         .to_owned()
 }
 
-/// One HTTP/1.1 exchange (`Connection: close`): (status, body).
-fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no HTTP status in {text:?}"));
-    let (headers, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let body = if headers
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(rest)
-    } else {
-        rest.to_owned()
-    };
-    (status, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
-}
-
 /// One JSON-RPC call to the node over HTTP (chopsticks serves HTTP and websockets on one
 /// port); panics on an RPC error.
 fn rpc(url: &str, method: &str, params: Value) -> Value {
     let body =
         serde_json::to_vec(&json!({"id": 1, "jsonrpc": "2.0", "method": method, "params": params}))
             .unwrap();
-    let (code, text) = http(&host_port(url), "POST", "/", &body);
+    let (code, text) = http(host_port(url), "POST", "/", &body);
     let r: Value = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("{method}: HTTP {code}, not JSON ({e}): {text}"));
     assert!(r.get("error").is_none(), "{method}: {r}");
@@ -197,23 +156,6 @@ impl Fixture {
             .to_vec();
         commit_greedy(&ck.model, &ck.model_root, &prompt, 8, &[], &Params::ENGY).unwrap()
     }
-}
-
-fn run_nonce() -> &'static str {
-    static NONCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    NONCE.get_or_init(|| {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        format!("{}-{t}", std::process::id())
-    })
-}
-
-/// A well-formed SS58 hotkey.
-fn hotkey(n: &str) -> String {
-    use sha2::Digest as _;
-    let key: [u8; 32] = sha2::Sha256::digest(format!("{}/{n}", run_nonce())).into();
-    engy_core::keys::ss58_encode(&key)
 }
 
 fn report(request_id: &str, commitment: &Value) -> Vec<u8> {
@@ -315,7 +257,7 @@ impl Service {
     }
 
     fn post(&self, body: &[u8]) -> (u16, Value) {
-        let (code, text) = http(&self.addr.to_string(), "POST", "/v1/requests", body);
+        let (code, text) = http(self.addr, "POST", "/v1/requests", body);
         (
             code,
             serde_json::from_str(&text).unwrap_or(Value::String(text)),
@@ -323,12 +265,7 @@ impl Service {
     }
 
     fn status(&self, digest: &str) -> Value {
-        let (code, text) = http(
-            &self.addr.to_string(),
-            "GET",
-            &format!("/v1/requests/{digest}"),
-            b"",
-        );
+        let (code, text) = http(self.addr, "GET", &format!("/v1/requests/{digest}"), b"");
         assert_eq!(code, 200, "{text}");
         serde_json::from_str(&text).unwrap()
     }
