@@ -496,6 +496,12 @@ pub struct AuditReport {
 }
 
 impl AuditReport {
+    /// Whether the routing check ran and found the serve's routing not the checkpoint's
+    /// (a cheat whatever the TOPLOC numbers say).
+    fn routing_convicts(&self) -> bool {
+        matches!(&self.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat())
+    }
+
     /// The report of a commitment that could not be checked: verdict `unproven` with
     /// `reason`, no score, no batches.
     pub fn unproven(reason: impl Into<String>, params: AuditParams) -> Self {
@@ -769,8 +775,10 @@ fn run_plan(
     };
     // The W8A8 serving-noise rule, for a cheat found by the numbers alone (a routing
     // mismatch or a withheld trace convicts on its own).
-    let routing_cheat = matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
-    if report.verdict == Verdict::Cheat && !routing_cheat && !trace_withheld(checked, &p) {
+    if report.verdict == Verdict::Cheat
+        && !report.routing_convicts()
+        && !trace_withheld(checked, &p)
+    {
         if let Some(reason) = w8a8_noise(&outcomes, p.toploc_k) {
             report.verdict = Verdict::Unproven { reason };
         }
@@ -1155,7 +1163,7 @@ fn judge(
             / nb,
     );
     let ratio = report.passing_batches as f64 / nb;
-    let routing_cheat = matches!(&report.routing, Some(RoutingAudit::Checked(r)) if r.is_cheat());
+    let routing_cheat = report.routing_convicts();
     let trace_withheld = trace_withheld(c, &p);
     report.verdict = if ratio >= p.toploc_p && !routing_cheat && !trace_withheld {
         Verdict::Pass
@@ -1260,4 +1268,59 @@ pub fn commit_greedy(
             "prompt_ids": prompt_ids,
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(fp8_activations: Fp8Activations, compute: Compute, score: f64) -> RecomputeOutcome {
+        RecomputeOutcome {
+            compute,
+            attention: AttentionKernel::Sdpa,
+            dsa_ties: TieOrder::LowerFirst,
+            fp8_activations,
+            verdict: "cheat",
+            score: Some(score),
+            passing_batches: 0,
+            max_exp_mismatches: 0,
+            dsa_boundary_ties: None,
+        }
+    }
+
+    /// The W8A8 noise rule's comparison (PROTOCOL.md §5.1): W8A8 strictly closer than every
+    /// unquantised recompute; a tie, a farther W8A8, or no W8A8 recompute leaves the cheat.
+    #[test]
+    fn w8a8_noise_needs_the_w8a8_recompute_strictly_closest() {
+        use Fp8Activations::{PerTokenGroup as W8a8, Unquantised as Plain};
+        let closer = [
+            outcome(Plain, Compute::Bf16, 0.6),
+            outcome(W8a8, Compute::Bf16, 0.5),
+            outcome(Plain, Compute::F32, 0.55),
+        ];
+        let reason = w8a8_noise(&closer, 128).unwrap();
+        assert!(reason.starts_with(W8A8_NOISE), "{reason}");
+        assert!(
+            reason.contains("64.0") && reason.contains("70.4"),
+            "{reason}"
+        );
+        let one_unquantised_closer = [
+            outcome(Plain, Compute::Bf16, 0.6),
+            outcome(W8a8, Compute::Bf16, 0.5),
+            outcome(Plain, Compute::F32, 0.45),
+        ];
+        assert_eq!(w8a8_noise(&one_unquantised_closer, 128), None);
+        let tie = [
+            outcome(Plain, Compute::Bf16, 0.5),
+            outcome(W8a8, Compute::Bf16, 0.5),
+        ];
+        assert_eq!(w8a8_noise(&tie, 128), None);
+        let no_w8a8 = [
+            outcome(Plain, Compute::Bf16, 0.5),
+            outcome(Plain, Compute::F32, 0.7),
+        ];
+        assert_eq!(w8a8_noise(&no_w8a8, 128), None);
+        let only_w8a8 = [outcome(W8a8, Compute::Bf16, 0.5)];
+        assert_eq!(w8a8_noise(&only_w8a8, 128), None);
+    }
 }
