@@ -35,6 +35,8 @@
 //!   alone: bit for bit. (The host once rewrote that buffer without waiting for the copy out
 //!   of it; this test did not catch that on the H200, where the race showed only in whole
 //!   audits: `ENGY_TRACE` digests of two processes parted at the first MoE block.)
+//! * the W8A8 recompute's activation quantiser run on the device
+//!   (`arch::quant::act_quant_tensor`) against the host's rule (`act_quant_rows`): bit for bit.
 //!
 //! On `ENGY_TEST_DEVICE=cuda` (scripts/gpu-check.sh) the kernels run; on the CPU the fused
 //! attention must not apply (`None`), so the CPU audit is the unfused rule itself.
@@ -1223,4 +1225,41 @@ fn mla_attention_is_the_f32_rule() {
         assert!(worst <= bound, "case {ci}: off by {worst} (bound {bound})");
         eprintln!("mla attention case {ci}: within {worst:e} of scale {top}");
     }
+}
+
+/// The W8A8 recompute's activation quantiser on the device (`quant::act_quant_tensor`, run
+/// where the activations are) against the host's rule (`quant::act_quant_rows`): bit for bit,
+/// on bf16 activations of a layer's width with massive channels, exact ties of the e4m3 grid,
+/// subnormal quotients and a zero row.
+#[test]
+fn the_device_activation_quantiser_is_the_hosts() {
+    use engy_model::arch::quant;
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    let (rows, k) = (33usize, 2048usize);
+    let mut x = bf16_values(rows * k, 7, 4.0);
+    x[3] = 900.0; // a massive channel: its group's other values quantise to subnormals
+    x[k] = 28.0; // scale 2⁻⁴ exactly: 1.0625 / 2⁻⁴ = 17, a tie between 16 and 18
+    x[k + 1] = 1.0625;
+    x[k + 2] = -1.1875;
+    x[2 * k..3 * k].iter_mut().for_each(|v| *v = 0.0);
+    let mut want = x.clone();
+    quant::act_quant_rows(&mut want, k, quant::ACT_QUANT_GROUP);
+    let t = Tensor::from_vec(x, (rows, k), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let got = quant::act_quant_tensor(&t, quant::ACT_QUANT_GROUP)
+        .unwrap()
+        .expect("2048 columns are whole groups of 128");
+    let got = bits(&got.to_device(&Device::Cpu).unwrap());
+    let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+    let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    assert_eq!(
+        differ,
+        0,
+        "{differ} of {} values differ from the host's",
+        want.len()
+    );
 }

@@ -49,6 +49,7 @@
 //! * Not modelled: `scale_ue8m0` (Blackwell's DeepGEMM: scales rounded up to a power of two,
 //!   the weights requantised to them at load), and sglang's absorbed MLA (`w_kc`/`w_vc`
 //!   requantised per tensor, `per_tensor_quant_mla_fp8`); docs/design/w8a8.md.
+use candle_core::Tensor;
 use half::{bf16, f16};
 use safetensors::Dtype;
 
@@ -130,6 +131,44 @@ pub fn act_quant_rows(x: &mut [f32], k: usize, group: usize) {
             g.copy_from_slice(t);
         }
     }
+}
+
+/// [`act_quant_rows`] as tensor operations on `x`'s own device (`[.., k]`, any float dtype;
+/// returns f32 of the same shape), so that a GPU recompute quantises its activations where
+/// they are instead of on the host. The same rule step for step, each step exact or one IEEE
+/// rounding as on the host: `max |x|` per group of `group` columns floored at
+/// [`ACT_QUANT_EPS`], the scale `amax / 448` (an f32 division), `x / scale` (an f32
+/// division) clamped to ±448, the cast to `float8_e4m3fn` (round to nearest, ties to even:
+/// candle's cast, `__nv_fp8_e4m3(float)` on CUDA, the `float8` crate on the CPU) and back,
+/// times the scale. `Ok(None)` when `group` is 0 or does not divide `k` (a ragged last group:
+/// the caller quantises on the host).
+///
+/// # Errors
+/// Candle errors only.
+pub fn act_quant_tensor(x: &Tensor, group: usize) -> candle_core::Result<Option<Tensor>> {
+    use candle_core::DType;
+    let dims = x.dims().to_vec();
+    let k = dims.last().copied().unwrap_or(0);
+    if group == 0 || k == 0 || !k.is_multiple_of(group) {
+        return Ok(None);
+    }
+    let n = x.elem_count() / k;
+    let dev = x.device();
+    let xg = x.to_dtype(DType::F32)?.reshape((n, k / group, group))?;
+    let eps = Tensor::new(&[ACT_QUANT_EPS], dev)?;
+    let max = Tensor::new(&[E4M3_MAX], dev)?;
+    let scale = xg
+        .abs()?
+        .max_keepdim(2)?
+        .broadcast_maximum(&eps)?
+        .broadcast_div(&max)?;
+    let q = xg
+        .broadcast_div(&scale)?
+        .broadcast_maximum(&max.neg()?)?
+        .broadcast_minimum(&max)?
+        .to_dtype(DType::F8E4M3)?
+        .to_dtype(DType::F32)?;
+    Ok(Some(q.broadcast_mul(&scale)?.reshape(dims)?))
 }
 
 /// The 256-entry E4M3 table.
@@ -390,6 +429,52 @@ mod tests {
         let mut z = [1f32; 3];
         assert_eq!(act_quant_group(&[0.0; 3], &mut z), ACT_QUANT_EPS / 448.0);
         assert_eq!(z, [0.0; 3]);
+    }
+
+    /// The tensor quantiser equals the host's bit for bit (here on the CPU; the GPU's cast
+    /// rounds the same way): ties of the e4m3 grid, subnormal results, a zero row (the eps
+    /// floor), negative values and the ±448 edge; a ragged group is refused.
+    #[test]
+    fn act_quant_tensor_is_act_quant_rows() {
+        let (rows, k, group) = (6usize, 256usize, 128usize);
+        let mut x: Vec<f32> = (0..rows * k)
+            .map(|i| {
+                let h = (i as u32).wrapping_mul(2_654_435_761) >> 8;
+                (h as f32 / (1u32 << 24) as f32 - 0.5) * 3.0
+            })
+            .collect();
+        // Row 1: a group whose max is 448 · 2⁻⁴ and exact ties of its e4m3 grid (scale 2⁻⁴:
+        // 1.0625 / 2⁻⁴ = 17, halfway between 16 and 18; 1.1875 → 19, between 18 and 20).
+        x[k] = 28.0;
+        x[k + 1] = 1.0625;
+        x[k + 2] = 1.1875;
+        x[k + 3] = -1.0625;
+        // Row 2, second group: tiny values beside a large one (subnormal quotients).
+        x[2 * k + group] = 100.0;
+        x[2 * k + group + 1] = 1e-3;
+        x[2 * k + group + 2] = -3e-4;
+        // Row 3: all zeros.
+        x[3 * k..4 * k].iter_mut().for_each(|v| *v = 0.0);
+        let mut want = x.clone();
+        act_quant_rows(&mut want, k, group);
+        let t = Tensor::from_vec(x.clone(), (2, rows / 2, k), &candle_core::Device::Cpu).unwrap();
+        let got = act_quant_tensor(&t, group).unwrap().unwrap();
+        assert_eq!(got.dims(), &[2, rows / 2, k]);
+        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "element {i}: {g} != {w} (x = {})",
+                x[i]
+            );
+        }
+        assert_eq!(want[k + 1], 1.0, "the tie 17 went to even 16");
+        assert_eq!(want[k + 2], 1.25, "the tie 19 went to even 20");
+        let ragged =
+            Tensor::zeros((2, 200), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        assert!(act_quant_tensor(&ragged, group).unwrap().is_none());
+        assert!(act_quant_tensor(&t, 0).unwrap().is_none());
     }
 
     #[test]

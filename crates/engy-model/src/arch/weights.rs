@@ -744,6 +744,17 @@ impl Weights {
                 .is_some()
     }
 
+    /// Whether a projection decoded for a recompute in `compute` ([`Weights::projection_t_in`])
+    /// may be kept: always on the CPU; on a GPU only for [`Compute::Bf16`]. A resident GPU model holds the bf16 recompute's
+    /// weights (2 bytes a parameter: 70 GB for a 35B model, what fits an 80 GB GPU), and the
+    /// f32 and W8A8 recomputes that `auto` runs after a failed bf16 one decode theirs per pass
+    /// and drop them, as a streamed pass does: keeping their f32 copies too (4 bytes a
+    /// parameter) would not fit, and the audit would fail for want of device memory on
+    /// exactly the commitments (an honest W8A8 serve among them) that need those recomputes.
+    fn keeps_for(&self, compute: Compute) -> bool {
+        self.device.is_cpu() || compute == Compute::Bf16
+    }
+
     /// Whether decoded tensors are kept now: under [`Residency::Resident`], or streamed while
     /// a [`Weights::hold`] is on.
     fn keeps(&self) -> bool {
@@ -1135,7 +1146,8 @@ impl Weights {
     /// [`Weights::projection_t`] as a model computing in `compute` holds it: with
     /// [`Compute::Bf16`], a weight not stored as bf16 (block FP8, NVFP4, f32) is the bf16
     /// rounding of its exact dequantised value, as when transformers loads dequantised weights
-    /// into a bf16 model.
+    /// into a bf16 model. Kept under [`Residency::Resident`] except, on a GPU, for a recompute
+    /// other than bf16 ([`Weights::keeps_for`]).
     ///
     /// # Errors
     /// As [`Weights::projection_t`].
@@ -1146,12 +1158,13 @@ impl Weights {
         inp: usize,
         compute: Compute,
     ) -> Result<Tensor, ModelError> {
-        self.get_as(
+        self.get_kept(
             &format!("{module}.weight"),
             Some(&[out, inp]),
             true,
             true,
             compute,
+            self.keeps_for(compute),
         )
     }
 
@@ -1273,7 +1286,8 @@ impl Weights {
     /// ([`quant::act_quant_rows`], sglang's `per_token_group_quant_fp8`), then multiplied in
     /// f32 by the exactly dequantised weight (`W8A8`: f32 accumulation; the caller rounds the
     /// output to its activation dtype, as the kernel casts its f32 accumulator to bf16). On a
-    /// GPU the quantisation runs on the host (`[rows, inp]` f32 each way). Otherwise exactly
+    /// GPU the quantisation runs there ([`quant::act_quant_tensor`], the same values), on the
+    /// host only for a ragged last group (`[rows, inp]` f32 each way). Otherwise exactly
     /// [`Weights::linear_in`].
     ///
     /// # Errors
@@ -1300,12 +1314,22 @@ impl Weights {
             });
         }
         let n = dims[..dims.len() - 1].iter().product::<usize>();
-        let mut xs = x
-            .to_dtype(candle_core::DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        quant::act_quant_rows(&mut xs, inp, self.fp8_block[1]);
-        let xq = Tensor::from_vec(xs, (n, inp), x.device())?;
+        let on_device = if self.device.is_cpu() {
+            None
+        } else {
+            quant::act_quant_tensor(x, self.fp8_block[1])?
+        };
+        let xq = match on_device {
+            Some(xq) => xq.reshape((n, inp))?,
+            None => {
+                let mut xs = x
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                quant::act_quant_rows(&mut xs, inp, self.fp8_block[1]);
+                Tensor::from_vec(xs, (n, inp), x.device())?
+            }
+        };
         let wt = self.projection_t_in(module, out, inp, Compute::F32)?;
         if let Some(d) = dims.last_mut() {
             *d = out;
