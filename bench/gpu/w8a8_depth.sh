@@ -13,7 +13,8 @@
 # fewer experts), serves it bf16, W8A8 (FP8 tensor-core products) and with cheats, turns the
 # rows into commitments and audits each with `engy-audit audit --device cuda --json`; one line
 # per commitment: variant, verdict, and per recompute (dtype, attention, activations, largest
-# batch, mean a batch).
+# batch, mean a batch). ENGY_DEPTH_VARIANTS narrows the serves (a comma list of
+# w8a8_serves.py variants); the reports stay in $ENGY_GPU_WORK/w8a8-depth/reports.jsonl.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 bin="$(cd "${1:?usage: bench/gpu/w8a8_depth.sh BIN_DIR COMMIT_ROWS [LAYERS] [PROMPTS]}" && pwd)"
@@ -26,16 +27,25 @@ w="${ENGY_GPU_WORK:-/tmp/engy-gpu}/w8a8-depth"
 rm -rf "$w"; mkdir -p "$w/commit"
 types=$(python3 -c "import sys; n=int(sys.argv[1]); print(','.join('\"full_attention\"' if (i+1)%4==0 else '\"linear_attention\"' for i in range(n)))" "$layers")
 overrides='{"hidden_size":2048,"num_hidden_layers":'"$layers"',"layer_types":['"$types"'],"head_dim":256,"num_attention_heads":16,"num_key_value_heads":2,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_num_key_heads":16,"linear_num_value_heads":32,"moe_intermediate_size":512,"shared_expert_intermediate_size":512,"num_experts":32,"num_experts_per_tok":8,"rope_parameters":{"mrope_interleaved":true,"mrope_section":[11,11,10],"partial_rotary_factor":0.25,"rope_theta":10000000.0,"rope_type":"default"}}'
+t0=$SECONDS
 python3 tests/reverse/w8a8_serves.py make tests/vectors/arch/qwen3_5_moe_fp8 "$w/ck" 4101 "$overrides" || exit 1
-variants=honest_bf16_batched,honest_w8a8_batched,honest_w8a8,experts_int4_g32_w8a8,experts_fp8_tensor_w8a8,int4_g32
+echo "w8a8_depth: checkpoint made in $((SECONDS - t0)) s"; t0=$SECONDS
+variants="${ENGY_DEPTH_VARIANTS:-honest_bf16_batched,honest_w8a8_batched,honest_w8a8,experts_int4_g32_w8a8,experts_fp8_tensor_w8a8,int4_g32}"
 python3 tests/reverse/w8a8_serves.py serve "$w/ck" "$w/rows" --variant "$variants" --n "$prompts" || exit 1
+echo "w8a8_depth: served in $((SECONDS - t0)) s"; t0=$SECONDS
 root=$(cd tests/reverse && python3 -c "import sys; from serves_common import model_root; print(model_root(sys.argv[1]))" "$w/ck")
 for f in "$w"/rows/*.safetensors; do
   "$commit_rows" "$f" "$root" "$w/commit" "$(basename "$f" .safetensors)" || exit 1
 done
-for j in "$w"/commit/*.json; do
-  "$bin/engy-audit" audit --checkpoint "$w/ck" --commitment "$j" --device cuda --json 2>/dev/null | head -n 1 |
-    python3 -c 'import json, sys
-d = json.load(sys.stdin)
-print(sys.argv[1], d["verdict"], [(r["compute"], r["attention"], r["fp8_activations"], r["max_exp_mismatches"], round(r["score"] * 128)) for r in d["recomputes"]])' "$(basename "$j" .json)"
-done
+# One process, weights resident: every commitment's recomputes reuse the decoded layers.
+args=(); for j in "$w"/commit/*.json; do args+=(--commitment "$j"); done
+"$bin/engy-audit" audit --checkpoint "$w/ck" "${args[@]}" --device cuda --resident --json 2>/dev/null |
+  tee "$w/reports.jsonl" |
+  python3 -c 'import json, os, sys
+for line in sys.stdin:
+    d = json.loads(line)
+    name = os.path.basename(d["commitment"])[: -len(".json")]
+    if "verdict" not in d:
+        print(name, "error", d.get("error")); continue
+    print(name, d["verdict"], [(r["compute"], r["attention"], r["fp8_activations"], r["max_exp_mismatches"], round(r["score"] * 128)) for r in d["recomputes"]], flush=True)'
+echo "w8a8_depth: audited in $((SECONDS - t0)) s"
