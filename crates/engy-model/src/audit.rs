@@ -779,7 +779,8 @@ fn run_plan(
         && !report.routing_convicts()
         && !trace_withheld(checked, &p)
     {
-        if let Some(reason) = w8a8_noise(&outcomes, p.toploc_k) {
+        let judged = report.batches.iter().filter(|b| b.judged).count();
+        if let Some(reason) = w8a8_noise(&outcomes, p.toploc_k, judged) {
             report.verdict = Verdict::Unproven { reason };
         }
     }
@@ -1187,6 +1188,12 @@ fn trace_withheld(c: &Checked, p: &AuditParams) -> bool {
     p.routing.require_trace && !trace_whole
 }
 
+/// How many standard errors an unquantised recompute must be closer than the W8A8 one for
+/// the W8A8 serving-noise rule to leave a cheat standing ([`w8a8_noise`], docs/PROTOCOL.md
+/// §5.1): 3, a one-sided false-flag chance of about 0.13 % a commitment for an honest W8A8
+/// serve whose comparison carries no signal, under the 1 % cheat rate §8's gate needs.
+pub const W8A8_NOISE_Z: f64 = 3.0;
+
 /// Why a commitment that no recompute explains is not judged a cheat: the W8A8 serving-noise
 /// rule (docs/PROTOCOL.md §5.1, docs/design/w8a8.md "On a GPU").
 ///
@@ -1196,19 +1203,26 @@ fn trace_withheld(c: &Checked, p: &AuditParams) -> bool {
 /// difference in a bf16 activation flips its e4m3 rounding (an error 32 times larger) and the
 /// flips compound through the layers. Measured on an H100 (bench/RESULTS.md "W8A8 serves on
 /// a GPU"), honest W8A8 serves reach 51–87 exponent mismatches in a batch against the W8A8
-/// recompute (the limit is 40), as far as serves with 4-bit routed experts do, so no limit on
-/// the W8A8 recompute separates them. What does separate them is the sign of a comparison:
-/// every such serve is closer, in its mean mismatches a batch, to the W8A8 recompute than to
-/// any recompute with unquantised activations (by 6 to 31), while a serve with bf16
-/// activations and other weights (int4, W4A16) is not. So when the W8A8 recompute ran, none
-/// passed, and its mean is strictly below every unquantised recompute's, the serve
-/// quantised its activations as W8A8 does and TOPLOC cannot tell its noise from a weight
-/// swap: the verdict is `unproven` with this reason, and the cell audit (each product
-/// checked on its own, in W8A8) is what can convict. A serve that swaps weights and also
-/// quantises its activations escapes TOPLOC this way and is left to the cells (which catch
-/// 4-bit experts in every cell, a ~1 % per-tensor FP8 change in some: docs/design/cells.md).
-/// `None` (the cheat stands) otherwise.
-fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize) -> Option<String> {
+/// recompute (the limit is 40), 118–125 at 40 layers of real width, as far as serves with
+/// 4-bit weights, so no limit on the W8A8 recompute separates them. What separates them is a
+/// comparison: every such serve is closer, in its mean mismatches a batch, to the W8A8
+/// recompute than to any recompute with unquantised activations (by 6 to 31 at 8 layers, by
+/// 1 to 3 at 40 where every serve nears chance), while a serve with bf16 activations and other
+/// weights (int4, W4A16) is closer to an unquantised one.
+///
+/// The cheat stands only when the closest unquantised recompute's mean `u` is below the W8A8
+/// recompute's `w` by at least [`W8A8_NOISE_Z`] standard errors of that difference,
+/// `u ≤ w − Z·√(2·k·q·(1−q)/n)` (`k` the proof top-k, `n` the judged batches, `q` the two
+/// means' average share of `k`, kept at least half a mismatch from 0 and from `k`: each
+/// mean is of `n` binomial counts of `k`). Otherwise (the W8A8 recompute closer, a tie, or a
+/// difference within the noise, as when deep serves near chance) the serve may be an honest
+/// W8A8 one and TOPLOC cannot tell its noise from a weight swap: the verdict is `unproven`
+/// with this reason, and the cell audit (each product checked on its own, in W8A8) and the
+/// routing replay are what can convict. A serve that swaps weights and also quantises its
+/// activations escapes TOPLOC this way, and so does one that near chance is unrelated to
+/// every recompute. `None` (the cheat stands) otherwise, or when the W8A8 recompute or an
+/// unquantised one did not run, or `batches` is 0.
+fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize, batches: usize) -> Option<String> {
     let best = |w8a8: bool| {
         outcomes
             .iter()
@@ -1217,15 +1231,21 @@ fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize) -> Option<String> {
             .min_by(f64::total_cmp)
     };
     let (w, u) = (best(true)?, best(false)?);
+    if batches == 0 {
+        return None;
+    }
     let k = topk.max(1) as f64;
-    (w < u).then(|| {
+    let half = 0.5 / k;
+    let q = ((w + u) / 2.0).clamp(half, 1.0 - half);
+    let se = (2.0 * k * q * (1.0 - q) / batches as f64).sqrt();
+    let (w, u) = (w * k, u * k);
+    (u > w - W8A8_NOISE_Z * se).then(|| {
         format!(
-            "{W8A8_NOISE}: no recompute passes, and the serve is closer to the W8A8 one \
-             (mean {:.1} exponent mismatches a batch) than to any with unquantised activations \
-             ({:.1}); TOPLOC cannot judge a W8A8 serve on a GPU, the cell audit can \
-             (PROTOCOL.md §5.1)",
-            w * k,
-            u * k
+            "{W8A8_NOISE}: no recompute passes, and the serve is not closer to any recompute \
+             with unquantised activations (best mean {u:.1} exponent mismatches a batch) than \
+             to the W8A8 one ({w:.1}) by {W8A8_NOISE_Z} standard errors ({:.1}); TOPLOC cannot \
+             judge a W8A8 serve on a GPU, the cell audit can (PROTOCOL.md §5.1)",
+            W8A8_NOISE_Z * se
         )
     })
 }
@@ -1288,39 +1308,44 @@ mod tests {
         }
     }
 
-    /// The W8A8 noise rule's comparison (PROTOCOL.md §5.1): W8A8 strictly closer than every
-    /// unquantised recompute; a tie, a farther W8A8, or no W8A8 recompute leaves the cheat.
+    /// The W8A8 noise rule's comparison (PROTOCOL.md §5.1): the cheat stands only when an
+    /// unquantised recompute is closer than the W8A8 one by at least 3 standard errors of the
+    /// difference (here, 5 batches of top-128: about 10.7 mismatches a batch near half); a
+    /// closer W8A8, a tie, a difference within the noise or two saturated means leave the
+    /// serve `unproven`; without a W8A8 or an unquantised recompute the cheat stands.
     #[test]
-    fn w8a8_noise_needs_the_w8a8_recompute_strictly_closest() {
+    fn w8a8_noise_convicts_only_when_an_unquantised_recompute_is_significantly_closer() {
         use Fp8Activations::{PerTokenGroup as W8a8, Unquantised as Plain};
-        let closer = [
-            outcome(Plain, Compute::Bf16, 0.6),
-            outcome(W8a8, Compute::Bf16, 0.5),
-            outcome(Plain, Compute::F32, 0.55),
-        ];
-        let reason = w8a8_noise(&closer, 128).unwrap();
+        let k = 128.0;
+        let pair = |w: f64, u: f64| {
+            [
+                outcome(Plain, Compute::Bf16, u / k),
+                outcome(W8a8, Compute::Bf16, w / k),
+                outcome(Plain, Compute::F32, (u + 5.0) / k),
+            ]
+        };
+        let reason = w8a8_noise(&pair(64.0, 70.4), 128, 5).unwrap();
         assert!(reason.starts_with(W8A8_NOISE), "{reason}");
         assert!(
             reason.contains("64.0") && reason.contains("70.4"),
             "{reason}"
         );
-        let one_unquantised_closer = [
-            outcome(Plain, Compute::Bf16, 0.6),
-            outcome(W8a8, Compute::Bf16, 0.5),
-            outcome(Plain, Compute::F32, 0.45),
-        ];
-        assert_eq!(w8a8_noise(&one_unquantised_closer, 128), None);
-        let tie = [
-            outcome(Plain, Compute::Bf16, 0.5),
-            outcome(W8a8, Compute::Bf16, 0.5),
-        ];
-        assert_eq!(w8a8_noise(&tie, 128), None);
+        // A tie, and an unquantised recompute closer by less than 3 standard errors (10.7).
+        assert!(w8a8_noise(&pair(64.0, 64.0), 128, 5).is_some());
+        assert!(w8a8_noise(&pair(64.0, 54.0), 128, 5).is_some());
+        // Closer by more than 3 standard errors: the cheat stands.
+        assert_eq!(w8a8_noise(&pair(64.0, 53.0), 128, 5), None);
+        // More batches, a smaller standard error (about 4.8 with 25): 10 is enough.
+        assert_eq!(w8a8_noise(&pair(64.0, 54.0), 128, 25), None);
+        // Two means at chance carry no signal: unproven.
+        assert!(w8a8_noise(&pair(128.0, 128.0), 128, 5).is_some());
         let no_w8a8 = [
             outcome(Plain, Compute::Bf16, 0.5),
             outcome(Plain, Compute::F32, 0.7),
         ];
-        assert_eq!(w8a8_noise(&no_w8a8, 128), None);
+        assert_eq!(w8a8_noise(&no_w8a8, 128, 5), None);
         let only_w8a8 = [outcome(W8a8, Compute::Bf16, 0.5)];
-        assert_eq!(w8a8_noise(&only_w8a8, 128), None);
+        assert_eq!(w8a8_noise(&only_w8a8, 128, 5), None);
+        assert_eq!(w8a8_noise(&pair(64.0, 70.4), 128, 0), None);
     }
 }

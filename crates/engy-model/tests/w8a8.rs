@@ -17,10 +17,13 @@
 //!   honest serves reach 51–87 exponent mismatches in a batch, beyond TOPLOC's limit and as
 //!   far as 4-bit expert swaps, and the emulation's honest serves all pass;
 //! * no 4-bit swap passes (`int4_g32`, and the routed-expert swaps but on `glm_moe_dsa_w8a8`,
-//!   where TOPLOC lets about half through: [`expected`]);
-//! * a W4A16 serve (`int4_g32`: bf16 activations, int4 weights) is convicted in most
-//!   commitments: it is not closer to the W8A8 recompute than to the bf16 one, so the
-//!   noise band does not cover it.
+//!   where TOPLOC lets about half through: [`expected`]).
+//!
+//! A W4A16 serve (`int4_g32`: bf16 activations, int4 weights) is closer to the bf16 recompute
+//! than to the W8A8 one, but on these checkpoints by less than the rule's 3 standard errors
+//! (`engy_model::audit::W8A8_NOISE_Z`), so it too is `unproven` and left to the cells: the
+//! price of never flagging an honest W8A8 serve whose comparison carries no signal (40 layers
+//! of real width, bench/RESULTS.md "At depth"). Printed, not asserted.
 //!
 //! The routed-expert-only swaps keep the W8A8 activations of an honest serve and so land in
 //! the noise band (`unproven`): convicting them is the cell audit's job, as is
@@ -151,13 +154,6 @@ fn honest_w8a8_serves_are_never_flagged_and_weight_swaps_never_pass() {
                     row.n,
                     row.ranges.text()
                 );
-                if variant == "int4_g32" && 2 * row.cheat < row.n {
-                    failures.push(format!(
-                        "{case}/{folder}: int4_g32 (W4A16) convicted in {} of {} commitments: \
-                         the noise band covers a serve with bf16 activations",
-                        row.cheat, row.n
-                    ));
-                }
             }
         }
     }
