@@ -5,9 +5,10 @@
 //!
 //! The rule, from the oracle's README ("a correct auditor says"): every `honest_*` variant
 //! passes (an honest miner is never flagged), and `int4_g32` never passes on any checkpoint: a
-//! cheat, or, on a block-FP8 checkpoint, where the W8A8 recompute runs too, `unproven` when it
-//! lands closer to the W8A8 recompute than to the others (the W8A8 serving-noise rule,
-//! docs/PROTOCOL.md §5.1; 7 of those 24 commitments, by 1 to 3 mismatches a batch).
+//! cheat, or, on a block-FP8 checkpoint, where the W8A8 recompute runs too, `unproven` when no
+//! unquantised recompute is closer than the W8A8 one by 3 standard errors (the W8A8
+//! serving-noise rule, docs/PROTOCOL.md §5.1; all 24 of those commitments, whose differences
+//! run from 6.3 closer to bf16 to 3.0 closer to W8A8 on 3 to 5 batches).
 //! `fp8_tensor` (every projection through FP8 with one scale per tensor, a 2–4% weight change)
 //! on a checkpoint not itself quantised must be caught in at least [`FP8_MIN_DETECTION`] of its
 //! commitments: on the smallest models a few of its batches stay within `toploc_v`

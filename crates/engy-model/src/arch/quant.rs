@@ -133,6 +133,13 @@ pub fn act_quant_rows(x: &mut [f32], k: usize, group: usize) {
     }
 }
 
+/// Whether a GPU recompute quantises W8A8 activations on the device ([`act_quant_tensor`]):
+/// not turned off by `ENGY_FUSED_ACT_QUANT=0` (which quantises on the host, as before).
+pub fn device_act_quant() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ENGY_FUSED_ACT_QUANT").map_or(true, |v| v != "0"))
+}
+
 /// [`act_quant_rows`] as tensor operations on `x`'s own device (`[.., k]`, any float dtype;
 /// returns f32 of the same shape), so that a GPU recompute quantises its activations where
 /// they are instead of on the host. The same rule step for step, each step exact or one IEEE

@@ -1287,7 +1287,8 @@ impl Weights {
     /// f32 by the exactly dequantised weight (`W8A8`: f32 accumulation; the caller rounds the
     /// output to its activation dtype, as the kernel casts its f32 accumulator to bf16). On a
     /// GPU the quantisation runs there ([`quant::act_quant_tensor`], the same values), on the
-    /// host only for a ragged last group (`[rows, inp]` f32 each way). Otherwise exactly
+    /// host for a ragged last group or with `ENGY_FUSED_ACT_QUANT=0` (`[rows, inp]` f32 each
+    /// way). Otherwise exactly
     /// [`Weights::linear_in`].
     ///
     /// # Errors
@@ -1314,7 +1315,7 @@ impl Weights {
             });
         }
         let n = dims[..dims.len() - 1].iter().product::<usize>();
-        let on_device = if self.device.is_cpu() {
+        let on_device = if self.device.is_cpu() || !quant::device_act_quant() {
             None
         } else {
             quant::act_quant_tensor(x, self.fp8_block[1])?
