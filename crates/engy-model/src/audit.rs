@@ -1219,9 +1219,17 @@ pub const W8A8_NOISE_Z: f64 = 3.0;
 /// W8A8 one and TOPLOC cannot tell its noise from a weight swap: the verdict is `unproven`
 /// with this reason, and the cell audit (each product checked on its own, in W8A8) and the
 /// routing replay are what can convict. A serve that swaps weights and also quantises its
-/// activations escapes TOPLOC this way, and so does one that near chance is unrelated to
-/// every recompute. `None` (the cheat stands) otherwise, or when the W8A8 recompute or an
-/// unquantised one did not run, or `batches` is 0.
+/// activations escapes TOPLOC this way.
+///
+/// One more condition keeps a serve that computed something else entirely from hiding in that
+/// band: the W8A8 recompute must explain it better than chance, `w ≤ k·p₀ − Z·√(k·p₀·(1−p₀)/n)`
+/// with `p₀ = 1 − 2⁻⁸` (at a position of the recompute's top-k that the serve did not commit,
+/// the proof's value is noise and its 8-bit exponent field matches by chance one time in 256).
+/// Honest W8A8 serves keep far more (118–122 of 128 at 40 layers of random weights, where
+/// the chance line is 126.4 for 4 batches); a serve of another model, which shares none of
+/// the checkpoint's top positions, sits at chance and stays a cheat. `None` (the cheat stands)
+/// otherwise, or when the W8A8 recompute or an unquantised one did not run, or `batches`
+/// is 0.
 fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize, batches: usize) -> Option<String> {
     let best = |w8a8: bool| {
         outcomes
@@ -1239,7 +1247,9 @@ fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize, batches: usize) -> Opt
     let q = ((w + u) / 2.0).clamp(half, 1.0 - half);
     let se = (2.0 * k * q * (1.0 - q) / batches as f64).sqrt();
     let (w, u) = (w * k, u * k);
-    (u > w - W8A8_NOISE_Z * se).then(|| {
+    let p0 = 1.0 - 1.0 / 256.0;
+    let chance = k * p0 - W8A8_NOISE_Z * (k * p0 * (1.0 - p0) / batches as f64).sqrt();
+    (u > w - W8A8_NOISE_Z * se && w <= chance).then(|| {
         format!(
             "{W8A8_NOISE}: no recompute passes, and the serve is not closer to any recompute \
              with unquantised activations (best mean {u:.1} exponent mismatches a batch) than \
@@ -1311,8 +1321,9 @@ mod tests {
     /// The W8A8 noise rule's comparison (PROTOCOL.md §5.1): the cheat stands only when an
     /// unquantised recompute is closer than the W8A8 one by at least 3 standard errors of the
     /// difference (here, 5 batches of top-128: about 10.7 mismatches a batch near half); a
-    /// closer W8A8, a tie, a difference within the noise or two saturated means leave the
-    /// serve `unproven`; without a W8A8 or an unquantised recompute the cheat stands.
+    /// closer W8A8, a tie, a difference within the noise or two means near chance leave the
+    /// serve `unproven`; a W8A8 mean no better than chance (another model's serve), or no W8A8
+    /// or unquantised recompute, leaves the cheat.
     #[test]
     fn w8a8_noise_convicts_only_when_an_unquantised_recompute_is_significantly_closer() {
         use Fp8Activations::{PerTokenGroup as W8a8, Unquantised as Plain};
@@ -1337,8 +1348,13 @@ mod tests {
         assert_eq!(w8a8_noise(&pair(64.0, 53.0), 128, 5), None);
         // More batches, a smaller standard error (about 4.8 with 25): 10 is enough.
         assert_eq!(w8a8_noise(&pair(64.0, 54.0), 128, 25), None);
-        // Two means at chance carry no signal: unproven.
-        assert!(w8a8_noise(&pair(128.0, 128.0), 128, 5).is_some());
+        // Two means near chance (but the W8A8 recompute still better than chance): unproven.
+        assert!(w8a8_noise(&pair(125.0, 125.0), 128, 5).is_some());
+        // At chance against the W8A8 recompute too (127.5 of 128: another model's serve), or
+        // above the chance line (126.55 for 5 batches): the cheat stands.
+        assert_eq!(w8a8_noise(&pair(127.5, 127.5), 128, 5), None);
+        assert_eq!(w8a8_noise(&pair(126.6, 127.9), 128, 5), None);
+        assert!(w8a8_noise(&pair(126.5, 127.9), 128, 5).is_some());
         let no_w8a8 = [
             outcome(Plain, Compute::Bf16, 0.5),
             outcome(Plain, Compute::F32, 0.7),

@@ -13,7 +13,9 @@ mod common;
 
 use std::path::Path;
 
-use engy_model::audit::{audit_many, audit_with, AuditParams, Recompute, Verdict};
+use engy_model::audit::{
+    audit_many, audit_with, AuditParams, AuditReport, Recompute, Verdict, W8A8_NOISE,
+};
 use engy_model::{LoadOptions, Model, Residency};
 
 /// Up to `per_variant` commitments of each of `variants` from the audit oracle's `case`.
@@ -86,12 +88,19 @@ fn a_batched_pass_gives_every_commitment_its_own_report() {
             assert_eq!(a, b, "{case}: commitment {i} differs in a batched pass");
         }
         let verdicts: Vec<&str> = together.iter().map(|r| r.verdict.label()).collect();
+        // A commitment that failed every recompute: a cheat, or on a block-FP8 checkpoint
+        // W8A8 serving noise (docs/PROTOCOL.md §5.1), which the 4-bit swaps there are.
+        let failed_all = |r: &AuditReport| match &r.verdict {
+            Verdict::Cheat => true,
+            Verdict::Unproven { reason } => reason.starts_with(W8A8_NOISE),
+            Verdict::Pass => false,
+        };
         assert!(
             together.iter().any(|r| r.verdict == Verdict::Pass)
-                && together.iter().any(|r| r.verdict == Verdict::Cheat)
+                && together.iter().any(failed_all)
                 && together
                     .iter()
-                    .any(|r| matches!(r.verdict, Verdict::Unproven { .. })),
+                    .any(|r| matches!(&r.verdict, Verdict::Unproven { reason } if !reason.starts_with(W8A8_NOISE))),
             "{case}: the batch should mix verdicts, got {verdicts:?}"
         );
         eprintln!("{case}: {} commitments, {verdicts:?}", batch.len());

@@ -213,3 +213,65 @@ fn the_w8a8_product_quantises_each_input_row_per_group() {
         "quantising the activations must change the product"
     );
 }
+
+/// The attack on the W8A8 serving-noise band (docs/PROTOCOL.md §5.1): a miner that serves
+/// another model entirely, whose rows share nothing with the checkpoint's, fails every
+/// recompute at chance with no significant difference between them, which the band alone
+/// would call `unproven` for ever. Rows of random values in place of each honest W8A8 serve's
+/// (its token ids, engy's proof parameters, the checkpoint's `model_root`): every one must be
+/// a cheat, the W8A8 recompute explaining them no better than chance.
+#[test]
+fn a_serve_of_another_model_is_not_w8a8_noise() {
+    use engy_core::toploc::{self, Dtype, Params};
+    let case_dir = oracle_dir().join("qwen3_5_moe_w8a8");
+    let (model, root) = common::open_resident(&case_dir);
+    let hidden = model.config().hidden_size;
+    let params = AuditParams::default();
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+    };
+    let files: Vec<_> = common::commitment_files(&case_dir.join("commitments-h100"))
+        .into_iter()
+        .filter(|f| common::read_commitment(f).1 == "honest_w8a8_batched")
+        .take(4)
+        .collect();
+    assert!(!files.is_empty(), "no honest_w8a8_batched commitments");
+    for f in files {
+        let (stem, _, honest) = common::read_commitment(&f);
+        let t = &honest["toploc"];
+        let n = t["n_tokens"].as_u64().unwrap() as usize;
+        let rows: Vec<Vec<u16>> = (0..n)
+            .map(|_| {
+                let r: Vec<f32> = (0..hidden).map(|_| next()).collect();
+                toploc::f32_to_bf16_bits_slice(&r)
+            })
+            .collect();
+        let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
+        let p = Params::ENGY;
+        let proofs = toploc::build_proofs_base64(&elements, Dtype::Bf16, &p).unwrap();
+        let forged = serde_json::json!({
+            "model_root": root,
+            "output_token_ids": honest["output_token_ids"],
+            "toploc": {
+                "proofs": proofs,
+                "topk": p.topk,
+                "decode_batching_size": p.decode_batching_size,
+                "skip_prefill": p.skip_prefill,
+                "n_tokens": n,
+                "prompt_ids": t["prompt_ids"],
+            }
+        });
+        let report = audit_with(&model, &root, &forged, &params, Recompute::Auto).unwrap();
+        assert_eq!(
+            report.verdict,
+            Verdict::Cheat,
+            "{stem} with another model's rows: {:?} (tried {})",
+            report.verdict,
+            common::tried(&report)
+        );
+    }
+}
