@@ -745,12 +745,13 @@ impl Weights {
     }
 
     /// Whether a projection decoded for a recompute in `compute` ([`Weights::projection_t_in`])
-    /// may be kept: always on the CPU; on a GPU only for [`Compute::Bf16`]. A resident GPU model holds the bf16 recompute's
-    /// weights (2 bytes a parameter: 70 GB for a 35B model, what fits an 80 GB GPU), and the
-    /// f32 and W8A8 recomputes that `auto` runs after a failed bf16 one decode theirs per pass
-    /// and drop them, as a streamed pass does: keeping their f32 copies too (4 bytes a
-    /// parameter) would not fit, and the audit would fail for want of device memory on
-    /// exactly the commitments (an honest W8A8 serve among them) that need those recomputes.
+    /// may be kept: always on the CPU; on a GPU only for [`Compute::Bf16`]. A resident GPU
+    /// model holds the bf16 recompute's weights (2 bytes a parameter: 70 GB for a 35B model,
+    /// what fits an 80 GB GPU), and the f32 and W8A8 recomputes that `auto` runs after a
+    /// failed bf16 one decode theirs per pass and drop them, as a streamed pass does: keeping
+    /// their f32 copies too (4 bytes a parameter) would not fit, and the audit would fail for
+    /// want of device memory on exactly the commitments (an honest W8A8 serve among them) that
+    /// need those recomputes.
     fn keeps_for(&self, compute: Compute) -> bool {
         self.device.is_cpu() || compute == Compute::Bf16
     }
@@ -1288,8 +1289,7 @@ impl Weights {
     /// output to its activation dtype, as the kernel casts its f32 accumulator to bf16). On a
     /// GPU the quantisation runs there ([`quant::act_quant_tensor`], the same values), on the
     /// host for a ragged last group or with `ENGY_FUSED_ACT_QUANT=0` (`[rows, inp]` f32 each
-    /// way). Otherwise exactly
-    /// [`Weights::linear_in`].
+    /// way). Otherwise exactly [`Weights::linear_in`].
     ///
     /// # Errors
     /// As [`Weights::linear`].
