@@ -735,7 +735,8 @@ fn run_plan(
                     sibling = model.with_numerics(n)?;
                     &sibling
                 };
-                verify(m, checked, p)?
+                let dev = m.options().device.device()?;
+                crate::device::phase(&dev, recompute_phase(n), || verify(m, checked, p))?
             }
         };
         if matches!(report.verdict, Verdict::Unproven { .. }) {
@@ -786,6 +787,18 @@ fn run_plan(
     }
     report.recomputes = outcomes;
     Ok(report)
+}
+
+/// The [`crate::device::phase`] one recompute of `auto`'s plan is timed under with
+/// `ENGY_PROFILE` set, so that a profile splits an audit's time per recompute (the DSA tie
+/// orders of one recompute add up under one name).
+fn recompute_phase(n: Numerics) -> &'static str {
+    match (n.fp8_activations, n.compute, n.attention) {
+        (Fp8Activations::PerTokenGroup, _, _) => "recompute: bf16/w8a8",
+        (_, Compute::F32, _) => "recompute: f32",
+        (_, _, AttentionKernel::Eager) => "recompute: bf16/eager",
+        _ => "recompute: bf16",
+    }
 }
 
 /// The commitment's routing trace, checked against the model ([`fits_model`]), or why there is
