@@ -17,7 +17,8 @@
 //!    `topk` / `decode_batching_size` (PROTOCOL.md §5).
 //! 4. Verdict (model spec fields, PROTOCOL.md §4; engy docs/MINER.md "toploc_v: mismatch
 //!    threshold, toploc_p: pass ratio required"): a batch **passes** when its
-//!    `exp_mismatches <= toploc_v`; the commitment **passes** when
+//!    `exp_mismatches <= toploc_v` and its proof is not degenerate (a modulus below `topk` or
+//!    a constant polynomial: [`degenerate_proof`]); the commitment **passes** when
 //!    `passing_batches / batches >= toploc_p` over its judged batches, otherwise it is a
 //!    **cheat**. With the defaults (128, 40, 0.99) and fewer than 100 batches, one failing
 //!    batch is a cheat. A batch is judged when it holds at least [`SPARSE_TOPK_FACTOR`] ×
@@ -427,7 +428,7 @@ pub struct BatchAudit {
     pub mant_err_mean: Option<f64>,
     /// Upper median of the same; `None` when no exponent matched.
     pub mant_err_median: Option<f64>,
-    /// `exp_mismatches <= toploc_v`.
+    /// `exp_mismatches <= toploc_v`, and its proof not degenerate ([`degenerate_proof`]).
     pub pass: bool,
     /// Whether the batch counts towards the verdict and the score ([`judged_batch`]).
     pub judged: bool,
@@ -781,7 +782,12 @@ fn run_plan(
         && !trace_withheld(checked, &p)
     {
         let judged = report.batches.iter().filter(|b| b.judged).count();
-        if let Some(reason) = w8a8_noise(&outcomes, p.toploc_k, judged) {
+        let noise = if proofs_as_built(checked, &p) {
+            w8a8_noise(&outcomes, p.toploc_k, judged)
+        } else {
+            None
+        };
+        if let Some(reason) = noise {
             report.verdict = Verdict::Unproven { reason };
         }
     }
@@ -1154,7 +1160,11 @@ fn judge(
     let any_judged = (0..results.len()).any(|i| judged_batch(rows_of(i), hidden, c.params.topk));
     for (i, r) in results.iter().enumerate() {
         let rows = rows_of(i);
-        let pass = r.exp_mismatches <= p.toploc_v;
+        let built = c
+            .proofs
+            .get(i)
+            .is_some_and(|q| !degenerate_proof(q, c.params.topk));
+        let pass = r.exp_mismatches <= p.toploc_v && built;
         let judged = !any_judged || judged_batch(rows, hidden, c.params.topk);
         report.passing_batches += usize::from(pass && judged);
         report.batches.push(BatchAudit {
@@ -1187,6 +1197,16 @@ fn judge(
     Ok(report)
 }
 
+/// Whether a batch's proof is one no honest build makes (PROTOCOL.md §5): a modulus below
+/// `topk` (which cannot keep `topk` positions distinct) or a constant polynomial (every
+/// coefficient after the first zero: the same value at every position, which an honest build
+/// gives only when all `topk` top values of the batch have one bit pattern). The verdict
+/// rule compares exponents only, so a constant proof at the exponent most of a model's top
+/// values share matched them all: a forged proof passed. Such a batch never passes.
+fn degenerate_proof(q: &ProofPoly, topk: usize) -> bool {
+    usize::from(q.modulus) < topk || q.coeffs.iter().skip(1).all(|&c| c == 0)
+}
+
 /// How the reason of an `unproven` verdict given by the W8A8 serving-noise rule begins
 /// (docs/PROTOCOL.md §5.1): the serve quantised its activations as W8A8 does and no
 /// recompute explains it, which TOPLOC cannot tell from a weight swap.
@@ -1201,11 +1221,33 @@ fn trace_withheld(c: &Checked, p: &AuditParams) -> bool {
     p.routing.require_trace && !trace_whole
 }
 
+/// Whether the commitment's proofs are shaped as an honest miner's build makes them
+/// (PROTOCOL.md §3.8, `engy_core::toploc::build_proofs`): engy's decode batching size, and
+/// per batch a polynomial through its `toploc_k` top values (exactly `toploc_k`
+/// coefficients, a modulus of at least `toploc_k`, under which they are distinct). The W8A8
+/// serving-noise band is for honest serves, whose proofs always are; a miner who sends a
+/// constant polynomial (modulus 1, one coefficient: the same exponent at every position) or
+/// picks its own batching (one batch: the widest band) gets no benefit of the doubt.
+fn proofs_as_built(c: &Checked, p: &AuditParams) -> bool {
+    let k = p.toploc_k;
+    c.params.decode_batching_size == Params::ENGY.decode_batching_size
+        && c.proofs
+            .iter()
+            .all(|q| q.coeffs.len() == k && usize::from(q.modulus) >= k)
+}
+
 /// How many standard errors an unquantised recompute must be closer than the W8A8 one for
 /// the W8A8 serving-noise rule to leave a cheat standing ([`w8a8_noise`], docs/PROTOCOL.md
 /// §5.1): 3, a one-sided false-flag chance of about 0.13 % a commitment for an honest W8A8
 /// serve whose comparison carries no signal, under the 1 % cheat rate §8's gate needs.
 pub const W8A8_NOISE_Z: f64 = 3.0;
+
+/// How many standard errors below chance the W8A8 recompute's mean must be for the W8A8
+/// serving-noise band to apply ([`w8a8_noise`]): 1. The line protects the band from a serve of
+/// another model, which sits at chance; a serve there is convicted in about 84 % of its
+/// commitments, far above §8's 1 % gate, while an honest serve is flagged only if it is itself
+/// indistinguishable from chance (a checkpoint where TOPLOC flags honest bf16 serves too).
+pub const W8A8_CHANCE_Z: f64 = 1.0;
 
 /// Why a commitment that no recompute explains is not judged a cheat: the W8A8 serving-noise
 /// rule (docs/PROTOCOL.md §5.1, docs/design/w8a8.md "On a GPU").
@@ -1235,14 +1277,16 @@ pub const W8A8_NOISE_Z: f64 = 3.0;
 /// activations escapes TOPLOC this way.
 ///
 /// One more condition keeps a serve that computed something else entirely from hiding in that
-/// band: the W8A8 recompute must explain it better than chance, `w ≤ k·p₀ − Z·√(k·p₀·(1−p₀)/n)`
-/// with `p₀ = 1 − 2⁻⁸` (at a position of the recompute's top-k that the serve did not commit,
-/// the proof's value is noise and its 8-bit exponent field matches by chance one time in 256).
-/// Honest W8A8 serves keep far more (118–122 of 128 at 40 layers of random weights, where
-/// the chance line is 126.4 for 4 batches); a serve of another model, which shares none of
-/// the checkpoint's top positions, sits at chance and stays a cheat. `None` (the cheat stands)
-/// otherwise, or when the W8A8 recompute or an unquantised one did not run, or `batches`
-/// is 0.
+/// band: the W8A8 recompute must explain it better than chance,
+/// `w ≤ k·p₀ − Z_c·√(k·p₀·(1−p₀)/n)` ([`W8A8_CHANCE_Z`]) with `p₀ = 1 − 2⁻⁸` (at a position
+/// of the recompute's top-k that the serve did not commit, the proof's value is noise and its
+/// 8-bit exponent field matches by chance one time in 256). Honest W8A8 serves mismatch far
+/// less (means of 118–122 of 128 at 40 layers of random weights, single batches up to 126,
+/// where the line is 126.8 for one batch and 127.15 for four); a serve of another model,
+/// which shares none of the checkpoint's top positions, sits at chance (127.4 measured) and
+/// stays a cheat. The caller applies the band only to proofs shaped as an honest build makes
+/// them ([`proofs_as_built`]). `None` (the cheat stands) otherwise, or when the W8A8
+/// recompute or an unquantised one did not run, or `batches` is 0.
 fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize, batches: usize) -> Option<String> {
     let best = |w8a8: bool| {
         outcomes
@@ -1261,7 +1305,7 @@ fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize, batches: usize) -> Opt
     let se = (2.0 * k * q * (1.0 - q) / batches as f64).sqrt();
     let (w, u) = (w * k, u * k);
     let p0 = 1.0 - 1.0 / 256.0;
-    let chance = k * p0 - W8A8_NOISE_Z * (k * p0 * (1.0 - p0) / batches as f64).sqrt();
+    let chance = k * p0 - W8A8_CHANCE_Z * (k * p0 * (1.0 - p0) / batches as f64).sqrt();
     (u > w - W8A8_NOISE_Z * se && w <= chance).then(|| {
         format!(
             "{W8A8_NOISE}: no recompute passes, and the serve is not closer to any recompute \
@@ -1364,10 +1408,12 @@ mod tests {
         // Two means near chance (but the W8A8 recompute still better than chance): unproven.
         assert!(w8a8_noise(&pair(125.0, 125.0), 128, 5).is_some());
         // At chance against the W8A8 recompute too (127.5 of 128: another model's serve), or
-        // above the chance line (126.55 for 5 batches): the cheat stands.
+        // above the chance line (127.18 for 5 batches, 126.79 for one): the cheat stands.
         assert_eq!(w8a8_noise(&pair(127.5, 127.5), 128, 5), None);
-        assert_eq!(w8a8_noise(&pair(126.6, 127.9), 128, 5), None);
-        assert!(w8a8_noise(&pair(126.5, 127.9), 128, 5).is_some());
+        assert_eq!(w8a8_noise(&pair(127.2, 127.9), 128, 5), None);
+        assert!(w8a8_noise(&pair(127.1, 127.9), 128, 5).is_some());
+        assert_eq!(w8a8_noise(&pair(126.8, 127.9), 128, 1), None);
+        assert!(w8a8_noise(&pair(126.0, 126.5), 128, 1).is_some());
         let no_w8a8 = [
             outcome(Plain, Compute::Bf16, 0.5),
             outcome(Plain, Compute::F32, 0.7),

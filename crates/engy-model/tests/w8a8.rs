@@ -275,3 +275,44 @@ fn a_serve_of_another_model_is_not_w8a8_noise() {
         );
     }
 }
+
+/// The attack with crafted proofs (docs/PROTOCOL.md §5): a constant polynomial (modulus 1,
+/// one coefficient) answers every position of every recompute's top-k with the same value.
+/// The verdict compares exponents only, so at the exponent most top values of this model
+/// share it matched them and the forged commitment passed (exponent 128 here, 35 mismatches
+/// at most); at other exponents no recompute is significantly closer and the W8A8 band would
+/// leave it `unproven`. In place of an honest W8A8 serve's proofs, at each exponent a top
+/// value can have, such proofs must be cheats.
+#[test]
+fn constant_proofs_get_no_benefit_of_the_doubt() {
+    use engy_core::toploc::ProofPoly;
+    let case_dir = oracle_dir().join("glm_moe_dsa_w8a8");
+    let (model, root) = common::open_resident(&case_dir);
+    let params = AuditParams::default();
+    let f = common::commitment_files(&case_dir.join("commitments-h100"))
+        .into_iter()
+        .find(|f| common::read_commitment(f).1 == "honest_w8a8_batched")
+        .expect("an honest_w8a8_batched commitment");
+    let (stem, _, honest) = common::read_commitment(&f);
+    let batches = honest["toploc"]["proofs"].as_array().map_or(0, Vec::len);
+    let mut wrong = Vec::new();
+    for exponent in 124u16..=132 {
+        let constant = ProofPoly {
+            modulus: 1,
+            coeffs: vec![exponent << 7],
+        }
+        .to_base64();
+        let mut forged = honest.clone();
+        forged["toploc"]["proofs"] = serde_json::json!(vec![constant; batches]);
+        let report = audit_with(&model, &root, &forged, &params, Recompute::Auto).unwrap();
+        println!(
+            "{stem}, constant proofs of exponent {exponent}: {} (tried {})",
+            report.verdict.label(),
+            common::tried(&report)
+        );
+        if report.verdict != Verdict::Cheat {
+            wrong.push(format!("exponent {exponent}: {:?}", report.verdict));
+        }
+    }
+    assert!(wrong.is_empty(), "{stem}: {}", wrong.join("\n"));
+}

@@ -145,10 +145,8 @@ pub fn device_act_quant() -> bool {
 /// they are instead of on the host. The same rule step for step, each step exact or one IEEE
 /// rounding as on the host: `max |x|` per group of `group` columns floored at
 /// [`ACT_QUANT_EPS`], the scale `amax / 448` (an f32 division), `x / scale` (an f32
-/// division) clamped to ±448, the cast to `float8_e4m3fn` (round to nearest, ties to even:
-/// candle's cast, `__nv_fp8_e4m3(float)` on CUDA, the `float8` crate on the CPU) and back,
-/// times the scale. `Ok(None)` when `group` is 0 or does not divide `k` (a ragged last group:
-/// the caller quantises on the host).
+/// division) clamped to ±448, [`round_e4m3_tensor`], times the scale. `Ok(None)` when `group`
+/// is 0 or does not divide `k` (a ragged last group: the caller quantises on the host).
 ///
 /// # Errors
 /// Candle errors only.
@@ -169,13 +167,40 @@ pub fn act_quant_tensor(x: &Tensor, group: usize) -> candle_core::Result<Option<
         .max_keepdim(2)?
         .broadcast_maximum(&eps)?
         .broadcast_div(&max)?;
-    let q = xg
+    let v = xg
         .broadcast_div(&scale)?
         .broadcast_maximum(&max.neg()?)?
-        .broadcast_minimum(&max)?
-        .to_dtype(DType::F8E4M3)?
-        .to_dtype(DType::F32)?;
+        .broadcast_minimum(&max)?;
+    let q = round_e4m3_tensor(&v)?;
     Ok(Some(q.broadcast_mul(&scale)?.reshape(dims)?))
+}
+
+/// [`round_e4m3`] of every element of `v` (f32, each in ±448), in f32 operations that are
+/// exact or one IEEE rounding each, so that any device computes the host's value bit for bit
+/// (candle's F8E4M3 cast is not used: on CUDA candle 0.9.2 looks its kernel up under a name
+/// its kernels do not define).
+/// * `|v| ≥ 2⁻⁶` (e4m3's normal range): Veltkamp's split with `σ = 2²⁰ + 1`,
+///   `hi = σv − (σv − v)`, keeps the 4 leading significant bits of an f32 rounded to nearest,
+///   ties to even (checked against the integer rounding for every f32 in `[2⁻⁶, 448]` of both
+///   signs, docs/design/w8a8.md);
+/// * below (subnormals, multiples of 2⁻⁹): `(v + C) − C` with `C = 1.5·2¹⁴`, whose f32 spacing
+///   is 2⁻⁹, so the addition rounds `v` to the nearest multiple, ties to even;
+/// * a zero result keeps `v`'s sign (`v · 0`), as the host's `copysign`.
+///
+/// # Errors
+/// Candle errors only.
+pub fn round_e4m3_tensor(v: &Tensor) -> candle_core::Result<Tensor> {
+    let dev = v.device();
+    let sigma = Tensor::new(&[(1u32 << 20) as f32 + 1.0], dev)?;
+    let c = Tensor::new(&[1.5f32 * (1u32 << 14) as f32], dev)?;
+    let zero = Tensor::new(&[0f32], dev)?;
+    let sv = v.broadcast_mul(&sigma)?;
+    let normal = (&sv - (&sv - v)?)?;
+    let sub = v.broadcast_add(&c)?.broadcast_sub(&c)?;
+    let small = v.abs()?.lt(2f64.powi(-6))?;
+    let r = small.where_cond(&sub, &normal)?;
+    r.broadcast_eq(&zero)?
+        .where_cond(&v.broadcast_mul(&zero)?, &r)
 }
 
 /// The 256-entry E4M3 table.
@@ -438,8 +463,38 @@ mod tests {
         assert_eq!(z, [0.0; 3]);
     }
 
-    /// The tensor quantiser equals the host's bit for bit (here on the CPU; the GPU's cast
-    /// rounds the same way): ties of the e4m3 grid, subnormal results, a zero row (the eps
+    /// The tensor rounding equals [`round_e4m3`] bit for bit: every e4m3 value and every tie
+    /// between two of them (both signs), subnormal ties, signed zeros and values that round to
+    /// zero, and a spread of others.
+    #[test]
+    fn round_e4m3_tensor_is_round_e4m3() {
+        let mut v: Vec<f32> = vec![0.0, -0.0, 1e-7, -1e-7, 448.0, -448.0, 2f32.powi(-6)];
+        for e in -9..=8 {
+            for m in 0..64 {
+                let x = m as f32 * 2f32.powi(e - 5);
+                if x <= 448.0 {
+                    v.extend([x, -x]);
+                }
+            }
+        }
+        let mut s = 0x9e37_79b9_u32;
+        for _ in 0..20_000 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            let x = f32::from_bits(0x3000_0000 + s % 0x1400_0000);
+            v.extend([x.min(448.0), -x.min(448.0)]);
+        }
+        let t = Tensor::from_vec(v.clone(), v.len(), &candle_core::Device::Cpu).unwrap();
+        let got = round_e4m3_tensor(&t).unwrap().to_vec1::<f32>().unwrap();
+        for (x, g) in v.iter().zip(&got) {
+            let want = round_e4m3(*x);
+            assert_eq!(g.to_bits(), want.to_bits(), "{x}: {g} != {want}");
+        }
+    }
+
+    /// The tensor quantiser equals the host's bit for bit (here on the CPU; its operations
+    /// round the same way on a GPU): ties of the e4m3 grid, subnormal results, a zero row (the eps
     /// floor), negative values and the ±448 edge; a ragged group is refused.
     #[test]
     fn act_quant_tensor_is_act_quant_rows() {
