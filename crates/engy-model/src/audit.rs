@@ -1239,7 +1239,9 @@ fn proofs_as_built(c: &Checked, p: &AuditParams) -> bool {
 /// How many standard errors an unquantised recompute must be closer than the W8A8 one for
 /// the W8A8 serving-noise rule to leave a cheat standing ([`w8a8_noise`], docs/PROTOCOL.md
 /// §5.1): 3, a one-sided false-flag chance of about 0.13 % a commitment for an honest W8A8
-/// serve whose comparison carries no signal, under the 1 % cheat rate §8's gate needs.
+/// serve whose comparison carries no signal, for one comparison of binomial counts (the least
+/// of three unquantised recomputes and over-dispersed batches raise it, to a few tenths of a
+/// percent), under the 1 % cheat rate §8's gate needs.
 pub const W8A8_NOISE_Z: f64 = 3.0;
 
 /// How many standard errors below chance the W8A8 recompute's mean must be for the W8A8

@@ -745,7 +745,8 @@ impl Weights {
     }
 
     /// Whether a projection decoded for a recompute in `compute` ([`Weights::projection_t_in`])
-    /// may be kept: always on the CPU; on a GPU only for [`Compute::Bf16`]. A resident GPU
+    /// may be kept: always on the CPU and while a streamed pass holds a layer
+    /// ([`Weights::hold`]); on a resident GPU model only for [`Compute::Bf16`]. A resident GPU
     /// model holds the bf16 recompute's weights (2 bytes a parameter: 70 GB for a 35B model,
     /// what fits an 80 GB GPU), and the f32 and W8A8 recomputes that `auto` runs after a
     /// failed bf16 one decode theirs per pass and drop them, as a streamed pass does: keeping
@@ -753,7 +754,7 @@ impl Weights {
     /// want of device memory on exactly the commitments (an honest W8A8 serve among them) that
     /// need those recomputes.
     fn keeps_for(&self, compute: Compute) -> bool {
-        self.device.is_cpu() || compute == Compute::Bf16
+        self.device.is_cpu() || compute == Compute::Bf16 || self.residency == Residency::Streaming
     }
 
     /// Whether decoded tensors are kept now: under [`Residency::Resident`], or streamed while
