@@ -1246,9 +1246,10 @@ pub const W8A8_NOISE_Z: f64 = 3.0;
 
 /// How many standard errors below chance the W8A8 recompute's mean must be for the W8A8
 /// serving-noise band to apply ([`w8a8_noise`]): 1. The line protects the band from a serve of
-/// another model, which sits at chance; a serve there is convicted in about 84 % of its
-/// commitments, far above §8's 1 % gate, while an honest serve is flagged only if it is itself
-/// indistinguishable from chance (a checkpoint where TOPLOC flags honest bf16 serves too).
+/// another model, which sits near chance: random rows in place of honest W8A8 serves of the
+/// small W8A8 fixture are convicted in 5 of 12 commitments (tests/w8a8.rs), far above §8's
+/// 1 % gate, while an honest serve is flagged only if it is itself indistinguishable from
+/// chance (a checkpoint where TOPLOC flags honest bf16 serves too).
 pub const W8A8_CHANCE_Z: f64 = 1.0;
 
 /// Why a commitment that no recompute explains is not judged a cheat: the W8A8 serving-noise
@@ -1285,8 +1286,8 @@ pub const W8A8_CHANCE_Z: f64 = 1.0;
 /// 8-bit exponent field matches by chance one time in 256). Honest W8A8 serves mismatch far
 /// less (means of 118–122 of 128 at 40 layers of random weights, single batches up to 126,
 /// where the line is 126.8 for one batch and 127.15 for four); a serve of another model,
-/// which shares none of the checkpoint's top positions, sits at chance (127.4 measured) and
-/// stays a cheat. The caller applies the band only to proofs shaped as an honest build makes
+/// which shares none of the checkpoint's top positions, sits near chance (126.7–127.4
+/// measured) and is convicted in many of its commitments. The caller applies the band only to proofs shaped as an honest build makes
 /// them ([`proofs_as_built`]). `None` (the cheat stands) otherwise, or when the W8A8
 /// recompute or an unquantised one did not run, or `batches` is 0.
 fn w8a8_noise(outcomes: &[RecomputeOutcome], topk: usize, batches: usize) -> Option<String> {
