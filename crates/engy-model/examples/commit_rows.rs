@@ -17,7 +17,7 @@
 //! Exit status: 0 written, 1 a read, shape or proof error, 2 a usage error.
 use std::process::ExitCode;
 
-use engy_core::toploc::{self, Dtype, Params};
+use engy_core::toploc::{self, Params};
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 fn main() -> ExitCode {
@@ -83,22 +83,9 @@ fn run(rows: &str, root: &str, out_dir: &str, prefix: &str) -> Result<usize, Str
             .chunks_exact(hidden)
             .map(toploc::f32_to_bf16_bits_slice)
             .collect();
-        let elements: Vec<&[u16]> = bf16.iter().map(Vec::as_slice).collect();
-        let p = Params::ENGY;
-        let proofs = toploc::build_proofs_base64(&elements, Dtype::Bf16, &p)
-            .map_err(|e| format!("{rows}: building the proofs of sequence {k}: {e}"))?;
-        let commitment = serde_json::json!({
-            "model_root": root,
-            "output_token_ids": output,
-            "toploc": {
-                "proofs": proofs,
-                "topk": p.topk,
-                "decode_batching_size": p.decode_batching_size,
-                "skip_prefill": p.skip_prefill,
-                "n_tokens": n,
-                "prompt_ids": prompt,
-            }
-        });
+        let commitment =
+            engy_model::audit::commit_rows(root, &prompt, &output, &bf16, &Params::ENGY)
+                .map_err(|e| format!("{rows}: sequence {k}: {e}"))?;
         let path = format!("{out_dir}/{prefix}_{k:02}.json");
         std::fs::write(&path, commitment.to_string())
             .map_err(|e| format!("writing {path}: {e}"))?;

@@ -1342,13 +1342,31 @@ pub fn commit_greedy(
         .filter_map(|s| s.hidden.last())
         .map(|r| toploc::f32_to_bf16_bits_slice(r))
         .collect();
+    let output: Vec<u32> = steps.iter().map(|s| s.token_id).collect();
+    commit_rows(model_root, prompt_ids, &output, &rows, params)
+}
+
+/// A commitment (PROTOCOL.md §3.10, the schema `engy-audit audit --commitment` reads) from a
+/// serve's decode rows: `rows[j]` the bf16 bits of the row that sampled `output_ids[j]`,
+/// TOPLOC proofs built with `params` (PROTOCOL.md §3.8), `model_root` as given. What
+/// [`commit_greedy`] commits, for rows another serve computed.
+///
+/// # Errors
+/// [`ModelError::Config`] when the proofs cannot be built (for example `topk` larger than a
+/// batch).
+pub fn commit_rows(
+    model_root: &str,
+    prompt_ids: &[u32],
+    output_ids: &[u32],
+    rows: &[Vec<u16>],
+    params: &Params,
+) -> Result<serde_json::Value, ModelError> {
     let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
     let proofs = toploc::build_proofs_base64(&elements, Dtype::Bf16, params)
         .map_err(|e| ModelError::Config(format!("building TOPLOC proofs: {e}")))?;
-    let output: Vec<u32> = steps.iter().map(|s| s.token_id).collect();
     Ok(serde_json::json!({
         "model_root": model_root,
-        "output_token_ids": output,
+        "output_token_ids": output_ids,
         "toploc": {
             "proofs": proofs,
             "topk": params.topk,

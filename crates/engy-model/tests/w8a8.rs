@@ -226,7 +226,8 @@ fn the_w8a8_product_quantises_each_input_row_per_group() {
 /// than at real width, so many of them (7 of 12) land under it, `unproven`.
 #[test]
 fn a_serve_of_another_model_is_not_w8a8_noise() {
-    use engy_core::toploc::{self, Dtype, Params};
+    use engy_core::toploc::{self, Params};
+    use engy_model::audit::commit_rows;
     let case_dir = oracle_dir().join("qwen3_5_moe_w8a8");
     let (model, root) = common::open_resident(&case_dir);
     let hidden = model.config().hidden_size;
@@ -254,21 +255,11 @@ fn a_serve_of_another_model_is_not_w8a8_noise() {
                 toploc::f32_to_bf16_bits_slice(&r)
             })
             .collect();
-        let elements: Vec<&[u16]> = rows.iter().map(Vec::as_slice).collect();
-        let p = Params::ENGY;
-        let proofs = toploc::build_proofs_base64(&elements, Dtype::Bf16, &p).unwrap();
-        let forged = serde_json::json!({
-            "model_root": root,
-            "output_token_ids": honest["output_token_ids"],
-            "toploc": {
-                "proofs": proofs,
-                "topk": p.topk,
-                "decode_batching_size": p.decode_batching_size,
-                "skip_prefill": p.skip_prefill,
-                "n_tokens": n,
-                "prompt_ids": t["prompt_ids"],
-            }
-        });
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            serde_json::from_value(v.clone()).expect("token ids")
+        };
+        let (prompt, output) = (ids(&t["prompt_ids"]), ids(&honest["output_token_ids"]));
+        let forged = commit_rows(&root, &prompt, &output, &rows, &Params::ENGY).unwrap();
         let report = audit_with(&model, &root, &forged, &params, Recompute::Auto).unwrap();
         assert_ne!(
             report.verdict,
