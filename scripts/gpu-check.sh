@@ -12,7 +12,9 @@
 #   1. the architecture oracle on the GPU (same tolerances as on the CPU), and engy's own
 #      kernels (fused attention, the delta rule's chunk loop) against the unfused rules;
 #   2. the audit oracle and tests/vectors/honest-serves on the GPU (honest serves pass, cheats are caught),
-#      and commitments audited in one pass over streamed weights (`--batch`) get their own reports;
+#      the W8A8 serves of tests/vectors/audit-oracle-w8a8 (honest ones never flagged, 4-bit
+#      swaps never pass), and commitments audited in one pass over streamed weights
+#      (`--batch`) get their own reports;
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
 #   4. with ENGY_GPU_BENCH=1 (off by default: it writes a 36 GB checkpoint; ENGY_GPU_BENCH_QWEN=0
 #      skips this one): the side-by-side benchmark, a
@@ -77,6 +79,12 @@ step "audit oracle and honest serves on cuda" \
   env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" ENGY_AUDIT_ORACLE_DIR="$PWD/tests/vectors/audit-oracle" \
   ENGY_HONEST_SERVES_DIR="$PWD/tests/vectors/honest-serves" \
   "$bin/audit_oracle" --nocapture --test-threads 1
+
+if [ -x "$bin/w8a8" ]; then
+  step "W8A8 serves on cuda (honest never flagged, 4-bit swaps never pass)" \
+    env ENGY_W8A8_ORACLE_DIR="$PWD/tests/vectors/audit-oracle-w8a8" \
+    "$bin/w8a8" --nocapture --test-threads 1
+fi
 
 if [ -x "$bin/batched_pass" ]; then
   step "commitments in one pass over streamed weights on cuda" \

@@ -17,7 +17,8 @@ use candle_core::{DType, Tensor};
 use super::expert_kernels;
 use super::grouped_gemm;
 use super::ops;
-use super::Weights;
+use super::quant;
+use super::{Fp8Activations, Weights};
 use crate::device::phase;
 use crate::{Compute, ModelError, Precision};
 
@@ -42,21 +43,23 @@ fn names(module: &impl Fn(usize) -> String, experts: &[usize], proj: &str) -> Ve
 /// (`module(e)` as in [`dispatch`]) in the background ([`Weights::prefetch`]), for a
 /// [`dispatch`] of at least `experts / top_k` tokens (which stacks them all). The auditor calls
 /// it for layer `l + 1` when layer `l` starts, so the host reads while the GPU computes. Does
-/// nothing where [`grouped`] is false, nor for a projection whose stack for `c` is kept
-/// ([`Weights::holds_stack`]).
+/// nothing where [`grouped`] is false, nor for a projection whose stack for a dispatch with
+/// `c` and `acts` is kept ([`Weights::holds_stack`]).
 pub fn prefetch(
     w: &std::sync::Arc<Weights>,
     module: impl Fn(usize) -> String,
     experts: usize,
     c: Compute,
+    acts: Fp8Activations,
 ) {
-    if !grouped(w) {
+    if !grouped(w) || experts == 0 {
         return;
     }
     let all: Vec<usize> = (0..experts).collect();
     for proj in ["gate_proj", "up_proj", "down_proj"] {
         let n = names(&module, &all, proj);
-        if w.holds_stack(&n, c) {
+        let (_, wc) = stack_rule(w, &module(0), proj, c, acts);
+        if w.holds_stack(&n, wc) {
             continue;
         }
         let scales = n.iter().map(|x| format!("{x}_scale_inv")).collect();
@@ -79,6 +82,12 @@ pub fn grouped(w: &Weights) -> bool {
 /// [`Weights::keeps_stacks`], so that every later pass finds them). Returns
 /// `Σ_j weight_j · expert_j(x_t)` `[T, hidden]` f32, unrounded.
 ///
+/// With `acts` [`Fp8Activations::PerTokenGroup`] (the W8A8 recompute), each block-FP8
+/// projection multiplies its input rows quantised per token and group
+/// ([`quant::act_quant`]) by its exact f32 dequantisation, as [`ops::swiglu_as`] does per
+/// expert: `x` quantised once for gate and up, the activated product once for down (both
+/// per row, so quantising before or after the rows are gathered is the same).
+///
 /// # Errors
 /// Weight errors ([`Weights::stacked`]) and candle errors.
 #[allow(clippy::too_many_arguments)]
@@ -90,6 +99,7 @@ pub fn dispatch(
     choice: &[Vec<(usize, f32)>],
     (hidden, inter): (usize, usize),
     c: Compute,
+    acts: Fp8Activations,
     round_products: bool,
 ) -> Result<Tensor, ModelError> {
     let (t, h) = x.dims2()?;
@@ -139,10 +149,19 @@ pub fn dispatch(
             *slot = i as u32;
         }
     }
+    // The first chosen expert's format stands for the layer's ([`Weights::stacked`] stacks
+    // one format).
+    let first = module(tokens[0].0);
+    let rule = |proj: &str| stack_rule(w, &first, proj, c, acts);
+    let groups = Quantised {
+        gate: rule("gate_proj").0,
+        up: rule("up_proj").0,
+        down: rule("down_proj").0,
+    };
     let mut order = tokens;
     order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
     let stack = |proj: &str, out: usize, inp: usize| {
-        w.stacked(&names(&module, &stacked, proj), out, inp, c)
+        w.stacked(&names(&module, &stacked, proj), out, inp, rule(proj).1)
     };
     let (gate, up, down) = phase(&dev, "moe: expert weights", || {
         Ok((
@@ -157,12 +176,17 @@ pub fn dispatch(
     // on a GPU, [`grouped_gemm`]), else batched products over groups padded to their largest
     // count.
     let (outs, first_row, rows) = phase(&dev, "moe: routed experts: products", || {
-        Ok(match segmented(x, &order, &at, [&gate, &up, &down], c)? {
+        let quantised = groups.gate.is_some() || groups.up.is_some() || groups.down.is_some();
+        let segs = match quantised {
+            true => None,
+            false => segmented(x, &order, &at, [&gate, &up, &down], c)?,
+        };
+        Ok(match segs {
             Some((y, first_row)) => {
                 let rows = y.dim(0)?;
                 (vec![y], first_row, rows)
             }
-            None => padded(x, &order, &at, [&gate, &up, &down], c)?,
+            None => padded(x, &order, &at, [&gate, &up, &down], c, groups)?,
         })
     })?;
     phase(&dev, "moe: routed experts: combine", || {
@@ -301,21 +325,64 @@ fn segmented(
     Ok(product(down, &act.to_dtype(wd)?)?.map(|y| (y, first_row)))
 }
 
+/// How [`dispatch`] multiplies projection `proj` of the expert `module` in a recompute in `c`
+/// with `acts`: the activation group its input is quantised by (`Some` under W8A8 for a
+/// block-FP8 weight, [`Weights::act_quant_group`]) and the compute its stack is held in
+/// (such a projection multiplies the exact f32 dequantisation, as [`Weights::linear_as`];
+/// any other the stack of `c`).
+fn stack_rule(
+    w: &Weights,
+    module: &str,
+    proj: &str,
+    c: Compute,
+    acts: Fp8Activations,
+) -> (Option<usize>, Compute) {
+    let group = match acts {
+        Fp8Activations::PerTokenGroup => w.act_quant_group(&format!("{module}.{proj}")),
+        Fp8Activations::Unquantised => None,
+    };
+    (group, if group.is_some() { Compute::F32 } else { c })
+}
+
+/// The W8A8 activation group of each projection of [`dispatch`] (`None`: unquantised).
+#[derive(Clone, Copy)]
+struct Quantised {
+    gate: Option<usize>,
+    up: Option<usize>,
+    down: Option<usize>,
+}
+
+/// `x` as a projection quantising by `group` sees it ([`quant::act_quant`]), else as it is.
+fn quantised(x: &Tensor, group: Option<usize>) -> Result<Tensor, ModelError> {
+    Ok(match group {
+        Some(g) => quant::act_quant(x, g)?,
+        None => x.clone(),
+    })
+}
+
 /// The padded path of [`dispatch`]: the experts of `order` in groups of up to [`GROUP`] of
 /// similar load, each group's rows padded to its largest count and multiplied as one batched
-/// product per projection. Returns the groups' outputs (f32, padded rows included), each
-/// expert's first row, and the rows in all.
+/// product per projection (each input quantised first where `q` says). Returns the groups'
+/// outputs (f32, padded rows included), each expert's first row, and the rows in all.
 fn padded(
     x: &Tensor,
     order: &[(usize, Vec<u32>)],
     at: &[u32],
     [gate, up, down]: [&Tensor; 3],
     c: Compute,
+    q: Quantised,
 ) -> Result<(Vec<Tensor>, Vec<usize>, usize), ModelError> {
     let (_, h) = x.dims2()?;
+    // Per row, so quantised once for every group's gather.
+    let (xg, xu) = match (q.gate, q.up) {
+        (a, b) if a == b => {
+            let xq = quantised(x, a)?;
+            (xq.clone(), xq)
+        }
+        (a, b) => (quantised(x, a)?, quantised(x, b)?),
+    };
     let hidden = down.dim(1)?;
     let dev = x.device().clone();
-    let wd = gate.dtype();
     let mut first_row = vec![0usize; order.len()];
     let mut outs = Vec::with_capacity(order.len().div_ceil(GROUP));
     let mut rows = 0usize;
@@ -330,20 +397,20 @@ fn padded(
             idx.extend(std::iter::repeat_n(toks[0], cap - toks.len()));
         }
         rows += n * cap;
-        let xs = x
-            .index_select(&Tensor::from_vec(idx, n * cap, &dev)?, 0)?
-            .to_dtype(wd)?
-            .reshape((n, cap, h))?;
+        let idx = Tensor::from_vec(idx, n * cap, &dev)?;
+        let rows_of = |x: &Tensor, wd: DType| -> Result<Tensor, ModelError> {
+            Ok(x.index_select(&idx, 0)?.to_dtype(wd)?.reshape((n, cap, h))?)
+        };
         let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[*e]).collect();
         let members = Tensor::from_vec(members, n, &dev)?;
         let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
             let y = a.matmul(&m.index_select(&members, 0)?.transpose(1, 2)?)?;
             Ok(c.round(y.to_dtype(DType::F32)?)?)
         };
-        let g = product(gate, &xs)?;
-        let u = product(up, &xs)?;
+        let g = product(gate, &rows_of(&xg, gate.dtype())?)?;
+        let u = product(up, &rows_of(&xu, up.dtype())?)?;
         let act = c.round((c.round(ops::silu(&g)?)? * u)?)?;
-        let y = product(down, &act.to_dtype(wd)?)?;
+        let y = product(down, &quantised(&act, q.down)?.to_dtype(down.dtype())?)?;
         outs.push(y.reshape((n * cap, hidden))?);
     }
     Ok((outs, first_row, rows))
@@ -407,6 +474,7 @@ mod tests {
                     &choice,
                     (hidden, inter),
                     c,
+                    Fp8Activations::Unquantised,
                     round_products,
                 );
                 let got = c.round(got.unwrap()).unwrap();
@@ -424,6 +492,88 @@ mod tests {
                     "{c:?} round_products {round_products}: off by {err} (scale {scale})"
                 );
             }
+        }
+    }
+    /// Under W8A8 the grouped dispatch is the per-expert loop of [`ops::swiglu_as`] (each
+    /// expert's rows quantised per token and group, the exact f32 dequantisation multiplied):
+    /// the block-FP8 fixture, both rounding modes. And the quantisation is not a no-op here:
+    /// the unquantised dispatch gives another answer.
+    #[test]
+    fn the_grouped_w8a8_experts_are_the_per_expert_loop() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/vectors/arch/qwen3_5_moe_fp8");
+        let c = Compute::Bf16;
+        let opts = LoadOptions {
+            compute: c,
+            ..LoadOptions::default()
+        };
+        let (cfg, w) = open(&dir, &opts).unwrap();
+        let hidden = cfg.hidden_size;
+        let inter = cfg.usize_req("moe_intermediate_size").unwrap();
+        let experts = cfg.usize_req("num_experts").unwrap();
+        let m = "model.layers.0.mlp.experts";
+        let module = |e: usize| format!("{m}.{e}");
+        assert!(
+            w.act_quant_group(&format!("{}.gate_proj", module(0))).is_some(),
+            "the fixture's experts are not block FP8"
+        );
+        let t = 50;
+        let x: Vec<f32> = (0..t * hidden)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 30.0)
+            .collect();
+        let x = c
+            .round(Tensor::from_vec(x, (t, hidden), &candle_core::Device::Cpu).unwrap())
+            .unwrap();
+        let choice: Vec<Vec<(usize, f32)>> = (0..t)
+            .map(|tok| {
+                vec![
+                    (tok % 3, c.round_f32(0.5)),
+                    (3 + (tok * 5) % (experts - 3), c.round_f32(0.25)),
+                ]
+            })
+            .collect();
+        let acts = Fp8Activations::PerTokenGroup;
+        let expert = |e: usize, rows: &Tensor| {
+            ops::swiglu_as(&w, &module(e), rows, (hidden, inter), c, acts)
+        };
+        for round_products in [true, false] {
+            let want = if round_products {
+                ops::moe_dispatch_in(&x, &choice, c, expert).unwrap()
+            } else {
+                c.round(ops::moe_dispatch(&x, &choice, expert).unwrap())
+                    .unwrap()
+            };
+            let run = |acts| {
+                let y = dispatch(
+                    &w,
+                    module,
+                    Some(experts),
+                    &x,
+                    &choice,
+                    (hidden, inter),
+                    c,
+                    acts,
+                    round_products,
+                );
+                c.round(y.unwrap()).unwrap()
+            };
+            let off = |a: &Tensor| {
+                let e = (a - &want).unwrap().abs().unwrap().max_all().unwrap();
+                e.to_scalar::<f32>().unwrap()
+            };
+            let scale = want.abs().unwrap().max_all().unwrap();
+            let scale = scale.to_scalar::<f32>().unwrap();
+            let got = off(&run(acts));
+            // f32 summation order, then one bf16 rounding apart at most.
+            assert!(
+                scale > 0.0 && got <= 8e-3 * scale,
+                "round_products {round_products}: off by {got} (scale {scale})"
+            );
+            let unquantised = off(&run(Fp8Activations::Unquantised));
+            assert!(
+                unquantised > got,
+                "round_products {round_products}: W8A8 {got}, unquantised {unquantised}"
+            );
         }
     }
 }

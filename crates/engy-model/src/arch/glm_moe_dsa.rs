@@ -1447,10 +1447,10 @@ impl GlmMoeDsa {
         let cm = self.compute;
         // The weighted sum of the routed experts stays f32 and is rounded once (transformers'
         // grouped_mm experts: bf16 expert outputs times f32 weights, summed over top-k in f32).
-        let grouped = experts::grouped(&self.w) && self.acts == super::Fp8Activations::Unquantised;
-        let routed = cm.round(if grouped {
+        let routed = cm.round(if experts::grouped(&self.w) {
             let module = |e: usize| format!("{m}.experts.{e}");
-            experts::dispatch(&self.w, module, None, h, &routes, (hd, mi), cm, false)?
+            let acts = self.acts;
+            experts::dispatch(&self.w, module, None, h, &routes, (hd, mi), cm, acts, false)?
         } else {
             ops::moe_dispatch(h, &routes, |e, rows| {
                 let module = format!("{m}.experts.{e}");

@@ -175,6 +175,29 @@ pub fn act_quant_tensor(x: &Tensor, group: usize) -> candle_core::Result<Option<
     Ok(Some(q.broadcast_mul(&scale)?.reshape(dims)?))
 }
 
+/// The activation `x` (`[.., k]`, any float dtype) as a block-FP8 W8A8 product sees it, per
+/// row and per `group` columns (returns f32 of `x`'s shape, on `x`'s device): on a GPU by
+/// [`act_quant_tensor`] unless [`device_act_quant`] is off, else (and for a ragged last group)
+/// on the host by [`act_quant_rows`], the same values either way.
+///
+/// # Errors
+/// Candle errors only.
+pub fn act_quant(x: &Tensor, group: usize) -> candle_core::Result<Tensor> {
+    if !x.device().is_cpu() && device_act_quant() {
+        if let Some(q) = act_quant_tensor(x, group)? {
+            return Ok(q);
+        }
+    }
+    let dims = x.dims().to_vec();
+    let k = dims.last().copied().unwrap_or(0);
+    let mut xs = x
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    act_quant_rows(&mut xs, k, group);
+    Tensor::from_vec(xs, dims, x.device())
+}
+
 /// [`round_e4m3`] of every element of `v` (f32, each in ±448), in f32 operations that are
 /// exact or one IEEE rounding each, so that any device computes the host's value bit for bit
 /// (candle's F8E4M3 cast is not used: on CUDA candle 0.9.2 looks its kernel up under a name

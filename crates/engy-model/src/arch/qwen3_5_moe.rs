@@ -680,7 +680,7 @@ impl Qwen3_5Moe {
             }
         }
         let mut out = phase(h.device(), "moe: routed experts", || {
-            if experts::grouped(w) && self.acts == Fp8Activations::Unquantised {
+            if experts::grouped(w) {
                 let module = |e: usize| format!("{m}.experts.{e}");
                 let shape = (d, self.moe_inter);
                 Ok(cm.round(experts::dispatch(
@@ -691,6 +691,7 @@ impl Qwen3_5Moe {
                     &choice,
                     shape,
                     cm,
+                    self.acts,
                     true,
                 )?)?)
             } else {
@@ -758,6 +759,7 @@ impl Qwen3_5Moe {
                 |e| format!("model.layers.{l}.mlp.experts.{e}"),
                 self.experts,
                 self.compute,
+                self.acts,
             );
         }
     }

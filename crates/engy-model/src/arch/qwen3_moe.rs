@@ -241,7 +241,7 @@ impl Qwen3Moe {
         for (_, wgt) in choice.iter_mut().flatten() {
             *wgt = c.round_f32(*wgt);
         }
-        let y = if experts::grouped(&self.w) && self.acts == Fp8Activations::Unquantised {
+        let y = if experts::grouped(&self.w) {
             let module = |e: usize| format!("{p}.experts.{e}");
             let shape = (d, self.moe_inter);
             c.round(experts::dispatch(
@@ -252,6 +252,7 @@ impl Qwen3Moe {
                 &choice,
                 shape,
                 c,
+                self.acts,
                 true,
             )?)?
         } else {

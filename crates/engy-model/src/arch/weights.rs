@@ -1281,6 +1281,14 @@ impl Weights {
         self.dtype(&name) == Some(Dtype::F8_E4M3) && self.has(&format!("{name}_scale_inv"))
     }
 
+    /// The activation group (columns, `weight_block_size[1]`) a W8A8 serve quantises the input
+    /// of `<module>.weight` by, when that weight is block FP8 ([`Weights::is_block_fp8`]) and
+    /// no int4 cheat replaces it; `None` otherwise (the product takes its input as it is).
+    pub fn act_quant_group(&self, module: &str) -> Option<usize> {
+        let cheat = matches!(self.precision, Precision::Int4 { .. });
+        (!cheat && self.is_block_fp8(module)).then_some(self.fp8_block[1])
+    }
+
     /// [`Weights::linear_in`] as a serve whose products with block-FP8 weights treat their
     /// input rows as `acts` says ([`super::Fp8Activations`]). With
     /// [`super::Fp8Activations::PerTokenGroup`] and a block-FP8 weight (and no int4 cheat):
@@ -1303,10 +1311,13 @@ impl Weights {
         compute: Compute,
         acts: super::Fp8Activations,
     ) -> Result<Tensor, ModelError> {
-        let cheat = matches!(self.precision, Precision::Int4 { .. });
-        if acts == super::Fp8Activations::Unquantised || cheat || !self.is_block_fp8(module) {
+        let group = match acts {
+            super::Fp8Activations::PerTokenGroup => self.act_quant_group(module),
+            super::Fp8Activations::Unquantised => None,
+        };
+        let Some(group) = group else {
             return self.linear_in(module, x, out, inp, compute);
-        }
+        };
         let mut dims = x.dims().to_vec();
         if dims.last() != Some(&inp) {
             return Err(ModelError::Shape {
@@ -1316,22 +1327,7 @@ impl Weights {
             });
         }
         let n = dims[..dims.len() - 1].iter().product::<usize>();
-        let on_device = if self.device.is_cpu() || !quant::device_act_quant() {
-            None
-        } else {
-            quant::act_quant_tensor(x, self.fp8_block[1])?
-        };
-        let xq = match on_device {
-            Some(xq) => xq.reshape((n, inp))?,
-            None => {
-                let mut xs = x
-                    .to_dtype(candle_core::DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                quant::act_quant_rows(&mut xs, inp, self.fp8_block[1]);
-                Tensor::from_vec(xs, (n, inp), x.device())?
-            }
-        };
+        let xq = quant::act_quant(x, group)?.reshape((n, inp))?;
         let wt = self.projection_t_in(module, out, inp, Compute::F32)?;
         if let Some(d) = dims.last_mut() {
             *d = out;
