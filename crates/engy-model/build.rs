@@ -11,6 +11,7 @@ const KERNELS: &[&str] = &[
     "delta_rule",
     "dsa",
     "experts",
+    "fp8",
     "gated_deltanet",
     "norm",
     "topk",

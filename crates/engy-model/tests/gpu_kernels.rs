@@ -1077,6 +1077,15 @@ fn fp8_expert_stacks_are_the_stored_weights() {
         // The stack's staged copies are the GPU's; the CPU decodes expert by expert.
         return;
     }
+    // Each step says when it ends (a run that did not finish in 60 s on an H100 names where
+    // it stopped).
+    let started = std::time::Instant::now();
+    let step = |what: &str| {
+        eprintln!(
+            "fp8 expert stack: {what} at {:.1} s",
+            started.elapsed().as_secs_f64()
+        )
+    };
     let dir = tempfile::tempdir().unwrap();
     let fp8 = common::vectors_dir().join("qwen3_5_moe_fp8");
     std::fs::copy(fp8.join("config.json"), dir.path().join("config.json")).unwrap();
@@ -1121,6 +1130,7 @@ fn fp8_expert_stacks_are_the_stored_weights() {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    step("checkpoint written");
     let opts = engy_model::LoadOptions {
         precision: engy_model::Precision::Bf16,
         compute: Compute::F32,
@@ -1139,7 +1149,9 @@ fn fp8_expert_stacks_are_the_stored_weights() {
     for _ in 0..200 {
         busy = busy.matmul(&a).unwrap();
     }
+    step("products queued");
     let stack = w.stacked(&names, out, inp, Compute::F32).unwrap();
+    step("stacked");
     drop(busy);
     let mut wrong = Vec::new();
     for (e, name) in names.iter().enumerate() {
@@ -1147,7 +1159,11 @@ fn fp8_expert_stacks_are_the_stored_weights() {
         if bits(&stack.get(e).unwrap()) != bits(&alone) {
             wrong.push(e);
         }
+        if e < 2 {
+            step(&format!("expert {e} compared"));
+        }
     }
+    step("compared");
     assert!(
         wrong.is_empty(),
         "experts {wrong:?} of the stack are not their stored weights"
@@ -1262,4 +1278,128 @@ fn the_device_activation_quantiser_is_the_hosts() {
         "{differ} of {} values differ from the host's",
         want.len()
     );
+}
+
+/// The block-FP8 decode kernel (`fp8_kernels::block_decode`) against the host decode
+/// (`quant::dequant_fp8_block`), bit for bit: every code but E4M3's two NaNs, scales of
+/// varied exponents (tiny ones make subnormal and zero products), whole and partial tiles,
+/// one matrix and several, f32 and bf16 (rounded to nearest even on the host by `half`).
+/// Then the model's paths that use it: every routed expert projection of the FP8 oracle
+/// checkpoints stacked on the GPU ([`Weights::stacked`], f32 and bf16) holds the CPU's stack.
+#[test]
+fn the_fp8_decode_kernel_is_the_host_decode() {
+    use engy_model::arch::{fp8_kernels, quant};
+    let dev = common::test_device()
+        .device()
+        .unwrap_or_else(|e| panic!("ENGY_TEST_DEVICE: {e}"));
+    if dev.is_cpu() {
+        return;
+    }
+    let table = Tensor::from_vec(quant::e4m3_table().to_vec(), 256, &dev).unwrap();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for (n, rows, cols, bn, bk) in [
+        (1usize, 256usize, 384usize, 128usize, 128usize),
+        (3, 300, 260, 128, 128),
+        (2, 24, 128, 24, 128),
+        (5, 7, 9, 4, 2),
+    ] {
+        let (tn, tk) = (rows.div_ceil(bn), cols.div_ceil(bk));
+        let codes: Vec<u8> = (0..n * rows * cols)
+            .map(|_| {
+                let b = (next() >> 56) as u8;
+                if b & 0x7f == 0x7f {
+                    b ^ 1
+                } else {
+                    b
+                }
+            })
+            .collect();
+        let scales: Vec<f32> = (0..n * tn * tk)
+            .map(|_| {
+                let r = next();
+                let m = 1.0 + (r >> 40) as f32 / (1u64 << 24) as f32;
+                m * 2f32.powi(((r >> 8) % 160) as i32 - 140)
+            })
+            .collect();
+        let mut want = Vec::with_capacity(codes.len());
+        for e in 0..n {
+            let q = &codes[e * rows * cols..(e + 1) * rows * cols];
+            let s = &scales[e * tn * tk..(e + 1) * tn * tk];
+            want.extend(quant::dequant_fp8_block(q, rows, cols, s, [bn, bk]).unwrap());
+        }
+        let c = Tensor::from_vec(codes, n * rows * cols, &dev).unwrap();
+        let s = Tensor::from_vec(scales, (n, tn, tk), &dev).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let got = fp8_kernels::block_decode(&c, &s, &table, (n, rows, cols), [bn, bk], dtype)
+                .unwrap()
+                .expect("the kernel applies on a GPU");
+            assert_eq!(got.dims(), &[n, rows, cols]);
+            let got = bits(&got.to_dtype(DType::F32).unwrap());
+            let off = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| {
+                    let w = match dtype {
+                        DType::BF16 => half::bf16::from_f32(**w).to_f32(),
+                        _ => **w,
+                    };
+                    **g != w.to_bits()
+                })
+                .count();
+            assert_eq!(
+                off, 0,
+                "{n}×[{rows}, {cols}] in {bn}×{bk} tiles, {dtype:?}: {off} values differ"
+            );
+        }
+    }
+    let mut stacks = 0;
+    for case in ["qwen3_5_moe_fp8", "glm_moe_dsa_fp8"] {
+        let dir = common::vectors_dir().join(case);
+        let open_on = |device: DeviceSpec, compute: Compute| {
+            let opts = engy_model::LoadOptions {
+                compute,
+                residency: engy_model::Residency::Streaming,
+                device,
+                ..engy_model::LoadOptions::default()
+            };
+            engy_model::arch::open(&dir, &opts).unwrap()
+        };
+        for compute in [Compute::F32, Compute::Bf16] {
+            let (cfg, gpu) = open_on(common::test_device(), compute);
+            let (_, cpu) = open_on(DeviceSpec::Cpu, compute);
+            let experts = cfg
+                .usize_req("n_routed_experts")
+                .or_else(|_| cfg.usize_req("num_experts"))
+                .unwrap();
+            for layer in 0..cfg.num_hidden_layers {
+                let names = |proj: &str| -> Vec<String> {
+                    (0..experts)
+                        .map(|e| format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight"))
+                        .collect()
+                };
+                for proj in ["gate_proj", "up_proj", "down_proj"] {
+                    let names = names(proj);
+                    let Some([out, inp]) = gpu.shape(&names[0]).map(|s| [s[0], s[1]]) else {
+                        continue;
+                    };
+                    let g = gpu.stacked(&names, out, inp, compute).unwrap();
+                    let c = cpu.stacked(&names, out, inp, compute).unwrap();
+                    let g = bits(&g.to_dtype(DType::F32).unwrap());
+                    assert!(
+                        g == bits(&c.to_dtype(DType::F32).unwrap()),
+                        "{case} layer {layer} {proj} {compute:?}: the GPU stack differs"
+                    );
+                    stacks += 1;
+                }
+            }
+        }
+    }
+    assert!(stacks > 0, "no FP8 expert stack was compared");
+    eprintln!("fp8 decode kernel: the host decode bit for bit, and {stacks} expert stacks");
 }

@@ -399,7 +399,9 @@ fn padded(
         rows += n * cap;
         let idx = Tensor::from_vec(idx, n * cap, &dev)?;
         let rows_of = |x: &Tensor, wd: DType| -> Result<Tensor, ModelError> {
-            Ok(x.index_select(&idx, 0)?.to_dtype(wd)?.reshape((n, cap, h))?)
+            Ok(x.index_select(&idx, 0)?
+                .to_dtype(wd)?
+                .reshape((n, cap, h))?)
         };
         let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[*e]).collect();
         let members = Tensor::from_vec(members, n, &dev)?;
@@ -514,7 +516,8 @@ mod tests {
         let m = "model.layers.0.mlp.experts";
         let module = |e: usize| format!("{m}.{e}");
         assert!(
-            w.act_quant_group(&format!("{}.gate_proj", module(0))).is_some(),
+            w.act_quant_group(&format!("{}.gate_proj", module(0)))
+                .is_some(),
             "the fixture's experts are not block FP8"
         );
         let t = 50;

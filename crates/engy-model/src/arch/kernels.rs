@@ -1,7 +1,8 @@
 //! engy's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs` with the `cuda`
 //! feature) and the device-buffer plumbing their launchers share ([`super::fused_attention`],
 //! [`super::delta_rule`], [`super::expert_kernels`], [`super::deltanet_kernels`],
-//! [`super::router_kernels`], [`super::dsa_kernels`], [`super::norm_kernels`]). Only in a `cuda` build.
+//! [`super::router_kernels`], [`super::dsa_kernels`], [`super::norm_kernels`],
+//! [`super::fp8_kernels`]). Only in a `cuda` build.
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Storage, Tensor};
@@ -13,6 +14,8 @@ pub(crate) const GATED_DELTANET: &str =
     include_str!(concat!(env!("OUT_DIR"), "/gated_deltanet.ptx"));
 /// The PTX of `kernels/dsa.cu`.
 pub(crate) const DSA: &str = include_str!(concat!(env!("OUT_DIR"), "/dsa.ptx"));
+/// The PTX of `kernels/fp8.cu`.
+pub(crate) const FP8: &str = include_str!(concat!(env!("OUT_DIR"), "/fp8.ptx"));
 /// The PTX of `kernels/experts.cu`.
 pub(crate) const EXPERTS: &str = include_str!(concat!(env!("OUT_DIR"), "/experts.ptx"));
 /// The PTX of `kernels/delta_rule.cu`.

@@ -27,6 +27,7 @@ pub mod deltanet_kernels;
 pub mod dsa_kernels;
 pub mod expert_kernels;
 pub mod experts;
+pub mod fp8_kernels;
 pub mod fused_attention;
 pub mod glm_moe_dsa;
 pub mod grouped_gemm;

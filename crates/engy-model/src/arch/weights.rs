@@ -493,6 +493,12 @@ impl Weights {
         // kernels do not define, so the F8E4M3 dtype is not used).
         let table = self.e4m3_on_device()?;
         let codes = Tensor::from_raw_buffer(data, C::U8, &[n * k], dev)?;
+        let scale = scale.reshape((1, n / bn, k / bk))?;
+        let fused =
+            super::fp8_kernels::block_decode(&codes, &scale, table, (1, n, k), [bn, bk], C::F32)?;
+        if let Some(w) = fused {
+            return Ok(Some(w.reshape((n, k))?));
+        }
         let w = table
             .index_select(&codes, 0)?
             .reshape((n / bn, bn, k / bk, bk))?
@@ -934,6 +940,22 @@ impl Weights {
             let bytes = &all[start * out * inp..(start + n) * out * inp];
             let codes = crate::device::phase(dev, "weights: upload", || self.upload(bytes))?;
             let s = scale.narrow(0, start, n)?;
+            let dtype = match compute {
+                Compute::Bf16 => C::BF16,
+                Compute::F32 => C::F32,
+            };
+            let fused = super::fp8_kernels::block_decode(
+                &codes,
+                &s,
+                table,
+                (n, out, inp),
+                [bn, bk],
+                dtype,
+            )?;
+            if let Some(w) = fused {
+                done.push(w);
+                continue;
+            }
             let w = if whole {
                 // Whole tiles: one broadcast product per tile.
                 table
