@@ -468,6 +468,7 @@ fn audit_one(
         Err(report) => return Ok(*report),
     };
     let steps_before = host_steps();
+    let retries_before = engy_model::device::memory_retries();
     let profile_before = engy_model::device::profile();
     let started = std::time::Instant::now();
     let report = audit_with(model, model_root, &value, params, args.recompute.into())
@@ -511,6 +512,13 @@ fn audit_one(
     let mut notes = Vec::new();
     if !host.is_empty() {
         notes.push(format!("steps done on the host: {}", host.join(", ")));
+    }
+    let retries = engy_model::device::memory_retries() - retries_before;
+    if retries > 0 {
+        notes.push(format!(
+            "{retries} recompute(s) ran out of device memory beside the resident weights and ran \
+             again without them, which the next audit reads again"
+        ));
     }
     let in_use = args.device.device().ok();
     if let Some(m) = in_use.as_ref().and_then(engy_model::device::memory_in_use) {

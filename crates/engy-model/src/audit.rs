@@ -737,7 +737,27 @@ fn run_plan(
                     &sibling
                 };
                 let dev = m.options().device.device()?;
-                crate::device::phase(&dev, recompute_phase(n), || verify(m, checked, p))?
+                if !outcomes.is_empty() {
+                    // The memory the last recompute's sizes left free, for this one's.
+                    crate::device::release_pool(&dev)?;
+                }
+                let run =
+                    || crate::device::phase(&dev, recompute_phase(n), || verify(m, checked, p));
+                match run() {
+                    // A resident GPU model keeps its bf16 weights (70 GB for a 35B model on an
+                    // 80 GB card); the f32 and W8A8 recomputes that follow a failed bf16 one
+                    // decode theirs per layer beside them, and at real shape that can exceed
+                    // the card. Drop the kept weights (the next bf16 pass decodes them again:
+                    // slower, the same values), hand the pool back and run this recompute
+                    // once more; a second failure is the audit's error.
+                    Err(e) if e.is_out_of_device_memory() => {
+                        model.drop_kept_weights();
+                        crate::device::release_pool(&dev)?;
+                        crate::device::note_memory_retry();
+                        run()?
+                    }
+                    r => r?,
+                }
             }
         };
         if matches!(report.verdict, Verdict::Unproven { .. }) {

@@ -129,6 +129,59 @@ fn keep_pool(cd: &candle_core::CudaDevice) -> Result<(), String> {
     }
 }
 
+/// Recomputes run again after dropping a resident model's kept weights for want of device
+/// memory ([`crate::audit`]), since the process started.
+static MEMORY_RETRIES: AtomicU64 = AtomicU64::new(0);
+
+/// How many recomputes ran out of device memory beside a resident model's kept weights and
+/// were run again without them, since the process started (`engy-audit` reports it per
+/// audit).
+pub fn memory_retries() -> u64 {
+    MEMORY_RETRIES.load(Ordering::Relaxed)
+}
+
+pub(crate) fn note_memory_retry() {
+    MEMORY_RETRIES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Hands the device memory that `device`'s pool keeps free ([`keep_pool`]) back to the
+/// driver, once the device has finished its queued work. An audit calls it between its
+/// recomputes on a GPU ([`crate::audit`]): a resident bf16 pass leaves the pool holding the
+/// blocks of its own sizes, while the f32 and W8A8 recomputes that follow a failed bf16 one
+/// allocate other sizes (a layer's f32 expert stacks, 1 GiB each on Qwen3.6) beside the
+/// kept weights. Kept, those free blocks could not serve them, and a real-shape Qwen3.6 on an
+/// 80 GB H100 ran out of memory in the W8A8 recompute (bench/RESULTS.md). Nothing on the CPU.
+///
+/// # Errors
+/// [`ModelError::Device`] when the device cannot be synchronised or its pool not trimmed.
+pub fn release_pool(device: &Device) -> Result<(), ModelError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cd) = device {
+        return trim_pool(cd)
+            .map_err(|e| ModelError::Device(format!("handing back the memory pool: {e}")));
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// [`release_pool`] on a GPU.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn trim_pool(cd: &candle_core::CudaDevice) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let stream = cd.cuda_stream();
+    stream.synchronize().map_err(|e| e.to_string())?;
+    let ctx = stream.context().clone();
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    // SAFETY: the pool is the device's own default pool; trimming releases only memory no
+    // allocation holds (the stream is idle, so every free queued on it has happened).
+    unsafe {
+        let pool =
+            result::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| e.to_string())?;
+        result::mem_pool::trim_to(pool, 0).map_err(|e| e.to_string())
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(n: usize) -> Result<Device, ModelError> {
     Err(ModelError::Device(format!(

@@ -124,6 +124,17 @@ pub enum ModelError {
     },
 }
 
+impl ModelError {
+    /// Whether this is the GPU running out of memory (the driver's
+    /// `CUDA_ERROR_OUT_OF_MEMORY`, however candle or cudarc wrapped it): a resource limit the
+    /// auditor may work around ([`crate::audit`] drops a resident model's kept weights and
+    /// recomputes once more), not a fault of the checkpoint or the commitment.
+    pub fn is_out_of_device_memory(&self) -> bool {
+        matches!(self, ModelError::Candle(_) | ModelError::Device(_))
+            && self.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY")
+    }
+}
+
 /// A checkpoint directory opened for serving or auditing: the model, its tokenizer and its
 /// `model_root` (PROTOCOL.md §4).
 pub struct Checkpoint {

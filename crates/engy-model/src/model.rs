@@ -239,6 +239,15 @@ impl Model {
         })
     }
 
+    /// Drops the decoded weights this model (and every sibling of [`Model::with_numerics`],
+    /// which share them) keeps ([`arch::Weights::drop_kept`]); a model wrapped by
+    /// [`Model::from_arch`] keeps its own and is left alone.
+    pub fn drop_kept_weights(&self) {
+        if let Some((_, w)) = &self.source {
+            w.drop_kept();
+        }
+    }
+
     /// How this model's passes compute ([`Numerics`], from its [`LoadOptions`]).
     pub fn numerics(&self) -> Numerics {
         Numerics {

@@ -795,6 +795,16 @@ impl Weights {
         Held(self)
     }
 
+    /// Drops every decoded tensor kept so far, [`Residency::Resident`] included: the auditor's
+    /// way out when a GPU recompute runs out of device memory beside a resident model's kept
+    /// bf16 weights ([`crate::audit`]). The next pass decodes what it needs again (and keeps it,
+    /// where it keeps anything); the values are the same.
+    pub fn drop_kept(&self) {
+        if let Ok(mut m) = self.resident.write() {
+            m.clear();
+        }
+    }
+
     /// Drops what a [`Weights::hold`] kept (between two layers of a batched pass); the hold
     /// stays on. Nothing under [`Residency::Resident`].
     pub fn release_held(&self) {
@@ -930,32 +940,47 @@ impl Weights {
         let (row_tile, col_tile) = (tile(out, bn)?, tile(inp, bk)?);
         let whole = out.is_multiple_of(bn) && inp.is_multiple_of(bk);
         let table = self.e4m3_on_device()?;
-        // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
-        // on a 24 GB card.
         let all = self.gather(names)?;
         let per = (1usize << 26).div_ceil(out * inp).max(1);
-        let mut done = Vec::with_capacity(e.div_ceil(per));
-        for start in (0..e).step_by(per) {
-            let n = per.min(e - start);
+        let upload = |start: usize, n: usize| {
             let bytes = &all[start * out * inp..(start + n) * out * inp];
-            let codes = crate::device::phase(dev, "weights: upload", || self.upload(bytes))?;
-            let s = scale.narrow(0, start, n)?;
+            crate::device::phase(dev, "weights: upload", || self.upload(bytes))
+        };
+        if super::fp8_kernels::enabled() && !dev.is_cpu() {
+            // The codes go up in staged copies of at most 64 MiB into one buffer, decoded by
+            // one kernel straight into the stack (no f32 intermediate, no concatenation).
+            let mut parts = Vec::with_capacity(e.div_ceil(per));
+            for start in (0..e).step_by(per) {
+                parts.push(upload(start, per.min(e - start))?);
+            }
+            let codes = match parts.len() {
+                1 => parts.remove(0),
+                _ => Tensor::cat(&parts, 0)?,
+            };
+            drop(parts);
             let dtype = match compute {
                 Compute::Bf16 => C::BF16,
                 Compute::F32 => C::F32,
             };
             let fused = super::fp8_kernels::block_decode(
                 &codes,
-                &s,
+                &scale,
                 table,
-                (n, out, inp),
+                (e, out, inp),
                 [bn, bk],
                 dtype,
             )?;
             if let Some(w) = fused {
-                done.push(w);
-                continue;
+                return Ok(Some(w));
             }
+        }
+        // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
+        // on a 24 GB card.
+        let mut done = Vec::with_capacity(e.div_ceil(per));
+        for start in (0..e).step_by(per) {
+            let n = per.min(e - start);
+            let codes = upload(start, n)?;
+            let s = scale.narrow(0, start, n)?;
             let w = if whole {
                 // Whole tiles: one broadcast product per tile.
                 table
