@@ -1283,9 +1283,10 @@ fn the_device_activation_quantiser_is_the_hosts() {
 /// The block-FP8 decode kernel (`fp8_kernels::block_decode`) against the host decode
 /// (`quant::dequant_fp8_block`), bit for bit: every code but E4M3's two NaNs, scales of
 /// varied exponents (tiny ones make subnormal and zero products), whole and partial tiles,
-/// one matrix and several, f32 and bf16 (rounded to nearest even on the host by `half`).
-/// Then the model's paths that use it: every routed expert projection of the FP8 oracle
-/// checkpoints stacked on the GPU ([`Weights::stacked`], f32 and bf16) holds the CPU's stack.
+/// one matrix and several, in order and picked out of order, f32 and bf16 (rounded to nearest
+/// even on the host by `half`). Then the model's paths that use it: every routed expert
+/// projection of the FP8 oracle checkpoints stacked on the GPU (`Weights::stacked`, f32 and
+/// bf16, and `Weights::stacked_fp8` decoded) holds the CPU's stack.
 #[test]
 fn the_fp8_decode_kernel_is_the_host_decode() {
     use engy_model::arch::{fp8_kernels, quant};
@@ -1335,28 +1336,45 @@ fn the_fp8_decode_kernel_is_the_host_decode() {
         }
         let c = Tensor::from_vec(codes, n * rows * cols, &dev).unwrap();
         let s = Tensor::from_vec(scales, (n, tn, tk), &dev).unwrap();
-        for dtype in [DType::F32, DType::BF16] {
-            let got = fp8_kernels::block_decode(&c, &s, &table, (n, rows, cols), [bn, bk], dtype)
-                .unwrap()
-                .expect("the kernel applies on a GPU");
-            assert_eq!(got.dims(), &[n, rows, cols]);
-            let got = bits(&got.to_dtype(DType::F32).unwrap());
-            let off = got
-                .iter()
-                .zip(&want)
-                .filter(|(g, w)| {
-                    let w = match dtype {
-                        DType::BF16 => half::bf16::from_f32(**w).to_f32(),
-                        _ => **w,
-                    };
-                    **g != w.to_bits()
-                })
-                .count();
-            assert_eq!(
-                off, 0,
-                "{n}×[{rows}, {cols}] in {bn}×{bk} tiles, {dtype:?}: {off} values differ"
-            );
+        // Every matrix in order, then a few out of order and one twice.
+        let picks: [Vec<u32>; 2] = [fp8_kernels::all(n), vec![(n - 1) as u32, 0, (n - 1) as u32]];
+        for members in &picks {
+            for dtype in [DType::F32, DType::BF16] {
+                let dims = (n, rows, cols);
+                let got = fp8_kernels::block_decode(&c, &s, &table, members, dims, [bn, bk], dtype)
+                    .unwrap()
+                    .expect("the kernel applies on a GPU");
+                assert_eq!(got.dims(), &[members.len(), rows, cols]);
+                let got = bits(&got.to_dtype(DType::F32).unwrap());
+                let want: Vec<f32> = members
+                    .iter()
+                    .flat_map(|&m| {
+                        let m = m as usize;
+                        want[m * rows * cols..(m + 1) * rows * cols].iter().copied()
+                    })
+                    .collect();
+                let off = got
+                    .iter()
+                    .zip(&want)
+                    .filter(|(g, w)| {
+                        let w = match dtype {
+                            DType::BF16 => half::bf16::from_f32(**w).to_f32(),
+                            _ => **w,
+                        };
+                        **g != w.to_bits()
+                    })
+                    .count();
+                assert_eq!(
+                    off, 0,
+                    "{n}×[{rows}, {cols}] in {bn}×{bk} tiles, members {members:?}, {dtype:?}: \
+                     {off} values differ"
+                );
+            }
         }
+        let past = [n as u32];
+        let dims = (n, rows, cols);
+        let err = fp8_kernels::block_decode(&c, &s, &table, &past, dims, [bn, bk], DType::F32);
+        assert!(err.is_err(), "a member past the stack was decoded");
     }
     let mut stacks = 0;
     for case in ["qwen3_5_moe_fp8", "glm_moe_dsa_fp8"] {
@@ -1391,11 +1409,22 @@ fn the_fp8_decode_kernel_is_the_host_decode() {
                     let g = gpu.stacked(&names, out, inp, compute).unwrap();
                     let c = cpu.stacked(&names, out, inp, compute).unwrap();
                     let g = bits(&g.to_dtype(DType::F32).unwrap());
+                    let c = bits(&c.to_dtype(DType::F32).unwrap());
                     assert!(
-                        g == bits(&c.to_dtype(DType::F32).unwrap()),
+                        g == c,
                         "{case} layer {layer} {proj} {compute:?}: the GPU stack differs"
                     );
                     stacks += 1;
+                    if compute == Compute::F32 {
+                        let st = gpu.stacked_fp8(&names, out, inp).unwrap();
+                        let st = st.expect("FP8 experts are held as stored on a GPU");
+                        let all = fp8_kernels::all(names.len());
+                        let d = bits(&st.decode(&all, DType::F32).unwrap());
+                        assert!(
+                            d == c,
+                            "{case} layer {layer} {proj}: the FP8 stack decodes otherwise"
+                        );
+                    }
                 }
             }
         }

@@ -160,8 +160,17 @@ pub fn dispatch(
     };
     let mut order = tokens;
     order.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
-    let stack = |proj: &str, out: usize, inp: usize| {
-        w.stacked(&names(&module, &stacked, proj), out, inp, rule(proj).1)
+    // Stacks of f32 weights (the f32 and W8A8 recomputes, never kept) stay FP8 codes on a GPU
+    // and each group decodes its own experts ([`Stack::Fp8`]); the rest are decoded stacks.
+    let stack = |proj: &str, out: usize, inp: usize| -> Result<Stack, ModelError> {
+        let n = names(&module, &stacked, proj);
+        let wc = rule(proj).1;
+        if wc == Compute::F32 && !w.keeps_stacks(wc) {
+            if let Some(st) = w.stacked_fp8(&n, out, inp)? {
+                return Ok(Stack::Fp8(st));
+            }
+        }
+        Ok(Stack::Decoded(w.stacked(&n, out, inp, wc)?))
     };
     let (gate, up, down) = phase(&dev, "moe: expert weights", || {
         Ok((
@@ -177,9 +186,11 @@ pub fn dispatch(
     // count.
     let (outs, first_row, rows) = phase(&dev, "moe: routed experts: products", || {
         let quantised = groups.gate.is_some() || groups.up.is_some() || groups.down.is_some();
-        let segs = match quantised {
-            true => None,
-            false => segmented(x, &order, &at, [&gate, &up, &down], c)?,
+        let segs = match (quantised, &gate, &up, &down) {
+            (false, Stack::Decoded(g), Stack::Decoded(u), Stack::Decoded(d)) => {
+                segmented(x, &order, &at, [g, u, d], c)?
+            }
+            _ => None,
         };
         Ok(match segs {
             Some((y, first_row)) => {
@@ -325,6 +336,43 @@ fn segmented(
     Ok(product(down, &act.to_dtype(wd)?)?.map(|y| (y, first_row)))
 }
 
+/// One projection's weights for every stacked expert of a layer ([`dispatch`]).
+enum Stack {
+    /// Decoded, `[experts, out, inp]` in the recompute's dtype ([`Weights::stacked`]).
+    Decoded(Tensor),
+    /// As stored (block FP8, on a GPU): each group decodes its own experts, f32.
+    Fp8(super::fp8_kernels::Fp8Stack),
+}
+
+impl Stack {
+    /// The weights of stack entries `members` (in that order), `[members.len(), out, inp]`.
+    fn members(&self, members: &[u32], dev: &candle_core::Device) -> Result<Tensor, ModelError> {
+        Ok(match self {
+            Stack::Decoded(t) => {
+                let ids = Tensor::from_vec(members.to_vec(), members.len(), dev)?;
+                t.index_select(&ids, 0)?
+            }
+            Stack::Fp8(st) => st.decode(members, DType::F32)?,
+        })
+    }
+
+    /// The dtype the products multiply in.
+    fn dtype(&self) -> DType {
+        match self {
+            Stack::Decoded(t) => t.dtype(),
+            Stack::Fp8(_) => DType::F32,
+        }
+    }
+
+    /// `out` of `[experts, out, inp]`.
+    fn out_dim(&self) -> Result<usize, ModelError> {
+        Ok(match self {
+            Stack::Decoded(t) => t.dim(1)?,
+            Stack::Fp8(st) => st.dims.1,
+        })
+    }
+}
+
 /// How [`dispatch`] multiplies projection `proj` of the expert `module` in a recompute in `c`
 /// with `acts`: the activation group its input is quantised by (`Some` under W8A8 for a
 /// block-FP8 weight, [`Weights::act_quant_group`]) and the compute its stack is held in
@@ -368,7 +416,7 @@ fn padded(
     x: &Tensor,
     order: &[(usize, Vec<u32>)],
     at: &[u32],
-    [gate, up, down]: [&Tensor; 3],
+    [gate, up, down]: [&Stack; 3],
     c: Compute,
     q: Quantised,
 ) -> Result<(Vec<Tensor>, Vec<usize>, usize), ModelError> {
@@ -381,7 +429,7 @@ fn padded(
         }
         (a, b) => (quantised(x, a)?, quantised(x, b)?),
     };
-    let hidden = down.dim(1)?;
+    let hidden = down.out_dim()?;
     let dev = x.device().clone();
     let mut first_row = vec![0usize; order.len()];
     let mut outs = Vec::with_capacity(order.len().div_ceil(GROUP));
@@ -404,9 +452,8 @@ fn padded(
                 .reshape((n, cap, h))?)
         };
         let members: Vec<u32> = order[g0..g0 + n].iter().map(|(e, _)| at[*e]).collect();
-        let members = Tensor::from_vec(members, n, &dev)?;
-        let product = |m: &Tensor, a: &Tensor| -> Result<Tensor, ModelError> {
-            let y = a.matmul(&m.index_select(&members, 0)?.transpose(1, 2)?)?;
+        let product = |m: &Stack, a: &Tensor| -> Result<Tensor, ModelError> {
+            let y = a.matmul(&m.members(&members, &dev)?.transpose(1, 2)?)?;
             Ok(c.round(y.to_dtype(DType::F32)?)?)
         };
         let g = product(gate, &rows_of(&xg, gate.dtype())?)?;

@@ -494,8 +494,15 @@ impl Weights {
         let table = self.e4m3_on_device()?;
         let codes = Tensor::from_raw_buffer(data, C::U8, &[n * k], dev)?;
         let scale = scale.reshape((1, n / bn, k / bk))?;
-        let fused =
-            super::fp8_kernels::block_decode(&codes, &scale, table, (1, n, k), [bn, bk], C::F32)?;
+        let fused = super::fp8_kernels::block_decode(
+            &codes,
+            &scale,
+            table,
+            &[0],
+            (1, n, k),
+            [bn, bk],
+            C::F32,
+        )?;
         if let Some(w) = fused {
             return Ok(Some(w.reshape((n, k))?));
         }
@@ -913,23 +920,22 @@ impl Weights {
         if dtype != Dtype::F8_E4M3 {
             return Ok(None);
         }
-        let [bn, bk] = self.fp8_block;
-        if bn == 0 || bk == 0 {
-            return Ok(None);
-        }
-        let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
-        let scale_names: Vec<String> = names.iter().map(|n| format!("{n}_scale_inv")).collect();
-        let mut sdtypes = Vec::with_capacity(e);
-        for n in &scale_names {
-            match self.entry(n) {
-                Some(se) if se.shape == [tn, tk] => sdtypes.push(se.dtype),
-                _ => return Ok(None),
-            }
-        }
-        let sdtype = sdtypes[0];
-        let Some(sc) = float_dtype(sdtype).filter(|_| sdtypes.iter().all(|d| *d == sdtype)) else {
+        let Some((scale_names, sc)) = self.fp8_scales(names, out, inp)? else {
             return Ok(None);
         };
+        if super::fp8_kernels::enabled() && !dev.is_cpu() {
+            // One kernel decodes the whole stack in place (no f32 intermediate, no
+            // concatenation).
+            if let Some(st) = self.fp8_upload(names, &scale_names, sc, out, inp)? {
+                let dtype = match compute {
+                    Compute::Bf16 => C::BF16,
+                    Compute::F32 => C::F32,
+                };
+                return Ok(Some(st.decode(&super::fp8_kernels::all(e), dtype)?));
+            }
+        }
+        let [bn, bk] = self.fp8_block;
+        let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
         let scale = Tensor::from_raw_buffer(&self.gather(&scale_names)?, sc, &[e, tn, tk], dev)?
             .to_dtype(C::F32)?;
         // Each element's tile, by row and by column (the last tiles may be partial).
@@ -940,46 +946,15 @@ impl Weights {
         let (row_tile, col_tile) = (tile(out, bn)?, tile(inp, bk)?);
         let whole = out.is_multiple_of(bn) && inp.is_multiple_of(bk);
         let table = self.e4m3_on_device()?;
-        let all = self.gather(names)?;
-        let per = (1usize << 26).div_ceil(out * inp).max(1);
-        let upload = |start: usize, n: usize| {
-            let bytes = &all[start * out * inp..(start + n) * out * inp];
-            crate::device::phase(dev, "weights: upload", || self.upload(bytes))
-        };
-        if super::fp8_kernels::enabled() && !dev.is_cpu() {
-            // The codes go up in staged copies of at most 64 MiB into one buffer, decoded by
-            // one kernel straight into the stack (no f32 intermediate, no concatenation).
-            let mut parts = Vec::with_capacity(e.div_ceil(per));
-            for start in (0..e).step_by(per) {
-                parts.push(upload(start, per.min(e - start))?);
-            }
-            let codes = match parts.len() {
-                1 => parts.remove(0),
-                _ => Tensor::cat(&parts, 0)?,
-            };
-            drop(parts);
-            let dtype = match compute {
-                Compute::Bf16 => C::BF16,
-                Compute::F32 => C::F32,
-            };
-            let fused = super::fp8_kernels::block_decode(
-                &codes,
-                &scale,
-                table,
-                (e, out, inp),
-                [bn, bk],
-                dtype,
-            )?;
-            if let Some(w) = fused {
-                return Ok(Some(w));
-            }
-        }
         // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
         // on a 24 GB card.
+        let all = self.gather(names)?;
+        let per = (1usize << 26).div_ceil(out * inp).max(1);
         let mut done = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let n = per.min(e - start);
-            let codes = upload(start, n)?;
+            let bytes = &all[start * out * inp..(start + n) * out * inp];
+            let codes = crate::device::phase(dev, "weights: upload", || self.upload(bytes))?;
             let s = scale.narrow(0, start, n)?;
             let w = if whole {
                 // Whole tiles: one broadcast product per tile.
@@ -999,6 +974,115 @@ impl Weights {
         } else {
             Tensor::cat(&done, 0)?
         }))
+    }
+
+    /// The tile scales' names of the block-FP8 weights `names` (each `[out, inp]`) and their
+    /// one float dtype, or `None` when a weight has no scale grid of `weight_block_size`'s
+    /// shape or the scales are not all one float dtype.
+    fn fp8_scales(
+        &self,
+        names: &[String],
+        out: usize,
+        inp: usize,
+    ) -> Result<Option<(Vec<String>, candle_core::DType)>, ModelError> {
+        use candle_core::DType as C;
+        let [bn, bk] = self.fp8_block;
+        if bn == 0 || bk == 0 {
+            return Ok(None);
+        }
+        let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
+        let scale_names: Vec<String> = names.iter().map(|n| format!("{n}_scale_inv")).collect();
+        let mut sdtypes = Vec::with_capacity(names.len());
+        for n in &scale_names {
+            match self.entry(n) {
+                Some(se) if se.shape == [tn, tk] => sdtypes.push(se.dtype),
+                _ => return Ok(None),
+            }
+        }
+        let sc = match sdtypes.first() {
+            Some(Dtype::BF16) => C::BF16,
+            Some(Dtype::F16) => C::F16,
+            Some(Dtype::F32) => C::F32,
+            _ => return Ok(None),
+        };
+        if sdtypes.iter().any(|d| *d != sdtypes[0]) {
+            return Ok(None);
+        }
+        Ok(Some((scale_names, sc)))
+    }
+
+    /// The block-FP8 weights `names` (each `[out, inp]`, scales `scale_names` stored as `sc`)
+    /// on the GPU as stored ([`super::fp8_kernels::Fp8Stack`]): the codes read on the host at
+    /// once (or taken from [`Weights::prefetch`]) and sent up in staged copies of at most
+    /// 64 MiB into one buffer. `None` where the decode kernel does not apply.
+    fn fp8_upload(
+        &self,
+        names: &[String],
+        scale_names: &[String],
+        sc: candle_core::DType,
+        out: usize,
+        inp: usize,
+    ) -> Result<Option<super::fp8_kernels::Fp8Stack>, ModelError> {
+        use candle_core::DType as C;
+        let dev = &self.device;
+        if !super::fp8_kernels::enabled() || dev.is_cpu() {
+            return Ok(None);
+        }
+        let e = names.len();
+        let [bn, bk] = self.fp8_block;
+        let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
+        let scale = Tensor::from_raw_buffer(&self.gather(scale_names)?, sc, &[e, tn, tk], dev)?
+            .to_dtype(C::F32)?;
+        let all = self.gather(names)?;
+        let per = (1usize << 26).div_ceil(out * inp).max(1);
+        let mut parts = Vec::with_capacity(e.div_ceil(per));
+        for start in (0..e).step_by(per) {
+            let bytes = &all[start * out * inp..(start + per.min(e - start)) * out * inp];
+            parts.push(crate::device::phase(dev, "weights: upload", || {
+                self.upload(bytes)
+            })?);
+        }
+        let codes = match parts.len() {
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 0)?,
+        };
+        Ok(Some(super::fp8_kernels::Fp8Stack {
+            codes,
+            scale,
+            table: self.e4m3_on_device()?.clone(),
+            dims: (e, out, inp),
+            block: [bn, bk],
+        }))
+    }
+
+    /// The routed experts `names` (each `[out, inp]`) as stored, on a GPU, for a recompute
+    /// that multiplies their exact f32 dequantisation and decodes only the few experts each
+    /// product needs ([`super::experts`]): `Some` for block-FP8 weights with float tile scales
+    /// when the decode kernel applies ([`super::fp8_kernels`]); `None` elsewhere (the CPU, the
+    /// int4 cheat, other formats), where [`Weights::stacked`] stacks them decoded.
+    ///
+    /// # Errors
+    /// [`ModelError::Shape`] when a weight is not `[out, inp]`, read and device errors.
+    pub fn stacked_fp8(
+        &self,
+        names: &[String],
+        out: usize,
+        inp: usize,
+    ) -> Result<Option<super::fp8_kernels::Fp8Stack>, ModelError> {
+        let cheat = matches!(self.precision, Precision::Int4 { .. });
+        if cheat || self.device.is_cpu() || names.is_empty() {
+            return Ok(None);
+        }
+        for n in names {
+            if self.entry(n).map(|e| e.dtype) != Some(Dtype::F8_E4M3) {
+                return Ok(None);
+            }
+            check_shape(n, self.shape(n).unwrap_or_default(), Some(&[out, inp]))?;
+        }
+        let Some((scale_names, sc)) = self.fp8_scales(names, out, inp)? else {
+            return Ok(None);
+        };
+        self.fp8_upload(names, &scale_names, sc, out, inp)
     }
 
     /// Decodes `name` to f32, dequantising a quantised weight ([`Weights::quantised`]).
