@@ -146,11 +146,12 @@ pub(crate) fn note_memory_retry() {
 
 /// Hands the device memory that `device`'s pool keeps free ([`keep_pool`]) back to the
 /// driver, once the device has finished its queued work. An audit calls it between its
-/// recomputes on a GPU ([`crate::audit`]): a resident bf16 pass leaves the pool holding the
+/// recomputes on a GPU ([`crate::audit`]): a resident bf16 pass leaves the pool holding free
 /// blocks of its own sizes, while the f32 and W8A8 recomputes that follow a failed bf16 one
-/// allocate other sizes (a layer's f32 expert stacks, 1 GiB each on Qwen3.6) beside the
-/// kept weights. Kept, those free blocks could not serve them, and a real-shape Qwen3.6 on an
-/// 80 GB H100 ran out of memory in the W8A8 recompute (bench/RESULTS.md). Nothing on the CPU.
+/// allocate other sizes beside the kept weights, where an 80 GB card has little to spare.
+/// Alone it did not keep a real-shape Qwen3.6 on an H100 within memory (with the driver's
+/// default pool, `ENGY_KEEP_POOL=0`, it ran out too); holding the f32 and W8A8 experts as FP8
+/// codes did (bench/RESULTS.md "A commitment that fails bf16 on a GPU"). Nothing on the CPU.
 ///
 /// # Errors
 /// [`ModelError::Device`] when the device cannot be synchronised or its pool not trimmed.

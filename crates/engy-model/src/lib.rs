@@ -201,3 +201,23 @@ impl Checkpoint {
         v
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The driver's out-of-memory, as candle and engy's kernels wrap it (the two messages an
+    /// H100 printed, 2026-12-06), is out of device memory; other errors, the same words in a
+    /// checkpoint's own text included, are not.
+    #[test]
+    fn out_of_device_memory_is_the_drivers_error_only() {
+        let oom = "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")";
+        let candle = |m: String| ModelError::Candle(candle_core::Error::Msg(m));
+        assert!(candle(oom.into()).is_out_of_device_memory());
+        assert!(candle(format!("device memory: allocating: {oom}")).is_out_of_device_memory());
+        assert!(ModelError::Device(format!("cuda:0: {oom}")).is_out_of_device_memory());
+        assert!(!candle("shape mismatch in matmul".into()).is_out_of_device_memory());
+        assert!(!ModelError::Config(oom.into()).is_out_of_device_memory());
+        assert!(!ModelError::MissingTensor(oom.into()).is_out_of_device_memory());
+    }
+}
