@@ -1,7 +1,8 @@
 // Block-FP8 weights decoded on the device (src/arch/fp8_kernels.rs): each E4M3 code through
 // the host decoder's 256-entry table (src/arch/quant.rs `e4m3_table`), times its tile's scale,
 // one f32 product (__fmul_rn: never contracted), stored as f32 or rounded to bf16 nearest
-// even (the value a bf16 model holds). The values are the host decode's bit for bit.
+// even (the value a bf16 model holds). The values are the host decode's bit for bit, but for
+// E4M3's two NaN codes (0x7f, 0xff), a NaN either way, its sign and payload not kept.
 #include <cuda_bf16.h>
 #include <stdint.h>
 

@@ -126,12 +126,16 @@ pub enum ModelError {
 
 impl ModelError {
     /// Whether this is the GPU running out of memory (the driver's
-    /// `CUDA_ERROR_OUT_OF_MEMORY`, however candle or cudarc wrapped it): a resource limit the
-    /// auditor may work around ([`crate::audit`] drops a resident model's kept weights and
-    /// recomputes once more), not a fault of the checkpoint or the commitment.
+    /// `CUDA_ERROR_OUT_OF_MEMORY`, or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`, however candle or
+    /// cudarc wrapped it): a resource limit the auditor may work around ([`crate::audit`]
+    /// drops a resident model's kept weights and recomputes once more), not a fault of the
+    /// checkpoint or the commitment.
     pub fn is_out_of_device_memory(&self) -> bool {
-        matches!(self, ModelError::Candle(_) | ModelError::Device(_))
-            && self.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY")
+        if !matches!(self, ModelError::Candle(_) | ModelError::Device(_)) {
+            return false;
+        }
+        let text = self.to_string();
+        text.contains("CUDA_ERROR_OUT_OF_MEMORY") || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
     }
 }
 
@@ -216,6 +220,8 @@ mod tests {
         assert!(candle(oom.into()).is_out_of_device_memory());
         assert!(candle(format!("device memory: allocating: {oom}")).is_out_of_device_memory());
         assert!(ModelError::Device(format!("cuda:0: {oom}")).is_out_of_device_memory());
+        let cublas = "cublas: CUBLAS_STATUS_ALLOC_FAILED";
+        assert!(candle(cublas.into()).is_out_of_device_memory());
         assert!(!candle("shape mismatch in matmul".into()).is_out_of_device_memory());
         assert!(!ModelError::Config(oom.into()).is_out_of_device_memory());
         assert!(!ModelError::MissingTensor(oom.into()).is_out_of_device_memory());

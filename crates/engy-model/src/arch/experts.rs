@@ -56,7 +56,7 @@ pub fn prefetch(
         return;
     }
     let all: Vec<usize> = (0..experts).collect();
-    for proj in ["gate_proj", "up_proj", "down_proj"] {
+    for proj in PROJECTIONS {
         let n = names(&module, &all, proj);
         let (_, wc) = stack_rule(w, &module(0), proj, c, acts);
         if w.holds_stack(&n, wc) {
@@ -135,11 +135,16 @@ pub fn dispatch(
     if tokens.is_empty() || k == 0 {
         return Ok(Tensor::zeros((t, h), DType::F32, &dev)?);
     }
+    // How each projection is multiplied: the first chosen expert's format stands for the
+    // layer's, and the stacks below hold one format or fail ([`same_rule`]).
+    let first = module(tokens[0].0);
+    let rule = |proj: &str| stack_rule(w, &first, proj, c, acts);
     // The stack holds every expert when most are chosen (what [`prefetch`] read ahead) or
     // when it is kept, else the chosen ones, in expert order (an id past the layer's experts,
     // from a replayed trace, then fails as a missing tensor).
+    let kept = PROJECTIONS.iter().all(|p| w.keeps_stacks(rule(p).1));
     let stacked: Vec<usize> = match experts {
-        Some(n) if (t * k >= n || w.keeps_stacks(c)) && ids <= n => (0..n).collect(),
+        Some(n) if (t * k >= n || kept) && ids <= n => (0..n).collect(),
         _ => tokens.iter().map(|(e, _)| *e).collect(),
     };
     // Each expert's entry in the stack, indexed by expert id.
@@ -149,10 +154,7 @@ pub fn dispatch(
             *slot = i as u32;
         }
     }
-    // The first chosen expert's format stands for the layer's ([`Weights::stacked`] stacks
-    // one format).
-    let first = module(tokens[0].0);
-    let rule = |proj: &str| stack_rule(w, &first, proj, c, acts);
+    same_rule(w, &module, &stacked, c, acts, &first)?;
     let groups = Quantised {
         gate: rule("gate_proj").0,
         up: rule("up_proj").0,
@@ -390,6 +392,43 @@ fn stack_rule(
         Fp8Activations::Unquantised => None,
     };
     (group, if group.is_some() { Compute::F32 } else { c })
+}
+
+/// An expert's three projections, in [`dispatch`]'s order.
+const PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// Checks that every expert of `stacked` is multiplied as `first` is ([`stack_rule`]): under
+/// W8A8 a layer whose experts mixed block-FP8 and other weights would have some inputs
+/// quantised that the per-expert rule leaves alone. No served checkpoint mixes them; such a
+/// layer is an error (no verdict), never a silently different recompute.
+///
+/// # Errors
+/// [`ModelError::Config`] naming the first expert that differs.
+fn same_rule(
+    w: &Weights,
+    module: &impl Fn(usize) -> String,
+    stacked: &[usize],
+    c: Compute,
+    acts: Fp8Activations,
+    first: &str,
+) -> Result<(), ModelError> {
+    if acts == Fp8Activations::Unquantised {
+        return Ok(());
+    }
+    for proj in PROJECTIONS {
+        let want = stack_rule(w, first, proj, c, acts);
+        if let Some(e) = stacked
+            .iter()
+            .find(|&&e| stack_rule(w, &module(e), proj, c, acts) != want)
+        {
+            return Err(ModelError::Config(format!(
+                "{}.{proj} is not stored as {first}.{proj} is (block FP8 or not): a layer's \
+                 routed experts mix weight formats, which the W8A8 recompute does not model",
+                module(*e)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The W8A8 activation group of each projection of [`dispatch`] (`None`: unquantised).

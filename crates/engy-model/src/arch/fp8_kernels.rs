@@ -6,7 +6,8 @@
 //! a Qwen3.6 layer each pass). [`Fp8Stack`] holds a layer's experts as stored, for a recompute
 //! that decodes only the few a product needs.
 //!
-//! The values are the host decode's bit for bit ([`super::quant::dequant_fp8_block`]): each
+//! The values are the host decode's bit for bit ([`super::quant::dequant_fp8_block`]; E4M3's
+//! two NaN codes give a NaN either way, its sign and payload not kept): each
 //! code through the host decoder's table ([`super::quant::e4m3_table`]), times its tile's f32
 //! scale (one IEEE product), kept f32 or rounded to bf16 nearest even as a bf16 recompute
 //! holds it (`gpu_kernels`: `the_fp8_decode_kernel_is_the_host_decode`). [`block_decode`]

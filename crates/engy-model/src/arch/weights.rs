@@ -949,7 +949,7 @@ impl Weights {
         // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
         // on a 24 GB card.
         let all = self.gather(names)?;
-        let per = (1usize << 26).div_ceil(out * inp).max(1);
+        let per = (1usize << 26).div_ceil((out * inp).max(1)).max(1);
         let mut done = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let n = per.min(e - start);
@@ -1034,7 +1034,7 @@ impl Weights {
         let scale = Tensor::from_raw_buffer(&self.gather(scale_names)?, sc, &[e, tn, tk], dev)?
             .to_dtype(C::F32)?;
         let all = self.gather(names)?;
-        let per = (1usize << 26).div_ceil(out * inp).max(1);
+        let per = (1usize << 26).div_ceil((out * inp).max(1)).max(1);
         let mut parts = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let bytes = &all[start * out * inp..(start + per.min(e - start)) * out * inp];
