@@ -509,21 +509,28 @@ mod tests {
     use super::*;
     use crate::arch::{open, LoadOptions};
 
+    /// The arch fixture `case` opened for a recompute in `c`: its weights, hidden size, expert
+    /// width and routed experts a layer.
+    fn fixture(case: &str, c: Compute) -> (std::sync::Arc<Weights>, usize, usize, usize) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/vectors/arch")
+            .join(case);
+        let opts = LoadOptions {
+            compute: c,
+            ..LoadOptions::default()
+        };
+        let (cfg, w) = open(&dir, &opts).unwrap();
+        let inter = cfg.usize_req("moe_intermediate_size").unwrap();
+        let experts = cfg.usize_req("num_experts").unwrap();
+        (w, cfg.hidden_size, inter, experts)
+    }
+
     /// The grouped dispatch is the per-expert loop (here both on the CPU, f32 stacks), with
     /// uneven expert loads, a token with fewer choices, and both rounding modes.
     #[test]
     fn the_grouped_experts_are_the_per_expert_loop() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/vectors/arch/qwen3_5_moe");
         for c in [Compute::F32, Compute::Bf16] {
-            let opts = LoadOptions {
-                compute: c,
-                ..LoadOptions::default()
-            };
-            let (cfg, w) = open(&dir, &opts).unwrap();
-            let hidden = cfg.hidden_size;
-            let inter = cfg.usize_req("moe_intermediate_size").unwrap();
-            let experts = cfg.usize_req("num_experts").unwrap();
+            let (w, hidden, inter, experts) = fixture("qwen3_5_moe", c);
             let t = 70;
             let x: Vec<f32> = (0..t * hidden)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
@@ -588,17 +595,8 @@ mod tests {
     /// the unquantised dispatch gives another answer.
     #[test]
     fn the_grouped_w8a8_experts_are_the_per_expert_loop() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/vectors/arch/qwen3_5_moe_fp8");
         let c = Compute::Bf16;
-        let opts = LoadOptions {
-            compute: c,
-            ..LoadOptions::default()
-        };
-        let (cfg, w) = open(&dir, &opts).unwrap();
-        let hidden = cfg.hidden_size;
-        let inter = cfg.usize_req("moe_intermediate_size").unwrap();
-        let experts = cfg.usize_req("num_experts").unwrap();
+        let (w, hidden, inter, experts) = fixture("qwen3_5_moe_fp8", c);
         let m = "model.layers.0.mlp.experts";
         let module = |e: usize| format!("{m}.{e}");
         assert!(

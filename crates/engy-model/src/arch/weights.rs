@@ -923,16 +923,14 @@ impl Weights {
         let Some((scale_names, sc)) = self.fp8_scales(names, out, inp)? else {
             return Ok(None);
         };
-        if super::fp8_kernels::enabled() && !dev.is_cpu() {
-            // One kernel decodes the whole stack in place (no f32 intermediate, no
-            // concatenation).
-            if let Some(st) = self.fp8_upload(names, &scale_names, sc, out, inp)? {
-                let dtype = match compute {
-                    Compute::Bf16 => C::BF16,
-                    Compute::F32 => C::F32,
-                };
-                return Ok(Some(st.decode(&super::fp8_kernels::all(e), dtype)?));
-            }
+        // One kernel decodes the whole stack in place (no f32 intermediate, no concatenation)
+        // where it applies ([`Weights::fp8_upload`] says).
+        if let Some(st) = self.fp8_upload(names, &scale_names, sc, out, inp)? {
+            let dtype = match compute {
+                Compute::Bf16 => C::BF16,
+                Compute::F32 => C::F32,
+            };
+            return Ok(Some(st.decode(&super::fp8_kernels::all(e), dtype)?));
         }
         let [bn, bk] = self.fp8_block;
         let (tn, tk) = (out.div_ceil(bn), inp.div_ceil(bk));
