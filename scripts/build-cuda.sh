@@ -8,6 +8,7 @@
 #   DIR/gpu_kernels       engy's own kernels against the unfused rules (ENGY_TEST_DEVICE=cuda)
 #   DIR/batched_pass      commitments in one pass over streamed weights get their own reports
 #   DIR/w8a8              the W8A8 serves' oracle test (ENGY_TEST_DEVICE=cuda)
+#   DIR/cache             a one-pass cache keeps nothing and gives the same states (ENGY_TEST_DEVICE=cuda)
 #   DIR/synth_checkpoint  writes the real-shape Qwen3.6 FP8 checkpoint for the benchmark
 #   DIR/wheels/           fla-core and einops, for transformers' second benchmark row
 # docs/AUDITOR.md "On a GPU" says how to run them. DIR is relative to the directory the script
@@ -46,7 +47,7 @@ cargo build --release --locked -p engy-model --example synth_checkpoint
 built="$(mktemp)"
 trap 'rm -f "$built"' EXIT
 cargo test --release --locked -p engy-model --features cuda \
-  --test arch_vectors --test audit_oracle --test gpu_kernels --test batched_pass --test w8a8 --no-run 2>&1 | tee "$built" >&2
+  --test arch_vectors --test audit_oracle --test gpu_kernels --test batched_pass --test w8a8 --test cache --no-run 2>&1 | tee "$built" >&2
 tests="$(sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p' "$built")"
 install -m 755 "$target/release/engy-audit" "$out/engy-audit"
 install -m 755 "$target/release/examples/synth_checkpoint" "$out/synth_checkpoint"

@@ -375,7 +375,7 @@ impl Model {
         ids: &[u32],
         probe: &mut Probe<'_>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let mut cache = self.new_cache();
+        let mut cache = KvCache::one_pass();
         let dev = self.opts.device.device()?;
         crate::device::phase(&dev, "forward", || {
             let h = self.forward_probed(ids, &mut cache, probe)?;
@@ -402,7 +402,7 @@ impl Model {
         rows: (usize, usize),
         probe: &mut Probe<'_>,
     ) -> Result<Vec<Vec<u16>>, ModelError> {
-        let mut cache = self.new_cache();
+        let mut cache = KvCache::one_pass();
         let dev = self.opts.device.device()?;
         crate::device::phase(&dev, "forward", || {
             let h = self.forward_probed(ids, &mut cache, probe)?;
@@ -456,7 +456,7 @@ impl Model {
         for ids in seqs {
             self.check_ids(ids, 0)?;
         }
-        let mut caches: Vec<KvCache> = seqs.iter().map(|_| self.new_cache()).collect();
+        let mut caches: Vec<KvCache> = seqs.iter().map(|_| KvCache::one_pass()).collect();
         let dev = self.opts.device.device()?;
         crate::device::phase(&dev, "forward", || {
             let mut passes: Vec<crate::arch::SeqPass<'_, '_>> = seqs
@@ -506,7 +506,7 @@ impl Model {
     /// As [`Model::forward`].
     pub fn hidden_states_traced(&self, ids: &[u32]) -> Result<(Tensor, Vec<Tensor>), ModelError> {
         self.check_ids(ids, 0)?;
-        let mut cache = self.new_cache();
+        let mut cache = KvCache::one_pass();
         let mut layers = Vec::new();
         let h = self
             .arch

@@ -965,7 +965,8 @@ impl GlmMoeDsa {
         let c = &self.cfg;
         let off = cache.len;
         self.check_ids(ids, off)?;
-        if cache.layers.len() != c.num_hidden_layers {
+        cache.check_continuable()?;
+        if cache.keeps_layers() && cache.layers.len() != c.num_hidden_layers {
             return Err(cfg_err(format!(
                 "glm_moe_dsa: the cache has {} layers, the model {}",
                 cache.layers.len(),
@@ -1002,10 +1003,11 @@ impl GlmMoeDsa {
         let dev = self.w.device().clone();
         let off = st.off;
         let p = format!("model.layers.{l}");
-        let past = cache
-            .layers
-            .get(l)
-            .ok_or_else(|| cfg_err(format!("glm_moe_dsa: no decoder layer {l}")))?;
+        if l >= c.num_hidden_layers {
+            return Err(cfg_err(format!("glm_moe_dsa: no decoder layer {l}")));
+        }
+        // A one-pass cache (`Cache::one_pass`) has no past: it is at position 0.
+        let past = cache.layers.get(l).map_or(&[][..], |lc| lc.0.as_slice());
         let h = phase(&dev, "norms and residual adds", || {
             let ln1 = self.norm(&format!("{p}.input_layernorm.weight"), hd)?;
             Ok(ops::rms_norm_in(&st.x, &ln1, c.rms_norm_eps, cm)?)
@@ -1013,7 +1015,7 @@ impl GlmMoeDsa {
         let prev = st.selection.take();
         let count_ties = probe.dsa_boundary_ties.is_some();
         let (attn, layer_cache, sel, ties) = phase(&dev, "mla attention", || {
-            self.attention(l, &h, off, &past.0, prev, count_ties)
+            self.attention(l, &h, off, past, prev, count_ties)
         })?;
         if let Some(n) = probe.dsa_boundary_ties.as_deref_mut() {
             *n += ties;
@@ -1064,7 +1066,9 @@ impl GlmMoeDsa {
             tr.attended.push(kept);
         }
         st.selection = Some(sel);
-        st.new_layers.push(layer_cache);
+        if cache.keeps_layers() {
+            st.new_layers.push(layer_cache);
+        }
         Ok(())
     }
 

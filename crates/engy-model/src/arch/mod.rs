@@ -176,12 +176,22 @@ impl TieOrder {
 pub struct LayerCache(pub Vec<Tensor>);
 
 /// The state of one sequence between incremental [`Architecture::forward`] calls.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Cache {
     /// Positions already processed.
     pub len: usize,
-    /// One entry per decoder layer (created empty by [`Cache::new`]).
+    /// One entry per decoder layer (created empty by [`Cache::new`]; left empty by a pass
+    /// over a [`Cache::one_pass`]).
     pub layers: Vec<LayerCache>,
+    /// Whether a pass keeps each layer's state here ([`Cache::keeps_layers`]).
+    keep: bool,
+}
+
+impl Default for Cache {
+    /// [`Cache::new`] of no layers.
+    fn default() -> Self {
+        Self::new(0)
+    }
 }
 
 impl Cache {
@@ -190,7 +200,47 @@ impl Cache {
         Self {
             len: 0,
             layers: vec![LayerCache::default(); layers],
+            keep: true,
         }
+    }
+
+    /// An empty cache for one teacher-forced pass that nothing continues (an audit's
+    /// recompute): the pass drops each layer's state (keys, values, recurrent states) when
+    /// the layer ends instead of keeping it here. At 4,096 tokens that state is about 0.2 GB
+    /// for Qwen3.6's 40 layers and 0.5 GB for each GLM-5 layer (MLA's keys and values of
+    /// all 64 heads, f32), held by every sequence of a batched pass
+    /// ([`Architecture::forward_many`]) until its end. The hidden states are the same as with
+    /// [`Cache::new`]; a second call on the same cache is refused
+    /// ([`Cache::check_continuable`]).
+    pub fn one_pass() -> Self {
+        Self {
+            len: 0,
+            layers: Vec::new(),
+            keep: false,
+        }
+    }
+
+    /// Whether a pass keeps each layer's state in this cache (false for
+    /// [`Cache::one_pass`]).
+    pub fn keeps_layers(&self) -> bool {
+        self.keep
+    }
+
+    /// Whether a pass may start from this cache: any cache at position 0, and one that keeps
+    /// its layers' state.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] for a [`Cache::one_pass`] a pass already ran on: it kept no
+    /// state to continue from.
+    pub fn check_continuable(&self) -> Result<(), ModelError> {
+        if self.keep || self.len == 0 {
+            return Ok(());
+        }
+        Err(ModelError::Config(format!(
+            "this cache was made for one pass (Cache::one_pass) and already holds {} positions \
+             without their layers' state: it cannot be continued",
+            self.len
+        )))
     }
 
     /// Positions already processed.

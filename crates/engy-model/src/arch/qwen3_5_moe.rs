@@ -374,7 +374,10 @@ impl Qwen3_5Moe {
             let s = cm.round(s)?;
             Ok(cm.round(ops::silu(&s)?)?)
         })?;
-        let conv_state = input.narrow(0, t, hist)?.contiguous()?;
+        // Its own copy: a narrow of `input`'s first rows is contiguous already, and
+        // `contiguous` would keep all of `input` (`[hist + t, cd]`, 134 MB at Qwen3.6's
+        // width and 4,096 tokens) alive in the cache.
+        let conv_state = input.narrow(0, t, hist)?.force_contiguous()?;
 
         let state = match prev.get(1) {
             Some(s) => s.clone(),
@@ -800,7 +803,9 @@ impl Qwen3_5Moe {
             })?,
             None => return Err(ModelError::Config(format!("no decoder layer {li}"))),
         };
-        st.new_cache.push(lc);
+        if cache.keeps_layers() {
+            st.new_cache.push(lc);
+        }
         crate::device::trace("qwen mixer output", &y);
         let post = format!("{p}.post_attention_layernorm.weight");
         (st.x, st.h) = add_norm(&st.x, &y, &post)?;
@@ -845,6 +850,7 @@ impl Architecture for Qwen3_5Moe {
         cache: &mut Cache,
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
+        cache.check_continuable()?;
         let mut st = self.begin(ids, cache.len)?;
         for li in 0..self.mixers.len() {
             // The next layer's routed experts are read while this one computes (on a GPU,
@@ -863,7 +869,10 @@ impl Architecture for Qwen3_5Moe {
         let _held = self.w.held();
         let mut states = seqs
             .iter()
-            .map(|s| self.begin(s.ids, s.cache.len))
+            .map(|s| {
+                s.cache.check_continuable()?;
+                self.begin(s.ids, s.cache.len)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let most = seqs.iter().map(|s| s.ids.len()).max().unwrap_or(0);
         for li in 0..self.mixers.len() {
@@ -952,6 +961,20 @@ mod tests {
             let (a, b) = (h.narrow(0, 0, 66).unwrap(), h.narrow(0, 66, 4).unwrap());
             let (y_host, c_host) = m.delta_net_host(&p, &a, &[]).unwrap();
             let (y_dev, c_dev) = m.delta_net_tensors(&p, &a, &[]).unwrap();
+            // The kept conv state is its own `[conv_k - 1, conv_dim]`, not a view that
+            // keeps the layer's whole conv input alive.
+            let conv_state = &c_dev.0[0];
+            let (storage, _) = conv_state.storage_and_layout();
+            let held = match &*storage {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+                _ => panic!("an f32 host tensor"),
+            };
+            assert_eq!(
+                held,
+                conv_state.elem_count(),
+                "{compute:?}: conv state is a view"
+            );
+            drop(storage);
             let (y2_host, _) = m.delta_net_host(&p, &b, &c_host.0).unwrap();
             let (y2_dev, _) = m.delta_net_tensors(&p, &b, &c_dev.0).unwrap();
             for (got, want) in [(&y_dev, &y_host), (&y2_dev, &y2_host)] {

@@ -276,6 +276,7 @@ impl Architecture for Qwen3Moe {
         cache: &mut Cache,
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
+        cache.check_continuable()?;
         let c = self.compute;
         let t = ids.len();
         let off = cache.len;
@@ -321,7 +322,9 @@ impl Architecture for Qwen3Moe {
                     ops::attention_eager_in(&q, &k, &v, scale, mask.as_ref(), blk, c)?
                 }
             };
-            new_cache.push(LayerCache(vec![k, v]));
+            if cache.keeps_layers() {
+                new_cache.push(LayerCache(vec![k, v]));
+            }
             let o = self.lin(&format!("{p}.self_attn.o_proj"), &y, d, h * hd)?;
             x = c.round((x + c.round(o)?)?)?;
             let ln2 = self
