@@ -48,7 +48,7 @@ built="$(mktemp)"
 trap 'rm -f "$built"' EXIT
 cargo test --release --locked -p engy-model --features cuda \
   --test arch_vectors --test audit_oracle --test gpu_kernels --test batched_pass --test w8a8 --test cache --no-run 2>&1 | tee "$built" >&2
-tests="$(sed -n 's/.*Executable tests\/\([a-z_]*\)\.rs (\(.*\))/\1 \2/p' "$built")"
+tests="$(sed -n 's/.*Executable tests\/\([a-z0-9_]*\)\.rs (\(.*\))/\1 \2/p' "$built")"
 install -m 755 "$target/release/engy-audit" "$out/engy-audit"
 install -m 755 "$target/release/examples/synth_checkpoint" "$out/synth_checkpoint"
 while read -r name path; do

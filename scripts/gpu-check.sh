@@ -27,8 +27,9 @@
 #      transformers both as the anchor runs it and with flash-linear-attention (`fla-core`
 #      and `einops` wheels from BIN_DIR/wheels, ENGY_GPU_WHEELS); N commitments in one pass
 #      over streamed weights (`engy-audit audit --batch N`, N in ENGY_GPU_BENCH_BATCHES,
-#      default "1 4 16"); each row with its TFLOP/s and share of the GPU's dense bf16 peak
-#      (bench/gpu/pass_cost.py);
+#      default "1 4 16"; with ENGY_GPU_BENCH_CAP_GIB=G, another process holds all of the GPU's
+#      memory but G GiB while they run, bench/gpu/hold_memory.py); each row with its TFLOP/s
+#      and share of the GPU's dense bf16 peak (bench/gpu/pass_cost.py);
 #   5. with ENGY_GPU_BENCH=1 (ENGY_GPU_BENCH_GLM=0 skips this one): the same on a real-shape GLM-5 FP8
 #      checkpoint of ENGY_GPU_BENCH_GLM_LAYERS (5: the release's 3 dense layers, then 2 MoE
 #      layers) at ENGY_GPU_BENCH_TOKENS tokens.
@@ -201,8 +202,21 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
   fi
   # Weights streamed, N commitments of the model in one pass over the layers (each layer read
   # and decoded once for all of them): audits per weight pass and seconds per audit.
-  local batch_rows="$work/$arch-batch.tsv" n
+  # With ENGY_GPU_BENCH_CAP_GIB, a second process holds all of the GPU's memory but that
+  # many GiB while these rows run (bench/gpu/hold_memory.py): a card smaller than the model.
+  local batch_rows="$work/$arch-batch.tsv" n cap="${ENGY_GPU_BENCH_CAP_GIB:-}" held=""
+  local hold_out hold_in hold_pid
   : >"$batch_rows"
+  if [ -n "$cap" ]; then
+    coproc HOLD { python3 "$here/../bench/gpu/hold_memory.py" "$cap"; }
+    hold_out="${HOLD[0]:-}" hold_in="${HOLD[1]:-}" hold_pid="${HOLD_PID:-}"
+    if [ -n "$hold_out" ] && read -r held <&"$hold_out" && [ -n "$held" ]; then
+      echo "   batch rows with the GPU's memory capped: $held (bench/gpu/hold_memory.py)"
+    else
+      echo "   ENGY_GPU_BENCH_CAP_GIB=$cap: the memory could not be held; the batch rows are skipped"
+      return 1
+    fi
+  fi
   for n in ${ENGY_GPU_BENCH_BATCHES-1 4 16}; do
     local many=()
     for _ in $(seq "$n"); do many+=(--commitment "$ck/commitment.json"); done
@@ -213,6 +227,10 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
     printf '%s\t%s\t%s\n' "$n" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.3f", b-a}')" \
       "$(cat "$work/peak")" >>"$batch_rows"
   done
+  if [ -n "$cap" ]; then
+    exec {hold_in}>&- # the holder reads its stdin to the end, then frees the memory
+    wait "$hold_pid"
+  fi
   # transformers as the anchor runs it, then as its users run it with flash-linear-attention
   # (`fla-core`, installed from the staged wheels into its own folder: nothing else changes).
   peak_mem python3 "$here/../bench/gpu/transformers_anchor.py" "$ck" "$tokens" 3 \
@@ -233,10 +251,10 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
   python3 "$here/../bench/gpu/pass_cost.py" "$ck" "$tokens" >"$work/$arch-cost.json" \
     || echo '{}' >"$work/$arch-cost.json"
   python3 - "$label" "$tokens" "$layers" "$engy_s" "$engy_mem" "$work/$arch-tf.json" "$tf_mem" \
-    "$res_s" "$res_mem" "$tf_fla" "$tf_fla_mem" "$work/$arch-cost.json" "$batch_rows" <<'PY'
+    "$res_s" "$res_mem" "$tf_fla" "$tf_fla_mem" "$work/$arch-cost.json" "$batch_rows" "$cap" <<'PY'
 import json, os, sys
 (label, tokens, layers, engy_s, engy_mem, tf_path, tf_mem, res_s, res_mem, fla_path, fla_mem,
- cost_path, batch_path) = sys.argv[1:]
+ cost_path, batch_path, cap) = sys.argv[1:]
 tf = json.load(open(tf_path))
 cost = json.load(open(cost_path))
 num = lambda v: float(v) if v not in ("", None) else float("nan")
@@ -261,6 +279,8 @@ for name, s, mem in rows:
 batch = [l.split("\t") for l in open(batch_path).read().splitlines() if l.strip()]
 if batch:
     one = None
+    if cap:
+        print(f"   the GPU's memory capped at {cap} GiB for these rows (bench/gpu/hold_memory.py)")
     print("   | streamed, commitments in one pass | process wall (s) | seconds per audit | audits per hour | vs 1 | peak GPU memory (GiB) |")
     print("   |---|---|---|---|---|---|")
     for n, wall, mem in batch:
