@@ -430,6 +430,7 @@ fn audit_group(
         return out;
     }
     let started = std::time::Instant::now();
+    let splits_before = engy_model::device::batch_splits();
     match engy_model::audit::audit_many(model, model_root, &values, params, args.recompute.into()) {
         Ok(reports) => {
             for (slot, report) in slots.iter().zip(reports) {
@@ -444,8 +445,17 @@ fn audit_group(
         }
     }
     if args.device != DeviceSpec::Cpu {
+        let splits = engy_model::device::batch_splits() - splits_before;
+        let note = if splits > 0 {
+            format!(
+                " (out of device memory, the pass was split in halves {splits} time(s): a \
+                 smaller --batch fits this device)"
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "engy-audit audit: {} commitments recomputed in one pass on {} in {:.3} s",
+            "engy-audit audit: {} commitments recomputed in one pass on {} in {:.3} s{note}",
             values.len(),
             args.device,
             started.elapsed().as_secs_f64()

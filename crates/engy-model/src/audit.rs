@@ -612,10 +612,13 @@ fn audit_computes(
 /// over the weights ([`Model::hidden_states_probed_many`]: with streamed weights, each layer
 /// read and decoded once for all of them). Each report is exactly what [`audit_with`] gives
 /// for that commitment alone; a commitment whose first recompute does not pass runs the
-/// rest of the plan alone. Reports come back in the order of `commitments`.
+/// rest of the plan alone. A pass that runs out of device memory runs again as two passes
+/// over halves of the batch, and so on down to one commitment ([`crate::device::batch_splits`]
+/// counts the splits). Reports come back in the order of `commitments`.
 ///
 /// # Errors
-/// As [`audit_with`], for any of the commitments (one recompute's error fails the batch).
+/// As [`audit_with`], for any of the commitments (one recompute's error fails the batch; out
+/// of device memory, only when one commitment alone does not fit).
 pub fn audit_many(
     model: &Model,
     model_root: &str,
@@ -646,7 +649,7 @@ pub fn audit_many(
         &sibling
     };
     let checked: Vec<&Checked> = prepared.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let mut firsts = verify_many(m, &checked, p)?.into_iter();
+    let mut firsts = verify_many_fitting(m, &checked, p)?.into_iter();
     let mut out = Vec::with_capacity(commitments.len());
     for r in &prepared {
         out.push(match r {
@@ -1074,6 +1077,48 @@ fn verify_many(
         .collect()
 }
 
+/// [`verify_many`], split in halves while the device runs out of memory
+/// ([`halving_on_oom`]): a batch larger than the card holds (each commitment adds its
+/// residual stream and the layer's activations to the pass) runs as smaller passes, each
+/// report still exactly the commitment's own, instead of failing every commitment of the
+/// batch. Each split hands the pool back and counts in [`crate::device::batch_splits`].
+fn verify_many_fitting(
+    model: &Model,
+    cs: &[&Checked],
+    p: AuditParams,
+) -> Result<Vec<AuditReport>, ModelError> {
+    let dev = model.options().device.device()?;
+    halving_on_oom(cs, &mut |part| verify_many(model, part, p), &mut || {
+        // Housekeeping only: a driver without memory pools cannot trim.
+        let _ = crate::device::release_pool(&dev);
+        crate::device::note_batch_split();
+    })
+}
+
+/// `run` over `items`; where it fails for want of device memory
+/// ([`ModelError::is_out_of_device_memory`]) over more than one item, `on_split` and then
+/// `run` over each half, the halves split again the same way. The results come in the order
+/// of `items`, whichever sizes ran.
+///
+/// # Errors
+/// Any other error of `run`, and running out of memory over a single item.
+fn halving_on_oom<T, R>(
+    items: &[T],
+    run: &mut dyn FnMut(&[T]) -> Result<Vec<R>, ModelError>,
+    on_split: &mut dyn FnMut(),
+) -> Result<Vec<R>, ModelError> {
+    match run(items) {
+        Err(e) if items.len() > 1 && e.is_out_of_device_memory() => {
+            on_split();
+            let (first, second) = items.split_at(items.len() / 2);
+            let mut out = halving_on_oom(first, run, on_split)?;
+            out.extend(halving_on_oom(second, run, on_split)?);
+            Ok(out)
+        }
+        r => r,
+    }
+}
+
 /// The routing check a pass over `c` runs, with the policy's margin.
 fn pass_record(model: &Model, c: &Checked, p: AuditParams) -> PassRecord {
     let margin = arch::Margin {
@@ -1407,6 +1452,58 @@ pub fn commit_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch the device cannot hold is split in halves until the parts fit, every item
+    /// computed once in the end and the results in the items' order; an error that is not
+    /// out of memory, or out of memory on one item, is the caller's at once.
+    #[test]
+    fn a_batch_out_of_device_memory_runs_as_halves_in_order() {
+        let oom = || ModelError::Device("CUDA_ERROR_OUT_OF_MEMORY, out of memory".into());
+        let items: Vec<u32> = (0..11).collect();
+        let mut sizes = Vec::new();
+        let mut splits = 0;
+        let out = halving_on_oom(
+            &items,
+            &mut |part: &[u32]| {
+                sizes.push(part.len());
+                if part.len() > 3 {
+                    return Err(oom());
+                }
+                Ok(part.iter().map(|i| i * 10).collect())
+            },
+            &mut || splits += 1,
+        )
+        .unwrap();
+        assert_eq!(out, items.iter().map(|i| i * 10).collect::<Vec<_>>());
+        // 11 → 5 + 6 → (2 + 3) + (3 + 3).
+        assert_eq!(sizes, [11, 5, 2, 3, 6, 3, 3]);
+        assert_eq!(splits, 3);
+
+        let mut calls = 0;
+        let err = halving_on_oom(
+            &items,
+            &mut |_: &[u32]| -> Result<Vec<u32>, ModelError> {
+                calls += 1;
+                Err(ModelError::Device("an illegal address".into()))
+            },
+            &mut || {},
+        )
+        .unwrap_err();
+        assert_eq!(calls, 1, "{err}");
+
+        let mut calls = 0;
+        let err = halving_on_oom(
+            &[7u32],
+            &mut |_: &[u32]| -> Result<Vec<u32>, ModelError> {
+                calls += 1;
+                Err(oom())
+            },
+            &mut || {},
+        )
+        .unwrap_err();
+        assert!(err.is_out_of_device_memory());
+        assert_eq!(calls, 1);
+    }
 
     fn outcome(fp8_activations: Fp8Activations, compute: Compute, score: f64) -> RecomputeOutcome {
         RecomputeOutcome {

@@ -144,6 +144,20 @@ pub(crate) fn note_memory_retry() {
     MEMORY_RETRIES.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Batched passes split in two for want of device memory ([`crate::audit::audit_many`]),
+/// since the process started.
+static BATCH_SPLITS: AtomicU64 = AtomicU64::new(0);
+
+/// How many batched passes ran out of device memory and ran again as two halves, since the
+/// process started (`engy-audit audit --batch` reports it per pass).
+pub fn batch_splits() -> u64 {
+    BATCH_SPLITS.load(Ordering::Relaxed)
+}
+
+pub(crate) fn note_batch_split() {
+    BATCH_SPLITS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Hands the device memory that `device`'s pool keeps free ([`keep_pool`]) back to the
 /// driver, once the device has finished its queued work. An audit calls it between its
 /// recomputes on a GPU ([`crate::audit`]): a resident bf16 pass leaves the pool holding free
