@@ -1102,11 +1102,15 @@ fn verify_many_fitting(
 ///
 /// # Errors
 /// Any other error of `run`, and running out of memory over a single item.
-fn halving_on_oom<T, R>(
+fn halving_on_oom<T, R, F, S>(
     items: &[T],
-    run: &mut dyn FnMut(&[T]) -> Result<Vec<R>, ModelError>,
-    on_split: &mut dyn FnMut(),
-) -> Result<Vec<R>, ModelError> {
+    run: &mut F,
+    on_split: &mut S,
+) -> Result<Vec<R>, ModelError>
+where
+    F: FnMut(&[T]) -> Result<Vec<R>, ModelError>,
+    S: FnMut(),
+{
     match run(items) {
         Err(e) if items.len() > 1 && e.is_out_of_device_memory() => {
             on_split();
