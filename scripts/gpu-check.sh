@@ -13,8 +13,8 @@
 #      kernels (fused attention, the delta rule's chunk loop) against the unfused rules;
 #   2. the audit oracle and tests/vectors/honest-serves on the GPU (honest serves pass, cheats are caught),
 #      the W8A8 serves of tests/vectors/audit-oracle-w8a8 (honest ones never flagged, 4-bit
-#      swaps never pass), and commitments audited in one pass over streamed weights
-#      (`--batch`) get their own reports;
+#      swaps never pass), an audit's one-pass cache (the same states, nothing kept), and
+#      commitments audited in one pass over streamed weights (`--batch`) get their own reports;
 #   3. every devnet commitment audited on the GPU gets its CPU verdict;
 #   4. with ENGY_GPU_BENCH=1 (off by default: it writes a 36 GB checkpoint; ENGY_GPU_BENCH_QWEN=0
 #      skips this one): the side-by-side benchmark, a
@@ -85,6 +85,11 @@ if [ -x "$bin/w8a8" ]; then
   step "W8A8 serves on cuda (honest never flagged, 4-bit swaps never pass)" \
     env ENGY_W8A8_ORACLE_DIR="$PWD/tests/vectors/audit-oracle-w8a8" \
     "$bin/w8a8" --nocapture --test-threads 1
+fi
+
+if [ -x "$bin/cache" ]; then
+  step "an audit's one-pass cache on cuda (same states, nothing kept)" \
+    env ENGY_ARCH_VECTORS_DIR="$PWD/tests/vectors/arch" "$bin/cache" --nocapture --test-threads 1
 fi
 
 if [ -x "$bin/batched_pass" ]; then
@@ -213,7 +218,7 @@ bench() { # LABEL ARCH LAYERS: one side-by-side benchmark (synth_checkpoint --ar
     if [ -n "$hold_out" ] && read -r held <&"$hold_out" && [ -n "$held" ]; then
       echo "   batch rows with the GPU's memory capped: $held (bench/gpu/hold_memory.py)"
     else
-      echo "   ENGY_GPU_BENCH_CAP_GIB=$cap: the memory could not be held; the batch rows are skipped"
+      echo "   ENGY_GPU_BENCH_CAP_GIB=$cap: the memory could not be held (above); this benchmark stops here"
       return 1
     fi
   fi
