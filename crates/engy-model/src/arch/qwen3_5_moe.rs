@@ -726,8 +726,11 @@ struct PassState {
 }
 
 impl Qwen3_5Moe {
-    /// The embedding of `ids` at positions `off..` and the first layer's input norm.
-    fn begin(&self, ids: &[u32], off: usize) -> Result<PassState, ModelError> {
+    /// The embedding of `ids` at positions `cache.len..` and the first layer's input norm;
+    /// a cache that cannot be continued is refused ([`Cache::check_continuable`]).
+    fn begin(&self, ids: &[u32], cache: &Cache) -> Result<PassState, ModelError> {
+        cache.check_continuable()?;
+        let off = cache.len;
         let cm = self.compute;
         let x = cm.round(self.w.rows("model.embed_tokens.weight", ids)?)?;
         let first = match self.mixers.len() {
@@ -850,8 +853,7 @@ impl Architecture for Qwen3_5Moe {
         cache: &mut Cache,
         probe: &mut Probe<'_>,
     ) -> Result<Tensor, ModelError> {
-        cache.check_continuable()?;
-        let mut st = self.begin(ids, cache.len)?;
+        let mut st = self.begin(ids, cache)?;
         for li in 0..self.mixers.len() {
             // The next layer's routed experts are read while this one computes (on a GPU,
             // when every expert is stacked: `experts::dispatch`).
@@ -869,10 +871,7 @@ impl Architecture for Qwen3_5Moe {
         let _held = self.w.held();
         let mut states = seqs
             .iter()
-            .map(|s| {
-                s.cache.check_continuable()?;
-                self.begin(s.ids, s.cache.len)
-            })
+            .map(|s| self.begin(s.ids, s.cache))
             .collect::<Result<Vec<_>, _>>()?;
         let most = seqs.iter().map(|s| s.ids.len()).max().unwrap_or(0);
         for li in 0..self.mixers.len() {

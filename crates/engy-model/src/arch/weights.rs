@@ -947,7 +947,7 @@ impl Weights {
         // Read at once, decoded a few experts at a time, so the f32 intermediate stays small
         // on a 24 GB card.
         let all = self.gather(names)?;
-        let per = (1usize << 26).div_ceil((out * inp).max(1)).max(1);
+        let per = experts_per_decode(out, inp);
         let mut done = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let n = per.min(e - start);
@@ -1032,7 +1032,7 @@ impl Weights {
         let scale = Tensor::from_raw_buffer(&self.gather(scale_names)?, sc, &[e, tn, tk], dev)?
             .to_dtype(C::F32)?;
         let all = self.gather(names)?;
-        let per = (1usize << 26).div_ceil((out * inp).max(1)).max(1);
+        let per = experts_per_decode(out, inp);
         let mut parts = Vec::with_capacity(e.div_ceil(per));
         for start in (0..e).step_by(per) {
             let bytes = &all[start * out * inp..(start + per.min(e - start)) * out * inp];
@@ -1694,6 +1694,13 @@ fn check_shape(name: &str, got: &[usize], want: Option<&[usize]>) -> Result<(), 
         }),
         _ => Ok(()),
     }
+}
+
+/// How many `[out, inp]` experts a host-side FP8 stack decode handles at a time: about 2^26
+/// values (256 MiB of f32) a step, at least one expert, so the f32 intermediate stays small on
+/// a 24 GB card.
+fn experts_per_decode(out: usize, inp: usize) -> usize {
+    (1usize << 26).div_ceil((out * inp).max(1)).max(1)
 }
 
 #[cfg(test)]
