@@ -234,8 +234,9 @@ ENGY_SUBTENSOR_URL="ws://127.0.0.1:$PORT" ENGY_VALIDATOR_IMAGE="$VALIDATOR_IMAGE
   ENGY_MINER_IMAGE="$MINER_IMAGE" cargo test --workspace --locked --test image -- --nocapture
 
 step "runbook compose commands: the original validator file names and ours, from another directory (podman-compose)"
-cargo test -p engy-validator --locked --test compose
-cargo test -p engy-miner --locked --test docker --test docs
+# --workspace again: `-p` alone resolves other features and rebuilds the dependencies.
+# compose is engy-validator's test, docker and docs engy-miner's.
+cargo test --workspace --locked --test compose --test docker --test docs
 
 step "tidy"
 podman image prune -f >/dev/null
