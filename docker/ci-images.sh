@@ -234,7 +234,8 @@ ENGY_SUBTENSOR_URL="ws://127.0.0.1:$PORT" ENGY_VALIDATOR_IMAGE="$VALIDATOR_IMAGE
   ENGY_MINER_IMAGE="$MINER_IMAGE" cargo test --workspace --locked --test image -- --nocapture
 
 step "runbook compose commands: the original validator file names and ours, from another directory (podman-compose)"
-# --workspace again: `-p` alone resolves other features and rebuilds the dependencies.
+# --workspace again: with `-p` alone cargo unifies other features and builds the tests anew
+# (the CI run that ran out of disk was linking them here).
 # compose is engy-validator's test, docker and docs engy-miner's.
 cargo test --workspace --locked --test compose --test docker --test docs
 
