@@ -403,7 +403,8 @@ fn parse_commitment(
 
 /// The commitments `group` (indices into `--commitment`) audited in one pass over the
 /// weights ([`engy_model::audit::audit_many`]): one outcome per index, `None` for a file
-/// that could not be read (reported already). An error of the pass is every commitment's.
+/// that could not be read (reported already) and, when the pass fails, for every commitment
+/// it held: the caller audits those one by one, each with its own report or error.
 fn audit_group(
     args: &AuditArgs,
     model: &Model,
@@ -439,12 +440,14 @@ fn audit_group(
                 out[*slot] = Some(Ok(report));
             }
         }
-        Err(e) => {
-            let msg = format!("recomputing {} commitments in one pass: {e}", values.len());
-            for slot in &slots {
-                out[*slot] = Some(Err(anyhow::anyhow!(msg.clone())));
-            }
-        }
+        // Their slots stay `None`: the caller audits each alone, so one commitment's error
+        // (one too long for the device even alone, say) is its own, not the group's.
+        Err(e) => eprintln!(
+            "engy-audit audit: recomputing {} commitments in one pass failed: {}; auditing \
+             them one by one",
+            values.len(),
+            engy_telemetry::cli::error_line(&e)
+        ),
     }
     if args.device != DeviceSpec::Cpu {
         let splits = engy_model::device::batch_splits() - splits_before;

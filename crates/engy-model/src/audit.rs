@@ -614,11 +614,13 @@ fn audit_computes(
 /// for that commitment alone; a commitment whose first recompute does not pass runs the
 /// rest of the plan alone. A pass that runs out of device memory runs again as two passes
 /// over halves of the batch, and so on down to one commitment ([`crate::device::batch_splits`]
-/// counts the splits). Reports come back in the order of `commitments`.
+/// counts the splits), which, still out of memory, runs once more without the kept weights
+/// as it does alone. Reports come back in the order of `commitments`.
 ///
 /// # Errors
-/// As [`audit_with`], for any of the commitments (one recompute's error fails the batch; out
-/// of device memory, only when one commitment alone does not fit).
+/// As [`audit_with`], for any of the commitments: one recompute's error fails the batch
+/// (out of device memory, only when one commitment does not fit even without the kept
+/// weights), so a caller wanting each commitment's own error audits them one by one then.
 pub fn audit_many(
     model: &Model,
     model_root: &str,
@@ -649,7 +651,7 @@ pub fn audit_many(
         &sibling
     };
     let checked: Vec<&Checked> = prepared.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let mut firsts = verify_many_fitting(m, &checked, p)?.into_iter();
+    let mut firsts = verify_many_fitting(model, m, &checked, p)?.into_iter();
     let mut out = Vec::with_capacity(commitments.len());
     for r in &prepared {
         out.push(match r {
@@ -752,18 +754,9 @@ fn run_plan(
                     // A resident GPU model keeps its bf16 weights (70 GB for a 35B model on an
                     // 80 GB card); the f32 and W8A8 recomputes that follow a failed bf16 one
                     // decode theirs per layer beside them, and at real shape that can exceed
-                    // the card. Drop the kept weights (the next bf16 pass decodes them again:
-                    // slower, the same values), hand the pool back and run this recompute
-                    // once more; a second failure is the audit's error.
+                    // the card.
                     Err(e) if e.is_out_of_device_memory() => {
-                        model.drop_kept_weights();
-                        let _ = crate::device::release_pool(&dev);
-                        crate::device::note_memory_retry();
-                        run().map_err(|again| {
-                            ModelError::Device(format!(
-                                "{again} (running again without the kept weights, after: {e})"
-                            ))
-                        })?
+                        again_after_oom(e, run, || free_kept_weights(model, &dev))?
                     }
                     r => r?,
                 }
@@ -1077,48 +1070,87 @@ fn verify_many(
         .collect()
 }
 
-/// [`verify_many`], split in halves while the device runs out of memory
-/// ([`halving_on_oom`]): a batch larger than the card holds (each commitment adds its
-/// residual stream and the layer's activations to the pass) runs as smaller passes, each
-/// report still exactly the commitment's own, instead of failing every commitment of the
-/// batch. Each split hands the pool back and counts in [`crate::device::batch_splits`].
+/// [`verify_many`] on `m` (`model` or its sibling of other numerics), split in halves while
+/// the device runs out of memory ([`halving_on_oom`]): a batch larger than the card holds
+/// (each commitment adds its residual stream and the layer's activations to the pass) runs
+/// as smaller passes, each report still exactly the commitment's own, instead of failing
+/// every commitment of the batch. Each split hands the pool back and counts in
+/// [`crate::device::batch_splits`]. One commitment that still runs out runs once more without
+/// `model`'s kept weights, as it does audited alone ([`run_plan`]).
 fn verify_many_fitting(
     model: &Model,
+    m: &Model,
     cs: &[&Checked],
     p: AuditParams,
 ) -> Result<Vec<AuditReport>, ModelError> {
-    let dev = model.options().device.device()?;
-    halving_on_oom(cs, &mut |part| verify_many(model, part, p), &mut || {
-        // Housekeeping only: a driver without memory pools cannot trim.
-        let _ = crate::device::release_pool(&dev);
-        crate::device::note_batch_split();
+    let dev = m.options().device.device()?;
+    halving_on_oom(
+        cs,
+        &mut |part| verify_many(m, part, p),
+        &mut || {
+            // Housekeeping only: a driver without memory pools cannot trim.
+            let _ = crate::device::release_pool(&dev);
+            crate::device::note_batch_split();
+        },
+        &mut || free_kept_weights(model, &dev),
+    )
+}
+
+/// Drops the decoded weights `model` and its siblings keep ([`Model::drop_kept_weights`]; the
+/// next pass decodes them again: slower, the same values) and hands the pool's free memory
+/// back. Counts in [`crate::device::memory_retries`].
+fn free_kept_weights(model: &Model, dev: &candle_core::Device) {
+    model.drop_kept_weights();
+    // Housekeeping only: a driver without memory pools cannot trim.
+    let _ = crate::device::release_pool(dev);
+    crate::device::note_memory_retry();
+}
+
+/// After `first`, an out-of-device-memory error: `free`, then `run` once more.
+///
+/// # Errors
+/// `run`'s error, naming `first`.
+fn again_after_oom<R>(
+    first: ModelError,
+    run: impl FnOnce() -> Result<R, ModelError>,
+    free: impl FnOnce(),
+) -> Result<R, ModelError> {
+    free();
+    run().map_err(|again| {
+        ModelError::Device(format!(
+            "{again} (running again without the kept weights, after: {first})"
+        ))
     })
 }
 
 /// `run` over `items`; where it fails for want of device memory
 /// ([`ModelError::is_out_of_device_memory`]) over more than one item, `on_split` and then
-/// `run` over each half, the halves split again the same way. The results come in the order
-/// of `items`, whichever sizes ran.
+/// `run` over each half, the halves split again the same way; over a single item, `free`
+/// and `run` once more ([`again_after_oom`]), the retry the item gets alone. The results come
+/// in the order of `items`, whichever sizes ran.
 ///
 /// # Errors
-/// Any other error of `run`, and running out of memory over a single item.
-fn halving_on_oom<T, R, F, S>(
+/// Any other error of `run`, and running out of memory over a single item twice.
+fn halving_on_oom<T, R, F, S, D>(
     items: &[T],
     run: &mut F,
     on_split: &mut S,
+    free: &mut D,
 ) -> Result<Vec<R>, ModelError>
 where
     F: FnMut(&[T]) -> Result<Vec<R>, ModelError>,
     S: FnMut(),
+    D: FnMut(),
 {
     match run(items) {
         Err(e) if items.len() > 1 && e.is_out_of_device_memory() => {
             on_split();
             let (first, second) = items.split_at(items.len() / 2);
-            let mut out = halving_on_oom(first, run, on_split)?;
-            out.extend(halving_on_oom(second, run, on_split)?);
+            let mut out = halving_on_oom(first, run, on_split, free)?;
+            out.extend(halving_on_oom(second, run, on_split, free)?);
             Ok(out)
         }
+        Err(e) if e.is_out_of_device_memory() => again_after_oom(e, || run(items), free),
         r => r,
     }
 }
@@ -1476,6 +1508,7 @@ mod tests {
                 Ok(part.iter().map(|i| i * 10).collect())
             },
             &mut || splits += 1,
+            &mut || panic!("no single item ran out"),
         )
         .unwrap();
         assert_eq!(out, items.iter().map(|i| i * 10).collect::<Vec<_>>());
@@ -1491,11 +1524,13 @@ mod tests {
                 Err(ModelError::Device("an illegal address".into()))
             },
             &mut || {},
+            &mut || {},
         )
         .unwrap_err();
         assert_eq!(calls, 1, "{err}");
 
         let mut calls = 0;
+        let mut freed = 0;
         let err = halving_on_oom(
             &[7u32],
             &mut |_: &[u32]| -> Result<Vec<u32>, ModelError> {
@@ -1503,10 +1538,46 @@ mod tests {
                 Err(oom())
             },
             &mut || {},
+            &mut || freed += 1,
         )
         .unwrap_err();
         assert!(err.is_out_of_device_memory());
-        assert_eq!(calls, 1);
+        assert!(err.to_string().contains("running again"), "{err}");
+        assert_eq!((calls, freed), (2, 1));
+    }
+
+    /// A resident model's kept weights can leave no room for even one commitment's pass:
+    /// alone it runs again without them ([`run_plan`]), and in a batch it must too, or the
+    /// batch fails where each commitment alone passes.
+    #[test]
+    fn a_single_commitment_out_of_memory_in_a_batch_runs_again_without_the_kept_weights() {
+        let oom = || ModelError::Device("CUDA_ERROR_OUT_OF_MEMORY, out of memory".into());
+        // A device of 3 slots, all of them held by the kept weights until they are freed.
+        let kept = std::cell::Cell::new(3usize);
+        let items: Vec<u32> = (0..4).collect();
+        let mut sizes = Vec::new();
+        let mut splits = 0;
+        let mut freed = 0;
+        let out = halving_on_oom(
+            &items,
+            &mut |part: &[u32]| {
+                sizes.push(part.len());
+                if part.len() + kept.get() > 3 {
+                    return Err(oom());
+                }
+                Ok(part.iter().map(|i| i + 100).collect())
+            },
+            &mut || splits += 1,
+            &mut || {
+                freed += 1;
+                kept.set(0);
+            },
+        )
+        .unwrap();
+        assert_eq!(out, [100, 101, 102, 103]);
+        // 4 → 2 → 1 out of memory, freed, 1 again; then 1 and the second half's 2 fit.
+        assert_eq!(sizes, [4, 2, 1, 1, 1, 2]);
+        assert_eq!((splits, freed), (2, 1));
     }
 
     fn outcome(fp8_activations: Fp8Activations, compute: Compute, score: f64) -> RecomputeOutcome {

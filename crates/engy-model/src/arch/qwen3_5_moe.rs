@@ -374,7 +374,7 @@ impl Qwen3_5Moe {
             let s = cm.round(s)?;
             Ok(cm.round(ops::silu(&s)?)?)
         })?;
-        // Its own copy: a narrow of `input`'s first rows is contiguous already, and
+        // Its own copy: a narrow of `input`'s rows (its last `hist`) is contiguous already, and
         // `contiguous` would keep all of `input` (`[hist + t, cd]`, 134 MB at Qwen3.6's
         // width and 4,096 tokens) alive in the cache.
         let conv_state = input.narrow(0, t, hist)?.force_contiguous()?;
