@@ -441,13 +441,17 @@ fn audit_group(
             }
         }
         // Their slots stay `None`: the caller audits each alone, so one commitment's error
-        // (one too long for the device even alone, say) is its own, not the group's.
-        Err(e) => eprintln!(
-            "engy-audit audit: recomputing {} commitments in one pass failed: {}; auditing \
-             them one by one",
-            values.len(),
-            engy_telemetry::cli::error_line(&e)
-        ),
+        // (one too long for the device even alone, say) is its own, not the group's. No
+        // timing line: nothing was recomputed.
+        Err(e) => {
+            eprintln!(
+                "engy-audit audit: recomputing {} commitments in one pass failed: {}; auditing \
+                 them one by one",
+                values.len(),
+                engy_telemetry::cli::error_line(&e)
+            );
+            return out;
+        }
     }
     if args.device != DeviceSpec::Cpu {
         let splits = engy_model::device::batch_splits() - splits_before;
